@@ -1,0 +1,46 @@
+"""The carpool command line: one verb per room, each room owns its flags.
+
+Each verb lives in a module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
+the modules are imported only when their verb runs, so ``carpool run`` never pays
+for importing the server or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+VERBS: dict[str, tuple[str, str]] = {
+    "run": ("carpool.jobs.cli", "run every task of a file (JSONL/Batch/CSV/Parquet)"),
+    "serve": ("carpool.server.cli", "OpenAI-compatible server over the engine"),
+    "bench": ("carpool.bench.cli", "load-test an endpoint or the embedded engine"),
+    "diagnose": ("carpool.bench.diagnose_cli", "explain where the time goes"),
+    "simulate": ("carpool.tune.simulate_cli", "discrete-event simulation of a serving engine"),
+    "tune": ("carpool.tune.tune_cli", "find the settings with the best goodput under an SLO"),
+    "cache": ("carpool.cache.cli", "inspect or clear the result cache"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="carpool", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for verb, (module, help_text) in VERBS.items():
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        # Only the verb being run imports its module; the others show their one-line help.
+        if verb == wanted:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    module = importlib.import_module(VERBS[args.verb][0])
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Suite-wide settings: everything offline, small torch thread pools."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
