@@ -71,6 +71,9 @@ class TokenDelta:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    # On the last delta: monotonic timestamps and durations of the request's life,
+    # {"arrival", "first_scheduled", "first_token", "finished", "queue_time_s"}.
+    metrics: dict | None = None
 
     @property
     def finished(self) -> bool:
