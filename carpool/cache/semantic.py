@@ -1,0 +1,301 @@
+"""Semantic cache: reuse the answer of a near-identical request (opt-in, label-like tasks only).
+
+A request's final user text (``keys.semantic_text``) is embedded with all-MiniLM-L6-v2
+(L2-normalised, so inner product = cosine similarity) and searched in a FAISS
+``IndexFlatIP`` holding only the entries of the same *scope* (``keys.scope_key``: model,
+endpoint, system prompt, earlier turns, every parameter).  A hit needs cosine similarity
+>= ``threshold``; every hit reports its similarity and the stored text it matched.
+
+Storage, in one directory (by default ``<cache dir>/semantic`` beside results.sqlite):
+
+* ``semantic.sqlite``: one row per entry -- scope, text, vector, response (JSON);
+  it is the source of truth and is written at every ``add``;
+* ``index/<scope>.faiss`` + ``index/<scope>.ids.npy``: the FAISS index per scope and the
+  row ids of its vectors, written by ``save()``; on open an index file is used when it
+  matches the table, else the scope's index is rebuilt from the stored vectors.
+
+Entries that another process adds after this one opened a scope are seen after reopening.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Self
+
+import faiss
+import numpy as np
+
+from carpool.cache.keys import normalize_text
+
+DEFAULT_THRESHOLD = 0.95  # chosen from carpool/cache/pairs.py; see docs/cache.md
+MAX_EMBED_TOKENS = 254  # all-MiniLM-L6-v2 reads 256 word pieces incl. [CLS] and [SEP]
+_HIT_LOG_LIMIT = 10_000
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    scope    TEXT NOT NULL,
+    text     TEXT NOT NULL,
+    vector   BLOB NOT NULL,
+    response TEXT NOT NULL,
+    created  REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS entries_scope ON entries(scope, id);
+"""
+
+EmbedFn = Callable[[Sequence[str]], np.ndarray]
+
+
+def _default_embedder():
+    from carpool.engine.embedder import Embedder
+
+    return Embedder()
+
+
+class SemanticCache:
+    """Near-duplicate cache per parameter scope, persisted in a directory."""
+
+    def __init__(
+        self,
+        path_or_dir: str | Path,
+        threshold: float = DEFAULT_THRESHOLD,
+        embedder=None,
+    ) -> None:
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"semantic cache threshold {threshold}: must be a cosine similarity in (0, 1]")
+        path = Path(path_or_dir).expanduser()
+        if path.suffix in (".sqlite", ".db"):
+            self.dir, self.db_path = path.parent, path
+        else:
+            self.dir, self.db_path = path, path / "semantic.sqlite"
+        self.index_dir = self.dir / "index"
+        self.index_dir.mkdir(parents=True, exist_ok=True)
+        self.threshold = float(threshold)
+        self._embedder = embedder
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(str(self.db_path), timeout=30, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA busy_timeout = 30000")
+        self._conn.execute("PRAGMA journal_mode = WAL")
+        self._conn.executescript(_SCHEMA)
+        self._indexes: dict[str, faiss.IndexFlatIP] = {}
+        self._ids: dict[str, list[int]] = {}
+        self._dirty: set[str] = set()
+        self._dim: int | None = None
+        self.lookups = self.hits = self.misses = self.skipped = self.adds = 0
+        self.hit_log: list[dict] = []  # one record per hit: scope, similarity, text, matched
+
+    # -- embedding ----------------------------------------------------------------------
+
+    @property
+    def embedder(self):
+        if self._embedder is None:
+            self._embedder = _default_embedder()
+        return self._embedder
+
+    def _embed(self, texts: Sequence[str]) -> np.ndarray:
+        emb = self.embedder
+        fn: EmbedFn = emb.embed if hasattr(emb, "embed") else emb
+        vectors = np.ascontiguousarray(np.asarray(fn(list(texts)), dtype=np.float32))
+        if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+            raise ValueError(f"embedder returned shape {vectors.shape} for {len(texts)} texts")
+        faiss.normalize_L2(vectors)  # cosine = inner product, whatever the embedder did
+        return vectors
+
+    def _too_long(self, text: str) -> bool:
+        count = getattr(self.embedder, "count_tokens", None)
+        return count is not None and count(text) > MAX_EMBED_TOKENS
+
+    # -- per-scope indexes --------------------------------------------------------------
+
+    def _index_files(self, scope: str) -> tuple[Path, Path]:
+        name = "".join(c for c in scope if c.isalnum())[:64] or "scope"
+        return self.index_dir / f"{name}.faiss", self.index_dir / f"{name}.ids.npy"
+
+    def _scope(self, scope: str, dim: int | None = None) -> faiss.IndexFlatIP | None:
+        """The scope's index, loaded from its file or rebuilt from the table on first use."""
+        if scope in self._indexes:
+            return self._indexes[scope]
+        rows = self._conn.execute("SELECT id FROM entries WHERE scope = ? ORDER BY id", (scope,)).fetchall()
+        ids = [r[0] for r in rows]
+        index_file, ids_file = self._index_files(scope)
+        index = None
+        if ids and index_file.exists() and ids_file.exists():
+            try:
+                stored_ids = np.load(ids_file).tolist()
+                candidate = faiss.read_index(str(index_file))
+                if stored_ids == ids and candidate.ntotal == len(ids):
+                    index = candidate
+            except (OSError, RuntimeError, ValueError):
+                index = None  # a damaged file: rebuild below
+        if index is None and ids:
+            blobs = self._conn.execute(
+                "SELECT vector FROM entries WHERE scope = ? ORDER BY id", (scope,)
+            ).fetchall()
+            vectors = np.stack([np.frombuffer(b[0], dtype=np.float32) for b in blobs])
+            index = faiss.IndexFlatIP(vectors.shape[1])
+            index.add(vectors)
+            self._dirty.add(scope)
+        if index is None:
+            if dim is None:
+                return None
+            index = faiss.IndexFlatIP(dim)
+        self._indexes[scope] = index
+        self._ids[scope] = ids
+        return index
+
+    # -- the cache interface ------------------------------------------------------------
+
+    def lookup(self, scope: str, text: str) -> tuple[dict, float] | None:
+        """The stored response whose text is nearest to ``text`` in ``scope``, with its similarity."""
+        result = self.lookup_many([(scope, text)])[0]
+        return None if result is None else (result[0], result[1])
+
+    def lookup_many(self, items: Sequence[tuple[str, str]]) -> list[tuple[dict, float, str] | None]:
+        """Batched lookup: one embedding call for all items.  Each hit: (response, similarity, matched text)."""
+        results: list[tuple[dict, float, str] | None] = [None] * len(items)
+        texts = [normalize_text(t) for _, t in items]
+        wanted = []
+        with self._lock:
+            self.lookups += len(items)
+            for i, ((scope, _), text) in enumerate(zip(items, texts)):
+                index = self._scope(scope)
+                if index is None or index.ntotal == 0:
+                    self.misses += 1
+                elif not text or self._too_long(text):
+                    self.skipped += 1
+                    self.misses += 1
+                else:
+                    wanted.append(i)
+        if not wanted:
+            return results
+        vectors = self._embed([texts[i] for i in wanted])
+        with self._lock:
+            for row, i in enumerate(wanted):
+                scope = items[i][0]
+                index = self._indexes[scope]
+                sims, pos = index.search(vectors[row : row + 1], 1)
+                similarity, position = float(sims[0][0]), int(pos[0][0])
+                if position < 0 or similarity < self.threshold:
+                    self.misses += 1
+                    continue
+                entry_id = self._ids[scope][position]
+                stored = self._conn.execute(
+                    "SELECT text, response FROM entries WHERE id = ?", (entry_id,)
+                ).fetchone()
+                if stored is None:  # cleared by another process meanwhile
+                    self.misses += 1
+                    continue
+                similarity = min(similarity, 1.0)
+                self.hits += 1
+                if len(self.hit_log) < _HIT_LOG_LIMIT:
+                    self.hit_log.append(
+                        {"scope": scope, "similarity": similarity, "text": texts[i], "matched": stored[0]}
+                    )
+                results[i] = (json.loads(stored[1]), similarity, stored[0])
+        return results
+
+    def add(self, scope: str, text: str, response: dict) -> bool:
+        """Remember ``response`` for ``text`` in ``scope``.  False when not stored (too long, known)."""
+        return self.add_many([(scope, text, response)])[0]
+
+    def add_many(self, items: Sequence[tuple[str, str, dict]]) -> list[bool]:
+        texts = [normalize_text(t) for _, t, _ in items]
+        keep = [i for i, t in enumerate(texts) if t and not self._too_long(t)]
+        stored = [False] * len(items)
+        if not keep:
+            return stored
+        vectors = self._embed([texts[i] for i in keep])
+        now = time.time()
+        with self._lock:
+            for row, i in enumerate(keep):
+                scope, _, response = items[i]
+                vector = vectors[row : row + 1]
+                index = self._scope(scope, dim=vector.shape[1])
+                if index.d != vector.shape[1]:
+                    raise ValueError(
+                        f"semantic cache in {self.dir}: stored vectors have {index.d} dimensions, "
+                        f"the embedder gives {vector.shape[1]}; clear the cache or use the same embedder"
+                    )
+                if index.ntotal:
+                    sims, _ = index.search(vector, 1)
+                    if float(sims[0][0]) >= 0.99999:  # the same text is already there
+                        continue
+                cur = self._conn.execute(
+                    "INSERT INTO entries(scope, text, vector, response, created) VALUES (?, ?, ?, ?, ?)",
+                    (scope, texts[i], vector.tobytes(), json.dumps(response, ensure_ascii=False), now),
+                )
+                index.add(vector)
+                self._ids[scope].append(int(cur.lastrowid))
+                self._dirty.add(scope)
+                self.adds += 1
+                stored[i] = True
+        return stored
+
+    def save(self) -> None:
+        """Write the index file of every scope changed since the last save."""
+        with self._lock:
+            for scope in sorted(self._dirty):
+                index_file, ids_file = self._index_files(scope)
+                tmp_index = index_file.with_suffix(".faiss.tmp")
+                faiss.write_index(self._indexes[scope], str(tmp_index))
+                with open(ids_file.with_suffix(".tmp"), "wb") as fh:
+                    np.save(fh, np.asarray(self._ids[scope], dtype=np.int64))
+                tmp_index.replace(index_file)
+                ids_file.with_suffix(".tmp").replace(ids_file)
+            self._dirty.clear()
+
+    persist = save
+
+    def stats(self) -> dict:
+        with self._lock:
+            entries, scopes = self._conn.execute(
+                "SELECT COUNT(*), COUNT(DISTINCT scope) FROM entries"
+            ).fetchone()
+            sims = [h["similarity"] for h in self.hit_log]
+            return {
+                "backend": "semantic",
+                "location": str(self.dir),
+                "threshold": self.threshold,
+                "entries": entries,
+                "scopes": scopes,
+                "lookups": self.lookups,
+                "hits": self.hits,
+                "misses": self.misses,
+                "skipped_too_long": self.skipped,
+                "adds": self.adds,
+                "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
+                "hit_similarity_min": min(sims) if sims else None,
+                "hit_similarity_mean": sum(sims) / len(sims) if sims else None,
+            }
+
+    def clear(self) -> None:
+        with self._lock:
+            self._conn.execute("DELETE FROM entries")
+            self._indexes.clear()
+            self._ids.clear()
+            self._dirty.clear()
+            for f in self.index_dir.glob("*"):
+                f.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is None:
+                return
+            self.save()
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._conn.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
