@@ -1,0 +1,228 @@
+"""How long one engine step takes: a roofline model and a profiled (fitted) model.
+
+A step is one forward pass over a batch that mixes prefill chunks and decode tokens.
+Its shape is what the scheduler decided: prefill tokens, decode tokens, the KV tokens
+attention reads, the (query, key) pairs attention computes, and the number of
+sequences that produce logits.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from carpool.tune.hardware import Accelerator
+from carpool.tune.models import ModelSpec
+
+
+@dataclass
+class StepShape:
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    kv_tokens_read: int = 0  # sum over scheduled sequences of the context they attend to
+    attn_pairs: int = 0  # sum of (query, key) pairs: a chunk of c at offset o gives c*o + c*(c+1)/2
+    num_seqs: int = 0  # sequences scheduled (each samples at most one token)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class CostModel(Protocol):
+    def step_time(self, shape: StepShape) -> float: ...
+
+    def kv_capacity_tokens(self) -> int | None: ...
+
+    def describe(self) -> dict: ...
+
+
+@dataclass
+class RooflineCost:
+    """max(bytes / (bandwidth * eff), FLOPs / (peak * eff)) + all-reduce + fixed overhead.
+
+    Tensor parallel over ``num_gpus`` splits weights, KV heads and FLOPs evenly and adds
+    two ring all-reduces of the activations per layer (after attention and after the MLP).
+    """
+
+    accel: Accelerator
+    model: ModelSpec
+    num_gpus: int = 1
+    mem_efficiency: float = 0.8  # fraction of datasheet bandwidth a GEMV/attention kernel reaches
+    compute_efficiency: float = 0.6  # fraction of datasheet FLOPs a large GEMM reaches (MFU)
+    overhead_ms: float | None = None  # None: the accelerator's step_overhead_ms
+    bytes_per_param: float = 2.0
+    kv_bytes_per_elem: float = 2.0
+    gpu_memory_utilization: float = 0.9  # as vLLM: fraction of memory for weights + KV
+    activation_reserve_gb: float = 1.0  # per GPU, for activations and CUDA graphs
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1:
+            raise ValueError("num_gpus must be >= 1")
+        if self.model.num_heads % self.num_gpus:
+            raise ValueError(
+                f"{self.model.name} has {self.model.num_heads} attention heads, not divisible "
+                f"by --gpus {self.num_gpus}: choose a tensor-parallel size that divides it"
+            )
+
+    # Per-GPU shares: KV heads are replicated when there are fewer than GPUs.
+    def _kv_bytes_per_token_per_gpu(self) -> float:
+        heads = max(self.model.num_kv_heads / self.num_gpus, 1.0)
+        return self.model.kv_bytes_per_token(self.kv_bytes_per_elem) * heads / self.model.num_kv_heads
+
+    def weight_bytes_per_gpu(self) -> float:
+        return self.model.weight_bytes(self.bytes_per_param) / self.num_gpus
+
+    def parts(self, s: StepShape) -> dict:
+        m, n = self.model, self.num_gpus
+        bytes_ = self.weight_bytes_per_gpu() + s.kv_tokens_read * self._kv_bytes_per_token_per_gpu()
+        flops = (
+            s.num_tokens * m.flops_per_token() + s.num_seqs * m.lm_head_flops()
+            + s.attn_pairs * m.attn_flops_per_pair()
+        ) / n
+        t_mem = bytes_ / (self.accel.bytes_per_s * self.mem_efficiency)
+        t_compute = flops / (self.accel.flops_per_s * self.compute_efficiency)
+        t_comm = 0.0
+        if n > 1 and s.num_tokens:
+            msg = s.num_tokens * m.hidden_size * 2.0  # bf16 activations
+            ring = 2.0 * (n - 1) / n * msg / (self.accel.link_bandwidth_gbs * 1e9)
+            t_comm = 2 * m.num_layers * (ring + self.accel.link_latency_us * 1e-6)
+        overhead = (self.accel.step_overhead_ms if self.overhead_ms is None else self.overhead_ms) / 1e3
+        return {"memory_s": t_mem, "compute_s": t_compute, "comm_s": t_comm, "overhead_s": overhead}
+
+    def step_time(self, shape: StepShape) -> float:
+        p = self.parts(shape)
+        return max(p["memory_s"], p["compute_s"]) + p["comm_s"] + p["overhead_s"]
+
+    def bound(self, shape: StepShape) -> str:
+        p = self.parts(shape)
+        return "memory" if p["memory_s"] >= p["compute_s"] else "compute"
+
+    def kv_capacity_tokens(self) -> int | None:
+        per_gpu = self.accel.memory_gb * 1e9 * self.gpu_memory_utilization
+        free = per_gpu - self.weight_bytes_per_gpu() - self.activation_reserve_gb * 1e9
+        if free <= 0:
+            return 0
+        return int(free / self._kv_bytes_per_token_per_gpu())
+
+    def describe(self) -> dict:
+        return {
+            "kind": "roofline", "accelerator": self.accel.name, "model": self.model.name,
+            "num_gpus": self.num_gpus, "mem_efficiency": self.mem_efficiency,
+            "compute_efficiency": self.compute_efficiency,
+            "weights_gb_per_gpu": round(self.weight_bytes_per_gpu() / 1e9, 2),
+            "kv_capacity_tokens": self.kv_capacity_tokens(),
+        }
+
+
+FEATURES = ("base", "prefill", "decode", "kv", "pairs")
+
+
+def _features(s: StepShape) -> list[float]:
+    # pairs are scaled to thousands so the coefficients have similar magnitudes.
+    return [1.0, s.num_prefill_tokens, s.num_decode_tokens, s.kv_tokens_read, s.attn_pairs / 1e3]
+
+
+@dataclass
+class ProfiledCost:
+    """step time = base + a*prefill tokens + b*decode tokens + c*KV tokens read + d*pairs/1e3.
+
+    Fitted by non-negative least squares on (shape, measured duration) samples from
+    carpool's engine, so it predicts that engine on this machine and no other.
+    """
+
+    coef: dict[str, float] = field(default_factory=dict)
+    kv_tokens: int | None = None
+    name: str = "profiled"
+    fit_info: dict = field(default_factory=dict)
+
+    def step_time(self, shape: StepShape) -> float:
+        x = _features(shape)
+        return max(sum(self.coef.get(k, 0.0) * v for k, v in zip(FEATURES, x)), 1e-6)
+
+    def kv_capacity_tokens(self) -> int | None:
+        return self.kv_tokens
+
+    def describe(self) -> dict:
+        return {"kind": "profiled", "name": self.name, "coef": self.coef, "kv_capacity_tokens": self.kv_tokens,
+                **self.fit_info}
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepShape, float]], kv_tokens: int | None = None,
+            name: str = "profiled", features: Sequence[str] = FEATURES) -> ProfiledCost:
+        """Fit on samples; ``features`` picks which terms may be non-zero."""
+        if len(samples) < len(features):
+            raise ValueError(f"need at least {len(features)} step samples to fit, got {len(samples)}")
+        cols = [FEATURES.index(f) for f in features]
+        x = np.array([[_features(s)[c] for c in cols] for s, _ in samples], dtype=float)
+        y = np.array([d for _, d in samples], dtype=float)
+        beta = nnls(x, y)
+        pred = x @ beta
+        rel = np.abs(pred - y) / np.maximum(y, 1e-9)
+        info = {
+            "num_samples": len(samples),
+            "median_abs_rel_error": float(np.median(rel)),
+            "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-18)),
+        }
+        return cls({f: float(b) for f, b in zip(features, beta)}, kv_tokens, name, info)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+
+    @classmethod
+    def load(cls, path: str) -> ProfiledCost:
+        with open(path) as f:
+            d = json.load(f)
+        return cls(**d)
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with beta >= 0, by an active set: drop the most negative term, refit.
+
+    Step-time terms are costs, so a negative fitted cost is noise; dropping it is the
+    usual Lawson-Hanson outcome for a handful of columns.
+    """
+    active = list(range(x.shape[1]))
+    beta = np.zeros(x.shape[1])
+    # Scale columns so the conditioning does not depend on units.
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+        sol = sol / scale[active]
+        if (sol >= 0).all():
+            beta[:] = 0
+            beta[active] = sol
+            return beta
+        active.pop(int(np.argmin(sol)))
+    return beta
+
+
+def attn_pairs(offset: int, n: int) -> int:
+    """(query, key) pairs of a chunk of ``n`` tokens appended after ``offset`` cached tokens."""
+    return n * offset + n * (n + 1) // 2
+
+
+def saturation_throughput(cost: CostModel, batch: int, context: int) -> float:
+    """Decode tokens/s of a batch of ``batch`` sequences at ``context`` tokens each (a quick bound)."""
+    s = StepShape(0, batch, batch * context, batch * context, batch)
+    return batch / cost.step_time(s) if batch else 0.0
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else 0
+
+
+__all__ = [
+    "CostModel",
+    "ProfiledCost",
+    "RooflineCost",
+    "StepShape",
+    "attn_pairs",
+    "ceil_div",
+    "nnls",
+    "saturation_throughput",
+]
