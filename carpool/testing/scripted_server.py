@@ -324,3 +324,26 @@ class ScriptedServer:
         lines.append(f"vllm:request_queue_time_seconds_sum{label} {sum(qt)}")
         lines.append(f"vllm:request_queue_time_seconds_count{label} {len(qt)}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def main() -> None:
+    """``python -m carpool.testing.scripted_server [--capacity N] [--rate-limit R]``: serve until Ctrl-C."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--ttft", type=float, default=0.05)
+    p.add_argument("--itl", type=float, default=0.01)
+    p.add_argument("--capacity", type=int, default=None)
+    p.add_argument("--rate-limit", type=float, default=None)
+    a = p.parse_args()
+    srv = ScriptedServer(Script(ttft_s=a.ttft, itl_s=a.itl, capacity=a.capacity, rate_limit_rps=a.rate_limit))
+    with srv:
+        print(srv.url, flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""HTML report with plots: latency CDFs, throughput vs concurrency, TTFT/TPOT vs request rate.
+
+The PNGs are written next to the report (``<name>_plots/``) and embedded in the HTML as
+base64, so the single .html file can be mailed or attached to a ticket on its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on servers and CI
+import matplotlib.pyplot as plt
+import numpy as np
+
+from carpool.bench.loadgen import BenchRun
+from carpool.bench.metrics import per_request
+
+
+def run_label(run: BenchRun, res: dict[str, Any]) -> str:
+    if run.label:
+        return run.label
+    parts = []
+    if run.max_concurrency:
+        parts.append(f"concurrency {run.max_concurrency}")
+    parts.append("all at once" if math.isinf(run.request_rate) else f"{run.request_rate:.3g} req/s")
+    return ", ".join(parts)
+
+
+def mean_concurrency(run: BenchRun) -> float:
+    """Little's law: requests in flight on average = total time in flight / wall time."""
+    busy = sum(r.latency for r in run.records if r.success)
+    return busy / run.duration if run.duration > 0 else 0.0
+
+
+def _cdf(ax: Any, values_ms: Sequence[float], label: str) -> None:
+    if not values_ms:
+        return
+    xs = np.sort(np.asarray(values_ms))
+    ys = np.arange(1, len(xs) + 1) / len(xs)
+    ax.step(xs, ys, where="post", label=label)
+
+
+def plot_latency_cdfs(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path:
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for run, res in runs:
+        pr = per_request(run.records)
+        label = run_label(run, res)
+        _cdf(axes[0], [v * 1000 for v in pr.ttfts], label)
+        _cdf(axes[1], [v * 1000 for v in pr.tpots], label)
+        _cdf(axes[2], [v * 1000 for v in pr.e2els], label)
+    for ax, title in zip(axes, ("TTFT", "TPOT (excl. 1st token)", "E2E latency")):
+        ax.set_title(title)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput_vs_concurrency(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path:
+    pts = sorted(
+        (mean_concurrency(run), res["output_throughput"], res["request_throughput"]) for run, res in runs
+    )
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    xs = [p[0] for p in pts]
+    ax.plot(xs, [p[1] for p in pts], "o-", label="output tok/s")
+    ax.set_xlabel("mean requests in flight (Little's law)")
+    ax.set_ylabel("output tokens / s")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [p[2] for p in pts], "s--", color="tab:orange", label="requests/s")
+    ax2.set_ylabel("requests / s")
+    ax.set_title("Throughput vs concurrency")
+    ax.grid(alpha=0.3)
+    fig.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_latency_vs_rate(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path:
+    """TTFT and TPOT against the achieved request rate (the offered rate is infinite for
+    all-at-once runs, so the achieved one is the only common axis)."""
+    rows = sorted((res["request_throughput"], res) for _, res in runs)
+    xs = [r[0] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, name in zip(axes, ("ttft", "tpot")):
+        for stat, style in (("median", "o-"), ("p99", "s--"), ("mean", "^:")):
+            key = f"{stat}_{name}_ms"
+            if all(key in r[1] for r in rows):
+                ax.plot(xs, [r[1][key] for r in rows], style, label=stat)
+        ax.set_title(f"{name.upper()} vs request rate")
+        ax.set_xlabel("achieved requests / s")
+        ax.set_ylabel("ms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+_COLUMNS = (
+    ("request_throughput", "req/s", ".2f"),
+    ("output_throughput", "out tok/s", ".1f"),
+    ("total_token_throughput", "total tok/s", ".1f"),
+    ("median_ttft_ms", "TTFT p50 ms", ".1f"),
+    ("p99_ttft_ms", "TTFT p99 ms", ".1f"),
+    ("median_tpot_ms", "TPOT p50 ms", ".1f"),
+    ("p99_tpot_ms", "TPOT p99 ms", ".1f"),
+    ("median_e2el_ms", "E2EL p50 ms", ".1f"),
+    ("request_goodput", "goodput req/s", ".2f"),
+    ("failed", "failed", "d"),
+)
+
+
+def write_report(
+    path: str | Path, runs: Sequence[tuple[BenchRun, dict]], title: str = "carpool bench", notes: str = ""
+) -> list[Path]:
+    """Write ``path`` (HTML) and its PNGs; returns the PNG paths."""
+    path = Path(path)
+    plot_dir = path.with_name(path.stem + "_plots")
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    pngs = [
+        plot_latency_cdfs(runs, plot_dir / "latency_cdf.png"),
+        plot_throughput_vs_concurrency(runs, plot_dir / "throughput_vs_concurrency.png"),
+        plot_latency_vs_rate(runs, plot_dir / "latency_vs_rate.png"),
+    ]
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in _COLUMNS)
+    body_rows = []
+    for run, res in runs:
+        cells = []
+        for key, _, fmt in _COLUMNS:
+            v = res.get(key)
+            cells.append(f"<td>{'' if v is None else format(v, fmt)}</td>")
+        body_rows.append(f"<tr><td>{html.escape(run_label(run, res))}</td>{''.join(cells)}</tr>")
+    images = "".join(
+        f"<h2>{html.escape(p.stem.replace('_', ' '))}</h2>"
+        f'<img alt="{html.escape(p.stem)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+        for p in pngs
+    )
+    first = runs[0][1] if runs else {}
+    doc = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}td:first-child{{text-align:left}}
+img{{max-width:100%}}</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p>model <b>{html.escape(str(first.get("model_id", "")))}</b>, backend {html.escape(str(first.get("backend", "")))},
+{first.get("num_prompts", "")} prompts per run, {html.escape(str(first.get("date", "")))}.
+Metrics follow vLLM's <code>bench serve</code> definitions.</p>
+<p>{html.escape(notes)}</p>
+<table><tr><th>run</th>{head}</tr>{"".join(body_rows)}</table>
+{images}
+</body></html>
+"""
+    path.write_text(doc, encoding="utf-8")
+    return pngs
