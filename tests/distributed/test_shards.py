@@ -1,0 +1,69 @@
+"""Shard plans cover the file exactly once, at line boundaries, with the right line numbers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.distributed import shards as shards_mod
+from carpool.distributed.shards import iter_shard_lines, load_or_make_plan, merge_files, plan_shards
+
+lines_st = st.lists(st.text(alphabet="ab{}\"é", max_size=30), min_size=0, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=lines_st, n=st.integers(1, 9), trailing=st.booleans(), chunk=st.sampled_from([7, 64, 1 << 20]))
+def test_plan_covers_every_line_once(tmp_path_factory, lines, n, trailing, chunk):
+    path = tmp_path_factory.mktemp("p") / "in.jsonl"
+    data = "\n".join(lines) + ("\n" if trailing and lines else "")
+    path.write_bytes(data.encode())
+    old = shards_mod.CHUNK
+    shards_mod.CHUNK = chunk  # small chunks exercise lines that straddle reads
+    try:
+        plan = plan_shards(path, n)
+    finally:
+        shards_mod.CHUNK = old
+    assert len(plan) <= n
+    assert [s.index for s in plan] == list(range(len(plan)))
+    raw = path.read_bytes()
+    assert b"".join(raw[s.start:s.end] for s in plan) == raw
+    got = [(no, line) for s in plan for no, line in iter_shard_lines(path, s)]
+    expected = data.encode().split(b"\n")
+    if data.endswith("\n"):
+        expected = expected[:-1]
+    if not data:
+        expected = []
+    assert got == [(i + 1, line) for i, line in enumerate(expected)]
+    assert all(s.start == 0 or raw[s.start - 1:s.start] == b"\n" for s in plan)
+
+
+def test_plan_is_balanced_on_regular_lines(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(f'{{"prompt": "task {i:04d}"}}\n' for i in range(1000)))
+    plan = plan_shards(path, 4)
+    assert [s.lines for s in plan] == [250, 250, 250, 250]
+    assert [s.first_line for s in plan] == [1, 251, 501, 751]
+
+
+def test_saved_plan_is_reused_and_guards_other_inputs(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(f"{i}\n" for i in range(100)))
+    work = tmp_path / "work"
+    first = load_or_make_plan(path, work, 4)
+    # A resumed run with another worker count keeps the saved shards (and their journals).
+    assert load_or_make_plan(path, work, 7) == first
+    (work / "shard-00000.jsonl").write_text("partial\n")
+    path.write_text("changed\n")
+    with pytest.raises(shards_mod.PlanMismatch, match="remove it"):
+        load_or_make_plan(path, work, 4)
+
+
+def test_merge_keeps_order_and_adds_missing_newline(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    a.write_text("1\n2\n")
+    b.write_text("3")
+    c.write_text("4\n")
+    dest = tmp_path / "out" / "merged.jsonl"
+    merge_files([a, b, tmp_path / "missing", c], dest)
+    assert dest.read_text() == "1\n2\n3\n4\n"
