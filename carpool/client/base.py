@@ -1,0 +1,63 @@
+"""The request and result types every backend (HTTP, in-process engine) speaks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+PATHS = {"chat": "/chat/completions", "completion": "/completions", "embedding": "/embeddings"}
+
+
+@dataclass(slots=True)
+class Request:
+    custom_id: str
+    kind: str  # "chat" | "completion" | "embedding"
+    body: dict  # the OpenAI request body
+    idempotent: bool = False
+    est_tokens: int = 0  # for the TPM budget: prompt estimate + max_tokens
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.kind]
+
+
+@dataclass(slots=True)
+class CallResult:
+    ok: bool
+    status_code: int = 0
+    body: dict | None = None  # the response body in the non-streaming OpenAI shape
+    request_id: str = ""
+    error_kind: str | None = None
+    error_message: str = ""
+    retry_after: float | None = None
+    endpoint_fault: bool = False  # the endpoint looks unwell (for the balancer)
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    endpoint: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """The final word on one request after retries."""
+
+    request: Request
+    result: CallResult
+    attempts: int = 1
+    retried_kinds: list[str] = field(default_factory=list)
+
+
+class Backend(Protocol):
+    name: str
+
+    async def call(self, request: Request) -> CallResult: ...
+
+    async def close(self) -> None: ...

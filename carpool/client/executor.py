@@ -1,0 +1,74 @@
+"""Runs one request to its final outcome: budget, concurrency slot, call, retries.
+
+The order matters: a request waits for its RPM/TPM budget *before* taking a
+concurrency slot (so waiting for budget does not block others' slots), and gives its
+slot back while it sleeps before a retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+from carpool.client import retry as R
+from carpool.client.base import Backend, CallResult, Outcome, Request
+from carpool.client.budget import Budget, NoBudget
+from carpool.client.limiter import FixedLimiter
+
+_DROP_KINDS = (R.RATE_LIMITED, R.OVERLOADED)
+
+
+class Executor:
+    def __init__(self, backend: Backend, limiter: FixedLimiter, budget: Budget | None = None,
+                 policy: R.RetryPolicy | None = None, latency_signal: str = "tpot", seed: int | None = None):
+        """``latency_signal``: what the adaptive limiter watches, "tpot" (latency per output
+        token, falls back to e2e per token) or "ttft"."""
+        self.backend = backend
+        self.limiter = limiter
+        self.budget = budget or NoBudget()
+        self.policy = policy or R.RetryPolicy()
+        self.latency_signal = latency_signal
+        self.retries: Counter[str] = Counter()  # error kind -> retries made
+        self.attempts = 0
+        self._rng = random.Random(seed)
+
+    def _latency(self, res: CallResult) -> float | None:
+        if self.latency_signal == "ttft":
+            return res.ttft_s
+        if res.tpot_s is not None:
+            return res.tpot_s
+        return res.e2e_s / max(1, res.completion_tokens)
+
+    async def execute(self, req: Request) -> Outcome:
+        attempt = 0
+        retried: list[str] = []
+        while True:
+            attempt += 1
+            await self.budget.acquire(1, req.est_tokens)
+            await self.limiter.acquire()
+            self.attempts += 1
+            try:
+                res = await self.backend.call(req)
+            except asyncio.CancelledError:
+                self.limiter.release()
+                raise
+            except Exception as e:  # a bug or an unexpected library error: a value, not a crash
+                res = CallResult(ok=False, error_kind=R.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
+            dropped = res.error_kind in _DROP_KINDS
+            self.limiter.release(self._latency(res) if res.ok else None, dropped=dropped, e2e=res.e2e_s)
+            if res.ok:
+                used = res.prompt_tokens + res.completion_tokens
+                if used and req.est_tokens:
+                    self.budget.adjust(used - req.est_tokens)
+                return Outcome(req, res, attempt, retried)
+            decision = R.decide(res.error_kind or R.SERVER_ERROR, req.idempotent)
+            if not decision.retry or attempt >= self.policy.max_attempts:
+                res.error_kind = decision.kind
+                if decision.kind == R.MAYBE_EXECUTED:
+                    res.error_message = ("not retried: a non-idempotent request may already have run "
+                                         f"({res.error_message}); rerun it explicitly if wanted")
+                return Outcome(req, res, attempt, retried)
+            self.retries[res.error_kind] += 1
+            retried.append(res.error_kind)
+            await asyncio.sleep(self.policy.backoff(attempt, res.retry_after, self._rng))

@@ -1,0 +1,44 @@
+"""One aiohttp session and connection pool for the whole job.
+
+Measured on the zero-latency fault server (benchmarks/client_overhead.py), aiohttp
+handles more requests/s per core than httpx's AsyncClient, so the client uses aiohttp;
+the benchmark prints both figures.  One ``TCPConnector`` is shared by every endpoint so
+connections are reused across requests (keep-alive) and the pool size follows the
+concurrency cap rather than the number of tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+
+
+@dataclass
+class Timeouts:
+    connect_s: float = 10.0  # TCP connect (and pool wait is not counted: the limiter bounds it)
+    read_s: float = 60.0  # between two chunks of the response (time to first byte included)
+    total_s: float = 600.0  # one attempt, end to end
+
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        # total is enforced by the backend around the whole attempt, so it is reported
+        # as its own error kind instead of a generic timeout.
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=self.read_s)
+
+
+def make_session(max_connections: int = 0, timeouts: Timeouts | None = None) -> aiohttp.ClientSession:
+    """``max_connections`` 0: unlimited (the concurrency limiter is the real bound)."""
+    connector = aiohttp.TCPConnector(
+        limit=max_connections,
+        limit_per_host=0,
+        keepalive_timeout=60,
+        ttl_dns_cache=300,
+        enable_cleanup_closed=False,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=(timeouts or Timeouts()).client_timeout(),
+        auto_decompress=True,
+        raise_for_status=False,
+        skip_auto_headers=("User-Agent",),
+    )

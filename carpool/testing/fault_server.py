@@ -1,0 +1,374 @@
+"""A small OpenAI-shaped HTTP server that injects faults on purpose.
+
+It answers ``/v1/chat/completions``, ``/v1/completions`` (streaming or not) and
+``/v1/embeddings`` with made-up but well-formed responses, and can be told to
+misbehave: 429 with Retry-After, 500/503, connection resets before or after the
+request body was read, stalls past the client's read timeout, truncated SSE
+streams, invalid JSON, and a capacity limit that 429s everything past N requests
+in flight.  It counts what it saw per custom_id (``X-Carpool-Custom-Id`` header,
+else the body's hash) so tests can assert "this was not sent twice".
+
+Start it in-process (``async with FaultServer(cfg) as srv``), in a background
+thread (``ThreadedFaultServer``, for sync tests) or as a separate process
+(``python -m carpool.testing.fault_server --port 0``, for benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+FAULT_KINDS = (
+    "429", "500", "502", "503", "400",
+    "reset_before_body",  # close the socket before reading the request body
+    "reset_after_body",  # read (and count) the body, then close without answering
+    "stall",  # sleep ``stall_s`` before answering (past the client's read timeout)
+    "stall_mid_stream",  # send some chunks, then sleep ``stall_s``
+    "truncate",  # stream part of the answer, then close without ``[DONE]``
+    "invalid_json",  # 200 with a body that is not JSON
+)
+
+
+@dataclass
+class Fault:
+    """One misbehaviour.  Applies to requests whose custom_id or body contains ``match``
+    (all requests when empty), ``times`` times (0: forever) or with probability ``rate``."""
+
+    kind: str
+    times: int = 1
+    match: str = ""
+    rate: float | None = None
+    retry_after: float | None = None  # seconds, for 429/503
+    stall_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; one of {', '.join(FAULT_KINDS)}")
+
+
+@dataclass
+class FaultConfig:
+    latency_s: float = 0.0  # before the first token / the response
+    token_latency_s: float = 0.0  # between streamed tokens
+    completion_tokens: int | None = None  # None: the request's max_tokens (capped at 16)
+    capacity: int | None = None  # 429 past this many requests in flight
+    capacity_retry_after: float | None = 0.05
+    faults: list[Fault] = field(default_factory=list)
+    embedding_dim: int = 8
+    seed: int = 0
+    zero_latency: bool = False  # smallest possible answers, no sleeps: for client overhead
+
+    @classmethod
+    def zero(cls) -> "FaultConfig":
+        return cls(zero_latency=True)
+
+
+class FaultServer:
+    def __init__(self, config: FaultConfig | None = None, host: str = "127.0.0.1", port: int = 0):
+        self.config = config or FaultConfig()
+        self.host, self.port = host, port
+        self._runner: web.AppRunner | None = None
+        self._rng = random.Random(self.config.seed)
+        self._fault_left = [f.times for f in self.config.faults]
+        self.reset_counts()
+
+    # -- counters -------------------------------------------------------------------------
+    def reset_counts(self) -> None:
+        self.seen: Counter[str] = Counter()  # custom_id (or body hash) -> requests received
+        self.completed: Counter[str] = Counter()  # answered with a 200
+        self.faults_injected: Counter[str] = Counter()
+        self.status_counts: Counter[int] = Counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.total_requests = 0
+
+    def counts(self) -> dict:
+        return {
+            "total_requests": self.total_requests,
+            "seen": dict(self.seen),
+            "completed": dict(self.completed),
+            "faults_injected": dict(self.faults_injected),
+            "status_counts": {str(k): v for k, v in self.status_counts.items()},
+            "max_in_flight": self.max_in_flight,
+        }
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> str:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post("/v1/embeddings", self._handle)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/stats", self._stats)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the free port the OS picked
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> "FaultServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # -- handlers -------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fault-model", "object": "model"}]})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.counts())
+
+    def _pick_fault(self, key: str, raw: bytes | None) -> Fault | None:
+        for i, f in enumerate(self.config.faults):
+            if f.kind == "reset_before_body":
+                continue
+            if f.match and f.match not in key and (raw is None or f.match.encode() not in raw):
+                continue
+            if f.rate is not None:
+                if self._rng.random() < f.rate:
+                    return f
+                continue
+            if f.times == 0:
+                return f
+            if self._fault_left[i] > 0:
+                self._fault_left[i] -= 1
+                return f
+        return None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.total_requests += 1
+        cid = request.headers.get("X-Carpool-Custom-Id", "")
+        # Faults that act before the body is read can only match on the custom_id.
+        early = self._pick_early_fault(cid)
+        if early is not None:
+            self.faults_injected[early.kind] += 1
+            _abort_connection(request)
+            return web.Response(status=499)
+        raw = await request.read()
+        key = cid or "body:" + hashlib.sha256(raw).hexdigest()[:16]
+        self.seen[key] += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(request, raw, key)
+        finally:
+            self.in_flight -= 1
+
+    def _pick_early_fault(self, cid: str) -> Fault | None:
+        for i, f in enumerate(self.config.faults):
+            if f.kind != "reset_before_body" or (f.match and f.match not in cid):
+                continue
+            if f.rate is not None:
+                return f if self._rng.random() < f.rate else None
+            if f.times == 0:
+                return f
+            if self._fault_left[i] > 0:
+                self._fault_left[i] -= 1
+                return f
+        return None
+
+    async def _answer(self, request: web.Request, raw: bytes, key: str) -> web.StreamResponse:
+        cfg = self.config
+        if cfg.capacity is not None and self.in_flight > cfg.capacity:
+            return self._error(429, "over capacity", cfg.capacity_retry_after)
+        fault = self._pick_fault(key, raw)
+        if fault is not None and fault.kind != "reset_before_body":
+            self.faults_injected[fault.kind] += 1
+            if fault.kind in ("429", "503"):
+                return self._error(int(fault.kind), "injected", fault.retry_after)
+            if fault.kind in ("500", "502", "400"):
+                return self._error(int(fault.kind), "injected", None)
+            if fault.kind == "reset_after_body":
+                _abort_connection(request)
+                return web.Response(status=499)
+            if fault.kind == "stall":
+                await asyncio.sleep(fault.stall_s)
+            if fault.kind == "invalid_json":
+                self.status_counts[200] += 1
+                return web.Response(status=200, text="{not json", content_type="application/json")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return self._error(400, "request body is not JSON", None)
+        path = request.path
+        if cfg.latency_s and not cfg.zero_latency:
+            await asyncio.sleep(cfg.latency_s)
+        if path.endswith("/embeddings"):
+            return self._embeddings(body, key)
+        n_tokens = cfg.completion_tokens or min(int(body.get("max_tokens") or 16), 16)
+        if cfg.zero_latency:
+            n_tokens = 1
+        chat = path.endswith("/chat/completions")
+        if body.get("stream"):
+            return await self._stream(request, body, key, n_tokens, chat, fault)
+        if cfg.token_latency_s and not cfg.zero_latency:
+            await asyncio.sleep(cfg.token_latency_s * n_tokens)
+        text = " ".join(_words(key, n_tokens))
+        usage = _usage(body, n_tokens)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            out = {"id": "chatcmpl-" + key[-12:], "object": "chat.completion", "created": int(time.time()),
+                   "model": body.get("model", "fault-model"), "choices": [choice], "usage": usage}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length"}
+            out = {"id": "cmpl-" + key[-12:], "object": "text_completion", "created": int(time.time()),
+                   "model": body.get("model", "fault-model"), "choices": [choice], "usage": usage}
+        self.completed[key] += 1
+        self.status_counts[200] += 1
+        return web.json_response(out)
+
+    def _embeddings(self, body: dict, key: str) -> web.Response:
+        inputs = body.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        data = []
+        for i, text in enumerate(inputs):
+            h = hashlib.sha256(str(text).encode()).digest()
+            vec = [(b - 128) / 128 for b in h[: self.config.embedding_dim]]
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        tokens = sum(max(1, len(str(t)) // 4) for t in inputs)
+        self.completed[key] += 1
+        self.status_counts[200] += 1
+        return web.json_response({"object": "list", "data": data, "model": body.get("model", "fault-model"),
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _stream(self, request: web.Request, body: dict, key: str, n_tokens: int, chat: bool,
+                      fault: Fault | None) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        cid = ("chatcmpl-" if chat else "cmpl-") + key[-12:]
+        model = body.get("model", "fault-model")
+        words = _words(key, n_tokens)
+        for i, w in enumerate(words):
+            if fault is not None and fault.kind in ("truncate", "stall_mid_stream") and i == max(1, n_tokens // 2):
+                if fault.kind == "truncate":
+                    _abort_connection(request)
+                    return resp
+                await asyncio.sleep(fault.stall_s)
+            piece = w if i == 0 else " " + w
+            if chat:
+                delta = {"content": piece} if i else {"role": "assistant", "content": piece}
+                choice = {"index": 0, "delta": delta, "finish_reason": None}
+                chunk = {"id": cid, "object": "chat.completion.chunk", "model": model, "choices": [choice]}
+            else:
+                chunk = {"id": cid, "object": "text_completion", "model": model,
+                         "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if self.config.token_latency_s and not self.config.zero_latency:
+                await asyncio.sleep(self.config.token_latency_s)
+        last_choice = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
+                       else {"index": 0, "text": "", "finish_reason": "length"})
+        last = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
+                "choices": [last_choice]}
+        await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage_chunk = {"id": cid, "object": last["object"], "model": model, "choices": [],
+                           "usage": _usage(body, n_tokens)}
+            await resp.write(b"data: " + json.dumps(usage_chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.completed[key] += 1
+        self.status_counts[200] += 1
+        return resp
+
+    def _error(self, status: int, message: str, retry_after: float | None) -> web.Response:
+        self.status_counts[status] += 1
+        headers = {"Retry-After": f"{retry_after:g}"} if retry_after is not None else {}
+        err = {"error": {"message": message, "type": "fault_injected", "code": status}}
+        return web.json_response(err, status=status, headers=headers)
+
+
+def _abort_connection(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()  # RST-like: the client sees a reset / server disconnect
+
+
+def _words(key: str, n: int) -> list[str]:
+    vocab = ("positive", "negative", "neutral", "yes", "no", "maybe", "ok", "done")
+    h = int(hashlib.md5(key.encode()).hexdigest()[:8], 16)
+    return [vocab[(h + i) % len(vocab)] for i in range(n)]
+
+
+def _usage(body: dict, n_tokens: int) -> dict:
+    text = json.dumps(body.get("messages") or body.get("prompt") or "")
+    prompt = max(1, len(text) // 4)
+    return {"prompt_tokens": prompt, "completion_tokens": n_tokens, "total_tokens": prompt + n_tokens}
+
+
+class ThreadedFaultServer:
+    """The fault server on its own event loop in a daemon thread (for sync tests/subprocesses)."""
+
+    def __init__(self, config: FaultConfig | None = None):
+        self.server = FaultServer(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def start(self) -> str:
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def __enter__(self) -> "ThreadedFaultServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="OpenAI-shaped fault-injecting server")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--zero-latency", action="store_true")
+    p.add_argument("--latency", type=float, default=0.0)
+    p.add_argument("--token-latency", type=float, default=0.0)
+    p.add_argument("--capacity", type=int, default=None)
+    p.add_argument("--retry-after", type=float, default=0.05)
+    a = p.parse_args(argv)
+    cfg = FaultConfig(latency_s=a.latency, token_latency_s=a.token_latency, capacity=a.capacity,
+                      capacity_retry_after=a.retry_after, zero_latency=a.zero_latency)
+
+    async def serve() -> None:
+        srv = FaultServer(cfg, port=a.port)
+        url = await srv.start()
+        print(json.dumps({"url": url, "port": srv.port}), flush=True)
+        while True:
+            await asyncio.sleep(3600)
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
