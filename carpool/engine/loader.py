@@ -23,7 +23,6 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -164,7 +163,6 @@ def _tokenizer_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / "tokenizers" / f"{gguf_path.stem}-{_source_key(gguf_path)}"
 
 
-@lru_cache(maxsize=4)
 def _cached_gguf_tokenizer_dir(gguf_path: Path) -> Path:
     """A folder holding the GGUF's tokenizer as tokenizer.json (building it once is slow)."""
     final = _tokenizer_cache_dir(gguf_path)
