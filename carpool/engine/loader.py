@@ -234,7 +234,7 @@ def _read_safetensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.
     out: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
-            for key in fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable
                 out[key] = fh.get_tensor(key).to(dtype)
     return out
 
