@@ -1,1 +1,32 @@
+"""carpool's inference engine: continuous batching over a paged KV cache.
 
+Exports (imported lazily, so ``import carpool.engine`` stays cheap):
+``AsyncEngine`` (the in-process EngineClient), ``LLMEngine`` (sync core), ``LLM``
+(offline), ``EngineConfig``, ``SamplingParams``, ``GenerateRequest``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "AsyncEngine": ".async_engine",
+    "LLMEngine": ".llm_engine",
+    "LLM": ".llm",
+    "EngineConfig": ".config",
+    "ModelConfig": ".config",
+    "SamplingParams": ".protocol",
+    "GenerateRequest": ".protocol",
+    "TokenDelta": ".protocol",
+    "RequestOutput": ".protocol",
+    "Usage": ".protocol",
+    "EngineError": ".protocol",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,212 @@
+"""``AsyncEngine``: the in-process ``EngineClient`` over ``LLMEngine``.
+
+The engine loop runs in one background thread (torch releases the GIL inside its
+kernels, so the asyncio side stays responsive).  ``submit`` validates and tokenizes in
+the caller's thread (so a bad request raises ``EngineError`` at once), hands the
+sequence to the loop through a locked inbox, and yields ``TokenDelta``s that the loop
+pushes back with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any, Self
+
+from .config import EngineConfig
+from .protocol import EngineError, GenerateRequest, TokenDelta
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: Any = None):
+        self.config = config or EngineConfig()
+        self._loaded = loaded
+        self.engine = None  # LLMEngine, built by start()
+        self._thread: threading.Thread | None = None
+        self._cv = threading.Condition()
+        self._new: list = []  # sequences to add (guarded by _cv)
+        self._aborts: list[str] = []
+        self._stop = False
+        # request_id -> (event loop, queue) of the consumer
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._start_lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------- lifecycle
+
+    def _build(self) -> None:
+        from .llm_engine import LLMEngine
+
+        with self._start_lock:
+            if self.engine is None:
+                self.engine = LLMEngine(self.config, self._loaded)
+                self._loaded = None
+            if self._thread is None:
+                self._stop = False
+                self._thread = threading.Thread(target=self._loop, name="carpool-engine", daemon=True)
+                self._thread.start()
+
+    async def start(self) -> AsyncEngine:
+        if self._thread is None:
+            await asyncio.get_running_loop().run_in_executor(None, self._build)
+        return self
+
+    def start_sync(self) -> AsyncEngine:
+        self._build()
+        return self
+
+    async def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name if self.engine else self.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        self._require()
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        self._require()
+        return self.engine.tokenizer
+
+    def _require(self) -> None:
+        if self.engine is None:
+            self._build()
+
+    # -------------------------------------------------------------- requests
+
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Yield the request's deltas as they are produced; the last has finish_reason set.
+
+        Leaving the iteration early (client gone, task cancelled) aborts the request.
+        """
+        if self.engine is None:
+            await self.start()
+        if self.error is not None:
+            raise EngineError(f"the engine loop has failed: {self.error!r}")
+        seq = self.engine.make_sequence(request)  # raises EngineError for a bad request
+        rid = request.request_id
+        if rid in self._streams:
+            raise EngineError(f"request_id {rid!r} is already running; use a unique id")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (loop, queue)
+        with self._cv:
+            self._new.append(seq)
+            self._cv.notify_all()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._request_abort(rid)
+
+    def _request_abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify_all()
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with a finish_reason "abort" delta and its blocks are freed."""
+        self._request_abort(request_id)
+
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        self._require()
+        return self.engine.count_prompt_tokens(request)
+
+    def stats(self) -> dict:
+        self._require()
+        return self.engine.stats()
+
+    def add_step_listener(self, fn) -> None:
+        self._require()
+        self.engine.add_step_listener(fn)
+
+    # ------------------------------------------------------------ engine loop
+
+    def _deliver(self, deltas: list) -> None:
+        """Group deltas by consumer loop and hand each group over in one call."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], d))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not (self._stop or self._new or self._aborts or engine.has_unfinished()):
+                    self._cv.wait()
+                if self._stop:
+                    break
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, []
+            out: list[TokenDelta] = []
+            for seq in new:
+                try:
+                    engine.add_request(seq)
+                except EngineError as e:
+                    out.append(_Failed(seq.request_id, e))
+            for rid in aborts:
+                d = engine.abort_request(rid)
+                if d is not None:
+                    out.append(d)
+            try:
+                if engine.has_unfinished():
+                    out.extend(engine.step())
+            except Exception as e:  # noqa: BLE001 -- a bug in a step must not hang every consumer
+                self.error = e
+                for rid in list(engine.requests):
+                    engine.abort_request(rid)
+                    out.append(_Failed(rid, e))
+            if out:
+                self._deliver(out)
+        # Shutting down: end every open stream.
+        for rid in list(engine.requests):
+            d = engine.abort_request(rid)
+            if d is not None:
+                self._deliver([d])
+
+
+class _Failed:
+    """Carries an exception to one request's consumer."""
+
+    def __init__(self, request_id: str, error: BaseException):
+        self.request_id = request_id
+        self.error = error
+
+
+def _put_all(items: list) -> None:
+    for queue, d in items:
+        queue.put_nowait(d.error if isinstance(d, _Failed) else d)

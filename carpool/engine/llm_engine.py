@@ -1,0 +1,246 @@
+"""The synchronous engine core: add requests, step, get token deltas.
+
+``LLMEngine`` owns the model runner, the block manager and the scheduler; one
+``step()`` schedules a batch, runs one forward, samples, detokenizes and returns a
+``TokenDelta`` for every sequence that produced a token (or finished).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig, ModelConfig
+from .detokenizer import IncrementalDetokenizer
+from .model import LlamaModel
+from .model_runner import ModelRunner
+from .protocol import EngineError, GenerateRequest, TokenDelta, Usage
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+           "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name in ("auto", None, ""):
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise EngineError(f"dtype: unknown value {name!r}; use auto, bfloat16 or float32")
+    return _DTYPES[name]
+
+
+def _eos_ids(loaded: Any, cfg: ModelConfig) -> list[int]:
+    ids = getattr(loaded, "eos_token_ids", None)
+    if ids:
+        return list(ids)
+    e = cfg.eos_token_id
+    if e is None:
+        return []
+    return list(e) if isinstance(e, (list, tuple)) else [int(e)]
+
+
+class LLMEngine:
+    """Sync core.  ``loaded``: an already loaded model (fields ``config``, ``state_dict``,
+    ``tokenizer`` (may be None: token-id prompts only), ``eos_token_ids``, ``name``);
+    without it ``config.model`` is loaded with ``carpool.engine.loader.load_model``."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: Any = None):
+        self.config = config = config or EngineConfig()
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.dtype = resolve_dtype(config.dtype)
+        if loaded is None:
+            from .loader import load_model
+
+            loaded = load_model(config.model, dtype=self.dtype)
+        self.loaded = loaded
+        mcfg: ModelConfig = loaded.config
+        self.model_config = mcfg
+        self.model_name = getattr(loaded, "name", None) or config.model
+        self.tokenizer = getattr(loaded, "tokenizer", None)
+        self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self.eos_token_ids = _eos_ids(loaded, mcfg)
+        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, 8192)
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise EngineError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                              f"max_position_embeddings ({mcfg.max_position_embeddings})")
+        self.block_size = config.block_size
+        self.model = LlamaModel(mcfg, loaded.state_dict, self.dtype)
+        self.num_blocks = self._num_blocks()
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy, config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self.listeners: list[Callable[[dict], None]] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def _num_blocks(self) -> int:
+        c, m = self.config, self.model_config
+        if c.num_kv_blocks:
+            return int(c.num_kv_blocks)
+        per_block = 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim
+        per_block *= torch.tensor([], dtype=self.dtype).element_size()
+        by_memory = int(c.kv_cache_memory_gb * (1 << 30) // per_block)
+        # More than every running sequence at full length can never be used.
+        useful = c.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(by_memory, useful))
+
+    # ------------------------------------------------------------- requests
+
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        given = [x is not None for x in (req.messages, req.prompt, req.prompt_token_ids)]
+        if sum(given) != 1:
+            raise EngineError(f"request {req.request_id}: give exactly one of messages, prompt, prompt_token_ids")
+        if req.prompt_token_ids is not None:
+            ids = [int(t) for t in req.prompt_token_ids]
+        else:
+            if self.tokenizer is None:
+                raise EngineError(f"request {req.request_id}: model {self.model_name!r} has no tokenizer; "
+                                  "send prompt_token_ids")
+            with self.tokenizer_lock:
+                if req.messages is not None:
+                    try:
+                        text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                                  tokenize=False)
+                    except Exception as e:  # a bad role/content shape is the caller's error
+                        raise EngineError(f"request {req.request_id}: messages: {e}") from e
+                    ids = self.tokenizer.encode(text, add_special_tokens=False)
+                else:
+                    ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise EngineError(f"request {req.request_id}: the prompt is empty")
+        return ids
+
+    def count_prompt_tokens(self, req: GenerateRequest) -> int:
+        return len(self.tokenize(req))
+
+    def _validate(self, req: GenerateRequest, ids: list[int]) -> None:
+        p, rid = req.params, req.request_id
+        if p.max_tokens is None or p.max_tokens < 1:
+            raise EngineError(f"request {rid}: max_tokens must be >= 1, got {p.max_tokens}")
+        if p.temperature < 0:
+            raise EngineError(f"request {rid}: temperature must be >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise EngineError(f"request {rid}: top_p must be in (0, 1], got {p.top_p}")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise EngineError(f"request {rid}: prompt_token_ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        total = len(ids) + p.max_tokens
+        if total > self.max_model_len:
+            raise EngineError(
+                f"request {rid}: prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens")
+        if -(-total // self.block_size) > self.num_blocks:
+            raise EngineError(f"request {rid}: needs {-(-total // self.block_size)} KV blocks but num_kv_blocks "
+                              f"is {self.num_blocks}; raise num_kv_blocks or kv_cache_memory_gb")
+
+    def make_sequence(self, req: GenerateRequest) -> Sequence:
+        """Tokenize and validate (raises EngineError); safe to call from another thread."""
+        ids = self.tokenize(req)
+        self._validate(req, ids)
+        seq = Sequence(req.request_id, ids, req.params, self.block_size, req.priority, req.arrival_time)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params, self.eos_token_ids)
+        return seq
+
+    def add_request(self, req: GenerateRequest | Sequence) -> Sequence:
+        seq = req if isinstance(req, Sequence) else self.make_sequence(req)
+        if seq.request_id in self.requests:
+            raise EngineError(f"request_id {seq.request_id!r} is already running; use a unique id")
+        self.requests[seq.request_id] = seq
+        self.prompt_tokens += seq.num_prompt_tokens
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> TokenDelta | None:
+        """Stop a request and free its blocks; returns its final delta (None if unknown)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        return self._finish(seq, "abort", [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- step
+
+    def _finish(self, seq: Sequence, reason: str, token_ids: list[int], text: str) -> TokenDelta:
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+        return TokenDelta(seq.request_id, token_ids, text, reason, usage, seq.metrics())
+
+    def step(self) -> list[TokenDelta]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        deltas: list[TokenDelta] = []
+        if out.scheduled:
+            seqs, tokens = self.runner.run(out.scheduled)
+            for seq, n in out.scheduled:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
+            now = time.monotonic()
+            with self.tokenizer_lock:
+                for seq, tok in zip(seqs, tokens):
+                    seq.token_ids.append(tok)
+                    if seq.first_token_time is None:
+                        seq.first_token_time = now
+                    text, reason = seq.detokenizer.add_token(tok, seq.num_output_tokens)
+                    if reason is None:
+                        deltas.append(TokenDelta(seq.request_id, [tok], text))
+                    else:
+                        self.requests.pop(seq.request_id, None)
+                        self.scheduler.finish(seq)
+                        deltas.append(self._finish(seq, reason, [tok], text))
+            self.generation_tokens += len(tokens)
+        info = {
+            "num_prefill_tokens": out.num_prefill_tokens,
+            "num_decode_tokens": out.num_decode_tokens,
+            "num_scheduled_seqs": len(out.scheduled),
+            "num_preempted": len(out.preempted),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_kv_blocks": self.block_manager.num_free_blocks,
+            "duration_s": time.perf_counter() - t0,
+        }
+        for fn in self.listeners:
+            fn(info)
+        return deltas
+
+    def add_step_listener(self, fn: Callable[[dict], None]) -> None:
+        self.listeners.append(fn)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": bm.usage(),
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+        }

@@ -1,0 +1,154 @@
+"""Iteration-level scheduler: which sequences run this step, and how many tokens each.
+
+Every step, within ``max_num_seqs`` running sequences and ``max_num_batched_tokens``
+tokens: running decodes first (one token each), then running prefills continue with
+a chunk, then waiting sequences are admitted with a chunk of what is left of the
+budget.  When the KV cache runs out, the lowest-ranked running sequence is preempted
+by recompute: its blocks are freed and it goes back to waiting with all its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "priority", "lof")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes first
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs", enable_chunked_prefill: bool = True):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.chunked = enable_chunked_prefill
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._counter = 0  # arrival order, to break ties deterministically
+        self._order: dict[int, int] = {}
+
+    # ------------------------------------------------------------- queue ops
+
+    def add(self, seq: Sequence) -> None:
+        self._order[id(seq)] = self._counter
+        self._counter += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def _key(self, now: float):
+        order = self._order
+        if self.policy == "priority":
+            return lambda s: (s.priority, s.arrival_time, order[id(s)])
+        if self.policy == "lof":
+            return lambda s: (-s.current_wait(now), s.arrival_time, order[id(s)])
+        return lambda s: (s.arrival_time, order[id(s)])
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._order.pop(id(seq), None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence, now: float) -> None:
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.waiting_since = now
+        self.waiting.append(seq)
+        self.num_preemptions += 1
+
+    # -------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        now = time.monotonic()
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        key = self._key(now)
+        self.running.sort(key=key)
+        # Decodes first, then unfinished prefills; both in policy order. Victims come off the end.
+        queue = [s for s in self.running if s.num_uncomputed == 1] + \
+                [s for s in self.running if s.num_uncomputed != 1]
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed, budget)
+            if n <= 0 or (not self.chunked and n < seq.num_uncomputed):
+                kept.append(seq)  # no budget left this step; it stays running
+                continue
+            while self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:
+                if queue:
+                    victim = queue.pop()
+                    self._preempt(victim, now)
+                    out.preempted.append(victim)
+                else:
+                    break
+            if self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:
+                self._preempt(seq, now)
+                out.preempted.append(seq)
+                continue
+            self.bm.allocate(seq, n)
+            kept.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+            if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens + 1 == seq.num_tokens:
+                out.num_decode_tokens += 1
+            else:
+                out.num_prefill_tokens += n
+        self.running = kept
+
+        # Admit waiting sequences (not in a step that had to preempt: memory is tight).
+        if not out.preempted:
+            self.waiting.sort(key=key)
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                cached = self.bm.match_prefix(seq)
+                num_cached = len(cached) * self.bm.block_size
+                remaining = seq.num_tokens - num_cached
+                n = min(remaining, budget)
+                if not self.chunked and n < remaining:
+                    break
+                if self.bm.blocks_needed(seq, n, cached) > self.bm.num_free_blocks:
+                    break
+                self.waiting.pop(0)
+                self.bm.prefix_queries += seq.num_tokens
+                self.bm.prefix_hits += num_cached
+                if not seq.admitted_once:
+                    seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                    seq.first_scheduled_time = now
+                    seq.admitted_once = True
+                seq.wait_accum += now - seq.waiting_since
+                self.bm.attach_cached(seq, cached)
+                self.bm.allocate(seq, n)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append((seq, n))
+                out.num_prefill_tokens += n
+                budget -= n
+        # The model runner wants single-token queries first.
+        out.scheduled.sort(key=lambda sn: sn[1] != 1)
+        return out
