@@ -20,6 +20,7 @@ Entries that another process adds after this one opened a scope are seen after r
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -49,6 +50,37 @@ CREATE INDEX IF NOT EXISTS entries_scope ON entries(scope, id);
 """
 
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
+_CANDIDATES = 4  # nearest entries checked per lookup; the first that passes the guards wins
+
+# A sentence embedding barely moves when "not" is added or a number changes, yet the
+# answer flips ("would recommend" / "would not recommend" score 0.94, "order 1234" /
+# "order 1235" near 0.99).  So a hit also needs the same count of negation words and,
+# when both texts hold numbers, the same numbers.
+_NEGATIONS = frozenset(
+    [
+        "not", "no", "never", "none", "nobody", "nothing", "nowhere", "neither", "nor", "cannot",
+        "without", "hardly", "barely", "dont", "doesnt", "didnt", "isnt", "wasnt", "arent",
+        "werent", "cant", "wont", "havent", "hasnt", "hadnt", "shouldnt", "wouldnt", "couldnt",
+        "mustnt", "aint",
+    ]
+)
+_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+(?:[.,]\d+)*")
+
+
+def _guard_features(text: str) -> tuple[int, tuple[str, ...]]:
+    words = _WORD.findall(text.lower().replace("\u2019", "'"))
+    negations = sum(1 for w in words if w in _NEGATIONS or w.endswith("n't"))
+    numbers = tuple(sorted(w for w in words if w[0].isdigit()))
+    return negations, numbers
+
+
+def guards_pass(text: str, matched: str) -> bool:
+    """The lexical checks a hit needs besides the similarity threshold (see above)."""
+    neg_a, num_a = _guard_features(text)
+    neg_b, num_b = _guard_features(matched)
+    if neg_a != neg_b:
+        return False
+    return not (num_a and num_b and num_a != num_b)
 
 
 def _default_embedder():
@@ -65,6 +97,7 @@ class SemanticCache:
         path_or_dir: str | Path,
         threshold: float = DEFAULT_THRESHOLD,
         embedder=None,
+        guards: bool = True,
     ) -> None:
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"semantic cache threshold {threshold}: must be a cosine similarity in (0, 1]")
@@ -76,6 +109,8 @@ class SemanticCache:
         self.index_dir = self.dir / "index"
         self.index_dir.mkdir(parents=True, exist_ok=True)
         self.threshold = float(threshold)
+        self.guards = guards
+        self.guard_rejections = 0
         self._embedder = embedder
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(str(self.db_path), timeout=30, isolation_level=None, check_same_thread=False)
@@ -178,19 +213,24 @@ class SemanticCache:
             for row, i in enumerate(wanted):
                 scope = items[i][0]
                 index = self._indexes[scope]
-                sims, pos = index.search(vectors[row : row + 1], 1)
-                similarity, position = float(sims[0][0]), int(pos[0][0])
-                if position < 0 or similarity < self.threshold:
+                sims, pos = index.search(vectors[row : row + 1], min(_CANDIDATES, index.ntotal))
+                found = None
+                for similarity, position in zip(sims[0].tolist(), pos[0].tolist()):
+                    if position < 0 or similarity < self.threshold:
+                        break  # results come best first
+                    stored = self._conn.execute(
+                        "SELECT text, response FROM entries WHERE id = ?", (self._ids[scope][position],)
+                    ).fetchone()
+                    if stored is None:  # cleared by another process meanwhile
+                        continue
+                    if not self.guards or guards_pass(texts[i], stored[0]):
+                        found = (min(similarity, 1.0), stored)
+                        break
+                    self.guard_rejections += 1
+                if found is None:
                     self.misses += 1
                     continue
-                entry_id = self._ids[scope][position]
-                stored = self._conn.execute(
-                    "SELECT text, response FROM entries WHERE id = ?", (entry_id,)
-                ).fetchone()
-                if stored is None:  # cleared by another process meanwhile
-                    self.misses += 1
-                    continue
-                similarity = min(similarity, 1.0)
+                similarity, stored = found
                 self.hits += 1
                 if len(self.hit_log) < _HIT_LOG_LIMIT:
                     self.hit_log.append(
@@ -267,6 +307,7 @@ class SemanticCache:
                 "hits": self.hits,
                 "misses": self.misses,
                 "skipped_too_long": self.skipped,
+                "guard_rejections": self.guard_rejections,
                 "adds": self.adds,
                 "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
                 "hit_similarity_min": min(sims) if sims else None,
