@@ -104,8 +104,9 @@ class RedisBudget:
 
     ``await budget.acquire(requests=1, tokens=n)`` waits until the request may be sent
     without any worker of the job going over ``rpm`` / ``tpm`` in any ``window_s`` window.
-    ``await budget.adjust(tokens)`` reconciles an estimate once the real usage is known
+    ``budget.adjust(tokens)`` reconciles an estimate once the real usage is known
     (positive: more tokens were used than acquired; negative: give the surplus back).
+    It has the interface of ``carpool.client.budget.Budget``, so the executor takes it as is.
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class RedisBudget:
         # Why sleeps are capped: another worker may give tokens back (adjust) meanwhile.
         self._max_sleep_s = max_sleep_s
         self._closed = False
+        self._pending: set[asyncio.Task] = set()
         self.waited_s = 0.0  # total time this client spent waiting for the budget
 
     @property
@@ -183,16 +185,28 @@ class RedisBudget:
             # Jitter spreads the workers that all learnt the same wait time.
             await asyncio.sleep(min(wait, self._max_sleep_s) * random.uniform(1.0, 1.1) + 0.001)
 
-    async def adjust(self, tokens: int) -> None:
-        """Correct the token bucket once the real usage is known (may be negative)."""
+    def adjust(self, tokens: int) -> None:
+        """Correct the token bucket once the real usage is known (may be negative).
+
+        Synchronous like the local budget's (``carpool.client.budget.Budget``): the Redis
+        update runs in the background; ``await flush()`` (or ``close()``) waits for it.
+        """
         if self._tokens.capacity > 0 and tokens:
-            await self._call("adjust", 0, tokens)
+            task = asyncio.get_running_loop().create_task(self._call("adjust", 0, tokens))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def flush(self) -> None:
+        """Wait until every ``adjust`` made so far has reached Redis."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def reset(self) -> None:
         """Forget the budget's state (a full bucket for everyone)."""
         await self._redis.delete(self.key)
 
     async def close(self) -> None:
+        await self.flush()
         self._closed = True
         if self._owns_client:
             await self._redis.aclose()

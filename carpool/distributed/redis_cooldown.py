@@ -18,8 +18,14 @@ and a round trip each time would cost more than it saves.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from typing import Any, Self
+
+import redis.exceptions
+
+from carpool.client.balancer import Balancer, Endpoint
 
 # KEYS: until zset, info hash.  ARGV[1] = mode.
 #   fail  endpoint reason base max reset explicit_seconds(-1 = use the streak)
@@ -169,3 +175,63 @@ class RedisCooldown:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class SharedBalancer(Balancer):
+    """The client's balancer (least outstanding requests), with cooldowns shared via Redis.
+
+    Drop-in for ``carpool.client.balancer.Balancer`` (``HttpBackend(..., balancer=...)``):
+    ``pick`` and ``done`` stay synchronous and local, so the hot path never waits on
+    Redis.  A cooldown this worker decides is published in the background; cooldowns other
+    workers published are pulled every ``refresh_s`` and applied locally.
+    """
+
+    def __init__(self, urls: list[str], cooldown: RedisCooldown, refresh_s: float = 0.2, **kwargs: Any):
+        super().__init__(urls, **kwargs)
+        self.cooldown = cooldown
+        self.refresh_s = refresh_s
+        self._next_refresh = 0.0
+        self._refreshing: asyncio.Task | None = None
+        self._pending: set[asyncio.Task] = set()
+        self._who = f"{socket.gethostname()}:{os.getpid()}"
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    async def refresh(self) -> None:
+        """Apply the cooldowns every worker has published (also called in the background)."""
+        try:
+            shared = await self.cooldown.snapshot()
+        except (redis.exceptions.RedisError, OSError):  # Redis unreachable: keep balancing on local knowledge only
+            return
+        now = time.monotonic()
+        for ep in self.endpoints:
+            if ep.url in shared:
+                ep.cooldown_until = max(ep.cooldown_until, now + shared[ep.url][0])
+
+    def pick(self) -> Endpoint:
+        now = time.monotonic()
+        if len(self.endpoints) > 1 and now >= self._next_refresh and (
+            self._refreshing is None or self._refreshing.done()
+        ):
+            self._next_refresh = now + self.refresh_s
+            self._refreshing = self._spawn(self.refresh())
+        return super().pick()
+
+    def done(self, ep: Endpoint, ok: bool, endpoint_fault: bool = False) -> None:
+        was_failing = ep.consecutive_failures > 0
+        before = ep.cooldown_until
+        super().done(ep, ok, endpoint_fault)
+        if ep.cooldown_until > before:
+            left = ep.cooldown_until - time.monotonic()
+            self._spawn(self.cooldown.fail(ep.url, f"endpoint fault seen by {self._who}", seconds=left))
+        elif ok and was_failing:
+            self._spawn(self.cooldown.succeed(ep.url))
+
+    async def flush(self) -> None:
+        """Wait for the background Redis updates (call before closing the client)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)

@@ -94,9 +94,11 @@ def test_adjust_gives_unused_tokens_back(redis_url, redis_name):
         b = RedisBudget(redis_url, tpm=6000, name=redis_name, window_s=60.0, burst_s=1.0)
         assert await b.try_acquire(tokens=100) == 0.0  # the whole burst
         assert await b.try_acquire(tokens=50) > 0.0
-        await b.adjust(-60)  # the request used 40 tokens, not 100
+        b.adjust(-60)  # the request used 40 tokens, not 100
+        await b.flush()
         assert await b.try_acquire(tokens=50) == 0.0
-        await b.adjust(+500)  # another used far more than estimated: the debt blocks
+        b.adjust(+500)  # another used far more than estimated: the debt blocks
+        await b.flush()
         assert await b.try_acquire(tokens=1) > 1.0
         await b.close()
 
@@ -159,5 +161,45 @@ def test_failure_streak_doubles_and_success_resets(redis_url, redis_name):
         assert await one.fail(ep, "429", seconds=30) == pytest.approx(30.0, abs=0.1)
         await one.close()
         await two.close()
+
+    asyncio.run(main())
+
+
+def test_shared_balancer_skips_an_endpoint_another_worker_saw_fail(redis_url, redis_name):
+    from carpool.client.base import Request
+    from carpool.client.http_backend import HttpBackend
+    from carpool.distributed.redis_cooldown import SharedBalancer
+    from carpool.testing.fault_server import Fault, FaultConfig, FaultServer
+
+    def req(i: int) -> Request:
+        return Request(f"r{i}", "chat", {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}],
+                                         "max_tokens": 2})
+
+    async def main():
+        async with FaultServer(FaultConfig(faults=[Fault("500", times=0)])) as bad, \
+                FaultServer(FaultConfig.zero()) as good:
+            urls = [bad.url, good.url]
+
+            def worker() -> tuple[HttpBackend, SharedBalancer]:
+                cd = RedisCooldown(redis_url, name=redis_name, cache_s=0.0)
+                bal = SharedBalancer(urls, cd, refresh_s=0.05, cooldown_s=30.0)
+                return HttpBackend(urls, balancer=bal), bal
+
+            (a, bal_a), (b, bal_b) = worker(), worker()
+            # Worker A round-robins onto the bad endpoint and cools it down.
+            results = [await a.call(req(i)) for i in range(4)]
+            assert any(not r.ok for r in results)
+            await bal_a.flush()
+            hits_before = bad.total_requests
+            # Worker B never saw a failure; after one refresh it skips the bad endpoint too.
+            await bal_b.refresh()
+            results = [await b.call(req(i)) for i in range(10, 20)]
+            assert all(r.ok for r in results)
+            assert bad.total_requests == hits_before
+            assert {r.endpoint for r in results} == {good.url}
+            for backend, bal in ((a, bal_a), (b, bal_b)):
+                await bal.flush()
+                await backend.close()
+                await bal.cooldown.close()
 
     asyncio.run(main())
