@@ -1,0 +1,105 @@
+"""``carpool serve``: flags named as vLLM names them (plus Triton's for the embedding batcher)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from carpool.engine.config import EngineConfig
+from carpool.server.config import ServerConfig
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 8,16,32, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d_engine, d_server = EngineConfig(), ServerConfig()
+    g = p.add_argument_group("model and engine (vLLM names)")
+    g.add_argument("--model", default=d_engine.model,
+                   help="smollm2 (packaged SmolLM2-135M-Instruct), tiny-random, or a HF folder")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the --model value)")
+    g.add_argument("--dtype", default=d_engine.dtype, choices=["auto", "bfloat16", "float32", "int8"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=d_engine.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d_engine.max_num_batched_tokens)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d_engine.enable_prefix_caching)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "lof"], default=d_engine.scheduling_policy)
+    g.add_argument("--block-size", type=int, default=d_engine.block_size)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=d_engine.kv_cache_memory_gb)
+    g.add_argument("--seed", type=int, default=d_engine.seed)
+
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default=d_server.host)
+    g.add_argument("--port", type=int, default=d_server.port, help="0: any free port (printed at start)")
+    g.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $CARPOOL_API_KEY)")
+
+    g = p.add_argument_group("admission control")
+    g.add_argument("--max-queue-size", type=int, default=d_server.max_queue_size,
+                   help="waiting requests (no token out yet) beyond which new ones get 429; 0: no limit")
+    g.add_argument("--max-queued-tokens", type=int, default=0,
+                   help="waiting prompt tokens beyond which new requests get 429; 0: no limit")
+
+    g = p.add_argument_group("embeddings (dynamic batcher)")
+    g.add_argument("--embedding-model", default=d_server.embedding_model,
+                   help="embedding model to serve on /v1/embeddings; 'none' to disable")
+    g.add_argument("--max-queue-delay-us", type=int, default=d_server.max_queue_delay_us)
+    g.add_argument("--preferred-batch-sizes", type=_sizes, default=d_server.preferred_batch_sizes)
+    g.add_argument("--max-batch-tokens", type=int, default=d_server.max_batch_tokens)
+    g.add_argument("--embedding-queue-timeout-ms", type=int, default=d_server.embedding_queue_timeout_ms,
+                   help="an embedding request that waited longer gets 503 with Retry-After")
+    p.add_argument("--log-level", default="warning")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+    )
+    embedding = None if str(args.embedding_model).lower() in ("", "none") else args.embedding_model
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_names=list(args.served_model_name or []),
+        api_key=args.api_key or None,
+        max_queue_size=args.max_queue_size or None,
+        max_queued_tokens=args.max_queued_tokens or None,
+        embedding_model=embedding,
+        max_queue_delay_us=args.max_queue_delay_us,
+        preferred_batch_sizes=args.preferred_batch_sizes,
+        max_batch_tokens=args.max_batch_tokens,
+        embedding_queue_timeout_ms=args.embedding_queue_timeout_ms,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from carpool.server.launcher import serve_forever
+
+    try:
+        asyncio.run(serve_forever(config_from_args(args)))
+    except OSError as e:  # typically the port is taken
+        print(f"carpool serve: cannot listen on {args.host}:{args.port}: {e}")
+        return 1
+    return 0

@@ -1,0 +1,31 @@
+"""Server settings (vLLM's names for the engine's, Triton's for the embedding batcher's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from carpool.engine.config import EngineConfig
+
+
+@dataclass
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the bound one is in the start_server handle)
+    served_model_names: list[str] = field(default_factory=list)  # empty: the --model value
+    api_key: str | None = None
+    # admission control (generation): waiting = admitted, no token out yet
+    max_queue_size: int | None = 1024
+    max_queued_tokens: int | None = None
+    max_n: int = 16  # largest accepted `n`
+    # embeddings; embedding_model None disables /v1/embeddings
+    embedding_model: str | None = "all-MiniLM-L6-v2"
+    max_queue_delay_us: int = 2000
+    preferred_batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
+    max_batch_tokens: int = 8192
+    embedding_queue_timeout_ms: int = 30000
+    embedding_max_queue_size: int | None = None  # None: max_queue_size
+    client_max_size_mb: int = 32  # largest request body
+
+    def model_names(self) -> list[str]:
+        return list(self.served_model_names) or [self.engine.model]

@@ -1,0 +1,131 @@
+"""POST /v1/embeddings through the Triton-style dynamic batcher."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from carpool.server.app import STATE, json_response, read_json
+from carpool.server.config import ServerConfig
+from carpool.server.errors import ApiError
+from carpool.server.metrics import ServerMetrics
+from carpool.server.openai_schema import SchemaError, validate
+
+
+class _MeteredEmbedder:
+    """Wraps the embedder the batcher calls, to see each batch: its size, and how long each
+    input waited for it (inputs are matched to their request by object identity)."""
+
+    def __init__(self, inner: Any, metrics: ServerMetrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+        self.enqueued: dict[int, list[float]] = defaultdict(list)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def mark(self, texts: list[str]) -> None:
+        now = time.monotonic()
+        for t in texts:
+            self.enqueued[id(t)].append(now)
+
+    def forget(self, texts: list[str]) -> None:
+        for t in texts:
+            times = self.enqueued.get(id(t))
+            if times:
+                times.pop(0)
+                if not times:
+                    del self.enqueued[id(t)]
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        now = time.monotonic()
+        self.metrics.embedding_batch_size.observe(len(texts))
+        for t in texts:
+            times = self.enqueued.get(id(t))
+            if times:
+                self.metrics.embedding_queue_delay.observe(max(0.0, now - times[0]))
+        return self.inner.embed(texts)
+
+
+async def make_batcher(cfg: ServerConfig, metrics: ServerMetrics) -> tuple[Any, _MeteredEmbedder]:
+    from carpool.engine.dynamic_batcher import DynamicBatcher
+    from carpool.engine.embedder import Embedder
+
+    loop = asyncio.get_running_loop()
+    inner = await loop.run_in_executor(None, lambda: Embedder(model=cfg.embedding_model))
+    embedder = _MeteredEmbedder(inner, metrics)
+    queue = cfg.embedding_max_queue_size if cfg.embedding_max_queue_size is not None else cfg.max_queue_size
+    batcher = DynamicBatcher(
+        embedder,
+        max_queue_delay_us=cfg.max_queue_delay_us,
+        preferred_batch_sizes=list(cfg.preferred_batch_sizes),
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_queue_size=queue,
+        queue_timeout_s=cfg.embedding_queue_timeout_ms / 1000.0,
+    )
+    start = getattr(batcher, "start", None)
+    if start is not None:
+        result = start()
+        if hasattr(result, "__await__"):
+            await result
+    return batcher, embedder
+
+
+def _encode(vec: np.ndarray, fmt: str) -> list[float] | str:
+    if fmt == "base64":  # what the openai SDK asks for by default: little-endian float32 bytes
+        return base64.b64encode(np.ascontiguousarray(vec, dtype="<f4").tobytes()).decode("ascii")
+    return vec.astype(np.float32).tolist()
+
+
+async def create_embeddings(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json(request)
+    if state.batcher is None:
+        raise ApiError(404, "no embedding model is served (start with --embedding-model NAME)",
+                       param="model", code="model_not_found")
+    model = state.resolve_model(body, "embedding")
+    inp = body.get("input")
+    if isinstance(inp, list) and inp and all(isinstance(x, (int, list)) for x in inp):
+        raise ApiError(400, "'input': token-id input is not supported for embeddings; send strings",
+                       param="input")
+    try:
+        validate(body, state.embedding_schema or {})
+    except SchemaError as e:
+        raise ApiError(400, e.message, param=e.param) from None
+    texts: list[str] = [inp] if isinstance(inp, str) else list(inp)
+    embedder = state.embedder
+    metered = isinstance(embedder, _MeteredEmbedder)
+    if metered:
+        embedder.mark(texts)
+    try:
+        vectors = await state.batcher.embed(texts)
+    except Exception as e:  # noqa: BLE001 - queue errors become 429/503, others propagate
+        raise _batcher_error(state, e) from None
+    finally:
+        if metered:
+            embedder.forget(texts)
+    counter = getattr(embedder, "count_tokens", None)
+    tokens = sum(int(counter(t)) for t in texts) if counter is not None else 0
+    fmt = body.get("encoding_format") or "float"
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)]
+    return json_response({"object": "list", "data": data, "model": model,
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _batcher_error(state, e: Exception) -> Exception:
+    name = type(e).__name__
+    if name == "QueueFullError":
+        state.metrics.rejected("embedding_queue_full")
+        return ApiError(429, f"embedding queue is full; retry later ({e})", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if name == "QueueTimeoutError":
+        state.metrics.rejected("embedding_queue_timeout")
+        return ApiError(503, f"embedding request waited past --embedding-queue-timeout-ms ({e}); retry",
+                        code="queue_timeout", type="server_error", headers={"Retry-After": "1"})
+    return e

@@ -1,0 +1,124 @@
+"""Prometheus metrics with vLLM's names and meanings, one registry per app.
+
+Engine gauges and cumulative counters are read from ``engine.stats()`` at scrape time (a
+custom collector), so they are never stale and cost nothing per token.  Latency
+histograms are observed by the server as tokens leave, the way vLLM's front end does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_DELAY_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
+
+# stats() key -> (metric name without the _total suffix, help, kind)
+_ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("num_requests_running", "vllm:num_requests_running", "Requests in model execution batches", "gauge"),
+    ("num_requests_waiting", "vllm:num_requests_waiting", "Requests waiting to be processed", "gauge"),
+    ("kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent", "gauge"),
+    ("prefix_cache_queries", "vllm:prefix_cache_queries", "Prefix cache queries, in tokens", "counter"),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in tokens", "counter"),
+    ("num_preemptions", "vllm:num_preemptions", "Cumulative number of preemptions", "counter"),
+    ("prompt_tokens", "vllm:prompt_tokens", "Number of prefill tokens processed", "counter"),
+    ("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed", "counter"),
+)
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # names are fixed; skipping describe keeps registration from calling stats()
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:  # noqa: BLE001 - a scrape must never take the server down
+            stats = {}
+        for key, name, doc, kind in _ENGINE_METRICS:
+            family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = family_type(name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(stats.get(key, 0) or 0))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict] | None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.model_name = model_name
+        if engine_stats is not None:
+            self.registry.register(_EngineCollector(engine_stats, model_name))
+        reg, labels = self.registry, ["model_name"]
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", labels,
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens", labels,
+            buckets=_ITL_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
+            buckets=_E2E_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time a request spent waiting before it was scheduled",
+            labels, buckets=_LATENCY_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Tokens processed per engine step", labels,
+            buckets=_TOKEN_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.prompt_len = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request", labels,
+            buckets=_TOKEN_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.generation_len = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", labels,
+            buckets=_TOKEN_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self._success = Counter(
+            "vllm:request_success", "Finished requests by finish reason",
+            ["model_name", "finished_reason"], registry=reg,
+        )
+        self.embedding_batch_size = Histogram(
+            "carpool:embedding_batch_size", "Inputs per embedding model call", buckets=_BATCH_BUCKETS, registry=reg
+        )
+        self.embedding_queue_delay = Histogram(
+            "carpool:embedding_queue_delay_seconds", "Time an embedding input waited for its batch",
+            buckets=_DELAY_BUCKETS, registry=reg,
+        )
+        self._rejected = Counter(
+            "carpool:requests_rejected", "Requests refused by admission control, by reason", ["reason"],
+            registry=reg,
+        )
+
+    def request_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+        self.prompt_len.observe(prompt_tokens)
+        self.generation_len.observe(generation_tokens)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(reason).inc()
+
+    def on_engine_step(self, step: dict) -> None:
+        """An ``engine.add_step_listener`` callback (may run on the engine's thread)."""
+        tokens = int(step.get("num_prefill_tokens", 0)) + int(step.get("num_decode_tokens", 0))
+        if tokens:
+            self.iteration_tokens.observe(tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
