@@ -1,0 +1,122 @@
+"""The packaged SmolLM2 GGUF: weights, config, tokenizer, cache."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+
+from carpool.engine import loader
+from carpool.engine.gguf_reader import read_gguf, unpermute_rotary
+from carpool.engine.loader import hf_reference_model, load_model, smollm2_gguf_path
+
+pytestmark = pytest.mark.real_model
+
+
+def test_state_dict_equals_transformers_gguf_load(smollm2_f32, transformers_gguf_state_dict):
+    ours = smollm2_f32.state_dict
+    ref = transformers_gguf_state_dict
+    # transformers materialises the tied head; ours leaves it out.
+    assert set(ref) - set(ours) == {"lm_head.weight"}
+    assert set(ours) <= set(ref)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        assert tensor.shape == ref[name].shape, name
+        assert torch.allclose(tensor, ref[name], atol=1e-6, rtol=0), name
+
+
+def test_config_from_gguf_metadata(smollm2_f32):
+    c = smollm2_f32.config
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (49152, 576, 1536)
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)
+    assert c.tie_word_embeddings and not c.attention_bias
+    assert c.rope_theta == 100000.0
+    assert c.max_position_embeddings == 8192
+    assert abs(c.rms_norm_eps - 1e-5) < 1e-9
+    assert "lm_head.weight" not in smollm2_f32.state_dict
+    assert smollm2_f32.name == "smollm2"
+    assert smollm2_f32.source.endswith(".gguf")
+
+
+def test_tokenizer_chat_template_and_eos(smollm2_f32):
+    tok = smollm2_f32.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert smollm2_f32.eos_token_ids == [im_end]
+    assert tok.chat_template
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>user\nHi<|im_end|>" in text
+    # Special tokens are single ids, and plain text does not get a BOS prepended.
+    ids = tok(text, add_special_tokens=True)["input_ids"]
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3
+    assert tok("Hello world")["input_ids"][0] != tok.bos_token_id
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = torch.arange(6 * 4 * 3, dtype=torch.float32).reshape(24, 3).numpy()
+    n_head = 3
+    # llama.cpp's converter: per head, (2, half) -> (half, 2)
+    permuted = w.reshape(n_head, 2, 4, 3).swapaxes(1, 2).reshape(w.shape)
+    assert (unpermute_rotary(permuted, n_head) == w).all()
+
+
+def test_reference_model_answers_a_chat_prompt():
+    loaded = load_model("smollm2", dtype="auto")
+    assert loaded.dtype == loader.resolve_dtype("auto")
+    model = hf_reference_model(loaded)
+    tok = loaded.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert re.search(r"[A-Za-z]{3,}", answer), answer
+    assert "Paris" in answer
+
+
+def test_cache_cold_then_warm_gives_identical_tensors(isolated_cache):
+    cold = load_model("smollm2", dtype=torch.float32)
+    cache_dir = loader.gguf_cache_dir(smollm2_gguf_path(), "smollm2")
+    assert str(cache_dir).startswith(str(isolated_cache))
+    assert (cache_dir / "COMPLETE").exists() and (cache_dir / "model.safetensors").exists()
+    assert not [p for p in cache_dir.parent.iterdir() if ".tmp-" in p.name]
+    warm = load_model("smollm2", dtype=torch.float32)
+    assert warm.state_dict.keys() == cold.state_dict.keys()
+    for name in cold.state_dict:
+        assert torch.equal(warm.state_dict[name], cold.state_dict[name]), name
+    # and the cache holds exactly the dequantized GGUF
+    _, arrays, _ = read_gguf(smollm2_gguf_path())
+    for name in ("model.embed_tokens.weight", "model.layers.7.self_attn.k_proj.weight"):
+        assert torch.equal(warm.state_dict[name], torch.from_numpy(arrays[name]))
+    bf16 = load_model("smollm2", dtype="bfloat16")
+    assert all(t.dtype == torch.bfloat16 for t in bf16.state_dict.values())
+
+
+def test_concurrent_cache_writers_keep_one_complete_folder(tmp_path):
+    final = tmp_path / "models" / "m-1"
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def build(tmp):
+        (tmp / "data.bin").write_bytes(threading.current_thread().name.encode())
+        barrier.wait()  # both writers finish building before either renames
+
+    def writer():
+        try:
+            loader._write_atomically(final, build)
+        except OSError as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, name=f"w{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert (final / "COMPLETE").exists()
+    assert (final / "data.bin").read_bytes() in (b"w0", b"w1")
+    assert sorted(p.name for p in final.parent.iterdir()) == ["m-1"]
