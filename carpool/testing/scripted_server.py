@@ -43,6 +43,9 @@ class Script:
     role_chunk: bool = False  # send an OpenAI-style role-only delta at once (no text)
     expose_metrics: bool = True
     prefix_hit_rate: float = 0.0  # fraction of prompt tokens reported as prefix-cache hits
+    # Batching cost: every gap (and the TTFT) is stretched by 1 + k * (requests in service - 1),
+    # the way a decode step slows as the batch grows on a compute-bound engine.
+    slowdown_per_running: float = 0.0
     # Per-request override: (request index, body) -> (ttft_s, [gap_s, ...]); len(gaps)+1 chunks.
     timing: Callable[[int, dict], tuple[float, list[float]]] | None = None
 
@@ -203,16 +206,17 @@ class ScriptedServer:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
-        arrival = time.perf_counter()
         body = await request.json()
-        rec = Served(index=len(self.served), arrival=arrival)
-        self.served.append(rec)
         peer = request.transport.get_extra_info("peername") if request.transport else None
-        if peer not in self._seen_peers:
+        new_connection = peer not in self._seen_peers
+        if new_connection:
             self._seen_peers.add(peer)
-            rec.new_connection = True
             if self.script.new_connection_delay_s:
+                # Before the request "arrives", as a TLS handshake would be.
                 await asyncio.sleep(self.script.new_connection_delay_s)
+        arrival = time.perf_counter()
+        rec = Served(index=len(self.served), arrival=arrival, new_connection=new_connection)
+        self.served.append(rec)
         wait = self._take_token()
         if wait is not None:
             rec.status = 429
@@ -253,9 +257,14 @@ class ScriptedServer:
             "completion_tokens": rec.completion_tokens,
             "total_tokens": rec.prompt_tokens + rec.completion_tokens,
         }
-        targets = [rec.service_start + ttft]
+        k = self.script.slowdown_per_running
+
+        def stretch(t: float) -> float:
+            return t * (1.0 + k * (self.running - 1))
+
+        targets = [rec.service_start + stretch(ttft)]
         for g in gaps:
-            targets.append(targets[-1] + g)
+            targets.append(targets[-1] + g)  # restretched live below when k > 0
         if not body.get("stream"):
             await asyncio.sleep(max(0.0, targets[-1] - time.perf_counter()))
             text = "tok " * rec.completion_tokens
@@ -276,7 +285,9 @@ class ScriptedServer:
 
         if chat and self.script.role_chunk:
             await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        for target in targets:
+        for i, target in enumerate(targets):
+            if k and i:
+                target = rec.chunk_times[-1] + stretch(gaps[i - 1])
             delay = target - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

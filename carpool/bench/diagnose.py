@@ -1,0 +1,591 @@
+"""Where does the time go?  Run the same tasks serially and concurrently and explain.
+
+Phases (same tasks, same client code):
+  1. serial, over a reused connection and over a new connection per request, alternating
+     which goes first per task so a server-side cache cannot favour one of them;
+  2. concurrent at the client's concurrency C (reused pool);
+  3. concurrent at 4*C, only when phase 2 scaled almost perfectly (the server had headroom),
+     to put a number on "raise concurrency".
+While phases run, the server's Prometheus /metrics is polled when it has one (vLLM names:
+num_requests_running/waiting, kv_cache_usage_perc, request_queue_time_seconds, prefix cache
+queries/hits); for the embedded engine its ``stats()`` plays that part.
+
+The verdict is the first of these that holds, and comes with the one change to try first:
+  rate-limited     some requests got HTTP 429
+  connection-cost  a new connection costs more than a quarter of a serial request
+  client-bound     C requests in flight ran ~C times as fast as one: the server had spare
+                   capacity and the client did not use it
+  server-queueing  concurrency did not scale and the extra latency is waiting before the
+                   first token (server queue), confirmed by /metrics when present
+  decode-bound     concurrency did not scale and the extra latency is in decoding (TPOT grew)
+  prefill-bound    as above, but the time is in TTFT without a server queue
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from carpool.bench.datasets import BenchRequest
+from carpool.bench.loadgen import HttpBackend, RequestRecord, metrics_url, run_benchmark
+from carpool.bench.metrics import compute_metrics
+
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+COUNTERS = (
+    "request_queue_time_seconds_sum",
+    "request_queue_time_seconds_count",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "num_preemptions_total",
+)
+# Older vLLM names for the same quantities.
+ALIASES = {
+    "gpu_cache_usage_perc": "kv_cache_usage_perc",
+    "gpu_prefix_cache_queries_total": "prefix_cache_queries_total",
+    "gpu_prefix_cache_hits_total": "prefix_cache_hits_total",
+}
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum every sample over its labels, keyed by the name without its ``vllm:``/``carpool:`` prefix."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = s.name.split(":", 1)[-1]
+            name = ALIASES.get(name, name)
+            if name.endswith("_bucket"):
+                continue
+            out[name] = out.get(name, 0.0) + float(s.value)
+    return out
+
+
+class ServerProbe:
+    """Reads the server's counters: HTTP /metrics, or an in-process engine's ``stats()``."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[dict[str, float] | None]]) -> None:
+        self._fetch = fetch
+        self.available = True
+
+    @classmethod
+    def for_http(cls, base_url: str, session: aiohttp.ClientSession) -> ServerProbe:
+        url = metrics_url(base_url)
+
+        async def fetch() -> dict[str, float] | None:
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status != 200:
+                        return None
+                    return parse_prometheus(await r.text())
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None
+
+        return cls(fetch)
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> ServerProbe:
+        async def fetch() -> dict[str, float] | None:
+            st = engine.stats()
+            return {
+                "num_requests_running": float(st.get("num_requests_running", 0)),
+                "num_requests_waiting": float(st.get("num_requests_waiting", 0)),
+                "kv_cache_usage_perc": float(st.get("kv_cache_usage_perc", 0)),
+                "prefix_cache_queries_total": float(st.get("prefix_cache_queries", 0)),
+                "prefix_cache_hits_total": float(st.get("prefix_cache_hits", 0)),
+                "num_preemptions_total": float(st.get("num_preemptions", 0)),
+            }
+
+        return cls(fetch)
+
+    @classmethod
+    def none(cls) -> ServerProbe:
+        async def fetch() -> None:
+            return None
+
+        probe = cls(fetch)
+        probe.available = False
+        return probe
+
+    async def read(self) -> dict[str, float] | None:
+        if not self.available:
+            return None
+        data = await self._fetch()
+        if data is None:
+            self.available = False
+        return data
+
+
+@dataclass
+class ServerView:
+    """What /metrics said during one phase."""
+
+    peak_running: float = 0.0
+    peak_waiting: float = 0.0
+    mean_waiting: float = 0.0
+    peak_kv_usage: float = 0.0
+    queue_time_mean_ms: float | None = None
+    prefix_hit_rate: float | None = None
+    preemptions: float = 0.0
+
+
+@dataclass
+class Phase:
+    name: str
+    concurrency: int
+    fresh_connections: bool
+    num_requests: int
+    duration: float
+    metrics: dict[str, Any]
+    rate_limited: int
+    errors: int
+    mean_connect_ms: float
+    server: ServerView | None = None
+    records: list[RequestRecord] = field(default_factory=list, repr=False)
+
+    @property
+    def throughput(self) -> float:
+        return self.metrics["request_throughput"]
+
+
+@dataclass
+class Diagnosis:
+    target: str
+    model: str
+    phases: list[Phase]
+    findings: list[str]
+    verdict: str
+    change: str
+    server_metrics: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        phases = []
+        for p in self.phases:
+            d = asdict(p)
+            d.pop("records")
+            phases.append(d)
+        return {
+            "target": self.target,
+            "model": self.model,
+            "verdict": self.verdict,
+            "change": self.change,
+            "findings": self.findings,
+            "server_metrics": self.server_metrics,
+            "phases": phases,
+        }
+
+    def format(self) -> str:
+        lines = [f"carpool diagnose: {self.target} (model {self.model})", ""]
+        lines.append(
+            f"{'phase':<34}{'conc':>5}{'req/s':>9}{'TTFT p50':>10}{'TPOT p50':>10}{'E2EL p50':>10}"
+            f"{'429s':>6}{'conn ms':>9}"
+        )
+        for p in self.phases:
+            m = p.metrics
+            lines.append(
+                f"{p.name:<34}{p.concurrency:>5}{p.throughput:>9.2f}{m['median_ttft_ms']:>10.1f}"
+                f"{m['median_tpot_ms']:>10.1f}{m['median_e2el_ms']:>10.1f}{p.rate_limited:>6}"
+                f"{p.mean_connect_ms:>9.1f}"
+            )
+        lines.append("(times in ms; conn ms = mean time to open a TCP connection per request)")
+        lines.append("")
+        if not self.server_metrics:
+            lines.append(
+                "server metrics: none (no /metrics page); server-side causes are inferred from timings"
+            )
+        lines.append("findings:")
+        lines += [f"  - {f}" for f in self.findings]
+        lines.append("")
+        lines.append(f"verdict: {self.verdict}")
+        lines.append(f"try first: {self.change}")
+        return "\n".join(lines)
+
+
+async def _sample(
+    probe: ServerProbe, samples: list[dict[str, float]], stop: asyncio.Event, every: float
+) -> None:
+    while not stop.is_set():
+        data = await probe.read()
+        if data is None:
+            return
+        samples.append(data)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+
+
+def _server_view(before: dict | None, after: dict | None, samples: list[dict]) -> ServerView | None:
+    if not samples and not after:
+        return None
+    view = ServerView()
+    if samples:
+        view.peak_running = max(s.get("num_requests_running", 0.0) for s in samples)
+        view.peak_waiting = max(s.get("num_requests_waiting", 0.0) for s in samples)
+        view.mean_waiting = statistics.fmean(s.get("num_requests_waiting", 0.0) for s in samples)
+        view.peak_kv_usage = max(s.get("kv_cache_usage_perc", 0.0) for s in samples)
+    if before and after:
+
+        def delta(k: str) -> float:
+            return after.get(k, 0.0) - before.get(k, 0.0)
+
+        n = delta("request_queue_time_seconds_count")
+        if n > 0:
+            view.queue_time_mean_ms = 1000.0 * delta("request_queue_time_seconds_sum") / n
+        q = delta("prefix_cache_queries_total")
+        if q > 0:
+            view.prefix_hit_rate = delta("prefix_cache_hits_total") / q
+        view.preemptions = delta("num_preemptions_total")
+    return view
+
+
+def _phase(
+    name: str, conc: int, fresh: bool, records: list[RequestRecord], duration: float, view: ServerView | None
+) -> Phase:
+    new = [r.connect_time for r in records if r.new_connection]
+    return Phase(
+        name=name,
+        concurrency=conc,
+        fresh_connections=fresh,
+        num_requests=len(records),
+        duration=duration,
+        metrics=compute_metrics(records, max(duration, 1e-9)),
+        rate_limited=sum(1 for r in records if r.status == 429),
+        errors=sum(1 for r in records if not r.success),
+        mean_connect_ms=1000.0 * sum(new) / len(records) if records else 0.0,
+        server=view,
+        records=records,
+    )
+
+
+class Diagnoser:
+    """Runs the phases against one backend (HTTP or in-process) and explains the result."""
+
+    def __init__(
+        self,
+        tasks: Sequence[BenchRequest],
+        concurrency: int = 8,
+        serial_tasks: int = 8,
+        endpoint: str | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
+        engine: Any = None,
+        sample_every_s: float = 0.05,
+        scale_up: int = 4,
+    ) -> None:
+        if not tasks:
+            raise ValueError("diagnose needs at least one task")
+        if endpoint is None and engine is None:
+            raise ValueError("diagnose needs an endpoint URL or an engine")
+        self.tasks = list(tasks)
+        self.concurrency = max(1, concurrency)
+        self.serial_tasks = max(1, serial_tasks)
+        self.endpoint = endpoint
+        self.model = model
+        self.api_key = api_key
+        self.engine = engine
+        self.sample_every_s = sample_every_s
+        self.scale_up = scale_up
+
+    def _backend(self, fresh: bool, limit: int) -> Any:
+        if self.endpoint is None:
+            from carpool.bench.loadgen import EngineBackend
+
+            return EngineBackend(self.engine)
+        return HttpBackend(
+            self.endpoint, self.model, self.api_key, max_connections=limit, fresh_connections=fresh
+        )
+
+    def _tasks(self, n: int) -> list[BenchRequest]:
+        """``n`` tasks, cycling through the file when it is shorter."""
+        return [self.tasks[i % len(self.tasks)] for i in range(n)]
+
+    async def _observe(
+        self, probe: ServerProbe, work: Awaitable[Any]
+    ) -> tuple[Any, float, ServerView | None]:
+        before = await probe.read()
+        samples: list[dict[str, float]] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample(probe, samples, stop, self.sample_every_s))
+        t0 = time.perf_counter()
+        try:
+            result = await work
+        finally:
+            duration = time.perf_counter() - t0
+            stop.set()
+            await sampler
+        after = await probe.read()
+        return result, duration, _server_view(before, after, samples)
+
+    async def _paced(self, backend: Any, successes: int = 8, budget_s: float = 15.0) -> Phase:
+        """One request at a time, waiting out each 429 (Retry-After, else doubling backoff):
+        the rate the server sustains once its burst allowance is spent."""
+        records: list[RequestRecord] = []
+        t0 = time.perf_counter()
+        ok_times: list[float] = []
+        backoff = 0.05
+        i = 0
+        while len(ok_times) < successes and time.perf_counter() - t0 < budget_s:
+            rec = await backend.send(self.tasks[i % len(self.tasks)])
+            records.append(rec)
+            if rec.status == 429:
+                wait = rec.retry_after if rec.retry_after is not None else backoff
+                backoff = min(2 * backoff, 5.0)
+                await asyncio.sleep(min(wait, max(0.0, budget_s - (time.perf_counter() - t0))))
+                continue
+            i += 1
+            if rec.success:
+                ok_times.append(rec.start_time + rec.latency)
+        duration = (ok_times[-1] if ok_times else time.perf_counter()) - t0
+        return _phase("paced, waiting out each 429", 1, False, records, duration, None)
+
+    async def run(self) -> Diagnosis:
+        async with contextlib.AsyncExitStack() as stack:
+            reuse = await stack.enter_async_context(self._backend(False, 0))
+            fresh = await stack.enter_async_context(self._backend(True, 0)) if self.endpoint else None
+            if self.endpoint:
+                probe_session = await stack.enter_async_context(aiohttp.ClientSession())
+                probe = ServerProbe.for_http(self.endpoint, probe_session)
+            else:
+                probe = ServerProbe.for_engine(self.engine)
+            model = reuse.model
+            # Warm-up: the first request pays for model load, JIT, caches and the first connection.
+            warm = await reuse.send(self.tasks[0])
+            if not warm.success and warm.status != 429:
+                where = self.endpoint or "the embedded engine"
+                raise RuntimeError(f"the first request to {where} failed: {warm.error}")
+            probe_ok = await probe.read() is not None
+            if not probe_ok:
+                probe = ServerProbe.none()
+
+            phases: list[Phase] = []
+            serial = self._tasks(min(self.serial_tasks, max(len(self.tasks), self.serial_tasks)))
+
+            async def serial_pair() -> tuple[list[RequestRecord], list[RequestRecord]]:
+                a: list[RequestRecord] = []
+                b: list[RequestRecord] = []
+                for i, t in enumerate(serial):
+                    if fresh is None:
+                        a.append(await reuse.send(t))
+                        continue
+                    if i % 2 == 0:
+                        a.append(await reuse.send(t))
+                        b.append(await fresh.send(t))
+                    else:
+                        b.append(await fresh.send(t))
+                        a.append(await reuse.send(t))
+                return a, b
+
+            (rec_reuse, rec_fresh), dur, view = await self._observe(probe, serial_pair())
+            share = dur / 2 if rec_fresh else dur
+            phases.append(_phase("serial, reused connection", 1, False, rec_reuse, share, view))
+            if rec_fresh:
+                phases.append(_phase("serial, new connection per request", 1, True, rec_fresh, share, view))
+
+            async def concurrent(c: int) -> Phase:
+                tasks = self._tasks(max(len(self.tasks), 2 * c))
+                run, _, view = await self._observe(probe, run_benchmark(reuse, tasks, math.inf, 1.0, c))
+                return _phase(f"concurrent, {c} in flight", c, False, run.records, run.duration, view)
+
+            phases.append(await concurrent(self.concurrency))
+            if any(p.rate_limited for p in phases):
+                phases.append(await self._paced(reuse))
+            if (
+                self.scale_up > 1
+                and _efficiency(phases[0], phases[-1]) >= 0.6
+                and not phases[-1].rate_limited
+            ):
+                phases.append(await concurrent(self.concurrency * self.scale_up))
+        findings, verdict, change = explain(phases, probe_ok)
+        return Diagnosis(
+            target=self.endpoint or "embedded engine",
+            model=model,
+            phases=phases,
+            findings=findings,
+            verdict=verdict,
+            change=change,
+            server_metrics=probe_ok,
+        )
+
+
+def _efficiency(serial: Phase, conc: Phase) -> float:
+    """Throughput at concurrency C over C times the serial throughput (1.0 = perfect scaling).
+    Serial throughput is 1 / mean serial latency, so the interleaved fresh-connection
+    requests of the serial phase do not dilute it."""
+    e2el = serial.metrics["mean_e2el_ms"] / 1000.0
+    if e2el <= 0 or conc.concurrency <= 1:
+        return 0.0
+    return conc.throughput * e2el / conc.concurrency
+
+
+def explain(phases: Sequence[Phase], server_metrics: bool) -> tuple[list[str], str, str]:
+    """Findings (one line each, with numbers), the verdict, and the one change to try first."""
+    serial = phases[0]
+    fresh = next((p for p in phases if p.fresh_connections), None)
+    concs = [p for p in phases if p.concurrency > 1]  # the paced phase runs one at a time
+    conc = concs[0]
+    big = concs[1] if len(concs) > 1 else None
+    s, c = serial.metrics, conc.metrics
+    findings: list[str] = []
+
+    decode1 = s["mean_e2el_ms"] - s["mean_ttft_ms"]
+    out_tokens = s["total_output_tokens"] / max(1, s["completed"])
+    findings.append(
+        f"one request alone: TTFT {s['mean_ttft_ms']:.0f} ms, then {decode1:.0f} ms decoding "
+        f"{out_tokens:.0f} tokens (TPOT {s['mean_tpot_ms']:.1f} ms); "
+        f"{100 * s['mean_ttft_ms'] / max(s['mean_e2el_ms'], 1e-9):.0f}% of the time is before the first token"
+    )
+
+    unpaced = [p for p in phases if not p.name.startswith("paced")]
+    total = sum(p.num_requests for p in unpaced)
+    limited = sum(p.rate_limited for p in unpaced)
+    if limited:
+        paced = next((p for p in phases if p.name.startswith("paced")), None)
+        if paced is not None and paced.metrics["completed"] >= 2:
+            accepted = paced.metrics["completed"] / max(paced.duration, 1e-9)
+        else:
+            accepted = conc.metrics["completed"] / max(conc.duration, 1e-9)
+        retry = [r.retry_after for p in phases for r in p.records if r.retry_after is not None]
+        ra = f", Retry-After ~{statistics.median(retry):.2f} s" if retry else ""
+        findings.append(
+            f"rate limit: {limited} of {total} requests got HTTP 429 ({conc.rate_limited} of "
+            f"{conc.num_requests} at concurrency {conc.concurrency}{ra}); waiting out each 429, the "
+            f"server accepted {accepted:.2f} req/s"
+        )
+        per_min = accepted * 60
+        return (
+            findings,
+            "rate-limited",
+            (
+                f"pace the client to the accepted rate, {accepted:.2f} req/s (~{per_min:.0f} requests/min), "
+                f"instead of sending {conc.concurrency} at once: requests past the limit are rejected "
+                f"({100 * limited / total:.0f}% here) and retries only add load"
+            ),
+        )
+
+    conn_ms = 0.0
+    if fresh is not None:
+        paired = [
+            f.latency - r.latency for f, r in zip(fresh.records, serial.records) if f.success and r.success
+        ]
+        extra_ms = 1000.0 * statistics.median(paired) if paired else 0.0
+        conn_ms = max(extra_ms, fresh.mean_connect_ms)
+        findings.append(
+            f"connections: a new connection per request adds {conn_ms:.1f} ms "
+            f"({100 * conn_ms / max(s['mean_e2el_ms'], 1e-9):.0f}% of a {s['mean_e2el_ms']:.0f} ms request); "
+            "carpool's client keeps a pool of reused connections"
+        )
+
+    eff = _efficiency(serial, conc)
+    findings.append(
+        f"scaling: {conc.concurrency} in flight gave {conc.throughput:.2f} req/s vs "
+        f"{1000 / max(s['mean_e2el_ms'], 1e-9):.2f} req/s for one at a time: "
+        f"{100 * eff:.0f}% of perfect scaling; median E2EL {s['median_e2el_ms']:.0f} -> {c['median_e2el_ms']:.0f} ms"
+    )
+    view = conc.server
+    if view is not None:
+        parts = [f"peak running {view.peak_running:.0f}", f"peak waiting {view.peak_waiting:.0f}"]
+        if view.queue_time_mean_ms is not None:
+            parts.append(f"mean queue time {view.queue_time_mean_ms:.0f} ms")
+        parts.append(f"KV cache peak {100 * view.peak_kv_usage:.0f}%")
+        if view.prefix_hit_rate is not None:
+            parts.append(f"prefix cache hits {100 * view.prefix_hit_rate:.0f}%")
+        if view.preemptions:
+            parts.append(f"{view.preemptions:.0f} preemptions")
+        findings.append(f"server /metrics at concurrency {conc.concurrency}: " + ", ".join(parts))
+
+    if conn_ms > 0.25 * s["mean_e2el_ms"]:
+        return (
+            findings,
+            "connection-cost",
+            (
+                f"reuse connections (HTTP keep-alive pool): each new connection costs {conn_ms:.0f} ms, "
+                f"{100 * conn_ms / max(s['mean_e2el_ms'], 1e-9):.0f}% of a request"
+            ),
+        )
+
+    if eff >= 0.6:
+        if big is not None:
+            gain = big.throughput / max(conc.throughput, 1e-9)
+            findings.append(
+                f"at {big.concurrency} in flight: {big.throughput:.2f} req/s (x{gain:.1f}), "
+                f"median E2EL {big.metrics['median_e2el_ms']:.0f} ms"
+            )
+            target = (
+                big.concurrency
+                if gain >= 1.5
+                else max(conc.concurrency + 1, round(big.throughput * s["mean_e2el_ms"] / 1000))
+            )
+            detail = f"{conc.throughput:.2f} -> {big.throughput:.2f} req/s measured at {big.concurrency}"
+        else:
+            target, detail = conc.concurrency * 4, "the server kept up at every level tried"
+        return (
+            findings,
+            "client-bound",
+            (
+                f"raise client concurrency from {conc.concurrency} to {target} ({detail}); the server had "
+                f"spare capacity: {conc.concurrency} in flight ran at {100 * eff:.0f}% of {conc.concurrency}x one request"
+            ),
+        )
+
+    d_ttft = c["mean_ttft_ms"] - s["mean_ttft_ms"]
+    d_decode = (c["mean_e2el_ms"] - c["mean_ttft_ms"]) - decode1
+    grew = max(d_ttft, 0.0) + max(d_decode, 0.0)
+    queue_ms = view.queue_time_mean_ms if view is not None else None
+    queue_seen = (
+        view is not None
+        and view.peak_waiting > 0
+        and (queue_ms is None or queue_ms >= 0.25 * c["mean_ttft_ms"])
+    )
+    if view is not None and view.peak_running:
+        capacity = view.peak_running
+        cap_src = "peak num_requests_running"
+    else:
+        capacity = conc.throughput * s["mean_e2el_ms"] / 1000.0
+        cap_src = "throughput x serial latency"
+    findings.append(
+        f"extra latency under load: TTFT +{d_ttft:.0f} ms, decoding +{d_decode:.0f} ms per request; "
+        f"the server serves ~{capacity:.1f} requests at once ({cap_src})"
+    )
+    if queue_seen or (not server_metrics and grew > 0 and d_ttft >= 0.6 * grew):
+        q = f"mean queue wait {queue_ms:.0f} ms" if queue_ms is not None else f"TTFT grew {d_ttft:.0f} ms"
+        return (
+            findings,
+            "server-queueing",
+            (
+                f"raise the server's capacity (max_num_seqs / a replica) above ~{capacity:.0f} concurrent requests: "
+                f"requests beyond that wait in its queue ({q}, up to "
+                f"{view.peak_waiting if view else conc.concurrency - capacity:.0f} waiting); client concurrency "
+                f"above {math.ceil(capacity)} only adds queueing, at {math.ceil(capacity)} you keep "
+                f"{conc.throughput:.2f} req/s with TTFT near {s['mean_ttft_ms']:.0f} ms"
+            ),
+        )
+    if d_decode >= d_ttft:
+        return (
+            findings,
+            "decode-bound",
+            (
+                f"cut decode work: TPOT grew {s['mean_tpot_ms']:.1f} -> {c['mean_tpot_ms']:.1f} ms as the batch grew "
+                f"and decoding is {100 * (c['mean_e2el_ms'] - c['mean_ttft_ms']) / max(c['mean_e2el_ms'], 1e-9):.0f}% "
+                f"of request time; lower max_tokens (mean output {out_tokens:.0f} tokens) or use a faster/quantized "
+                "model or more accelerators"
+            ),
+        )
+    return (
+        findings,
+        "prefill-bound",
+        f"cut prefill work: TTFT is {c['mean_ttft_ms']:.0f} ms of a {c['mean_e2el_ms']:.0f} ms request under load; "
+        "put the shared part of prompts first so the prefix cache hits"
+        + (
+            f" (hit rate now {100 * view.prefix_hit_rate:.0f}%)"
+            if view and view.prefix_hit_rate is not None
+            else ""
+        )
+        + ", shorten prompts, or enable chunked prefill",
+    )
