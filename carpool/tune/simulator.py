@@ -105,11 +105,14 @@ class BlockPool:
         return out
 
     def release(self, blocks: list[int]) -> None:
-        # Tail blocks first, so a prompt's later blocks are evicted before its prefix.
+        # Tail blocks first, so a prompt's later blocks are evicted before its prefix;
+        # blocks nobody can hit (no hash) go to the front, to be reused first.
         for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None
+                if b not in self.key_of:
+                    self.free.move_to_end(b, last=False)
 
     def commit(self, block: int, key: tuple) -> None:
         if self.caching and key not in self.cached:
@@ -127,7 +130,9 @@ class _Seq:
     num_computed: int = 0
     num_output: int = 0
     blocks: list[int] = field(default_factory=list)
-    enqueued: float = 0.0
+    waiting: bool = True
+    waiting_since: float = 0.0
+    wait_accum: float = 0.0
     first_scheduled: float | None = None
     first_token: float | None = None
     finish: float | None = None
@@ -263,7 +268,7 @@ class Simulator:
             r = self.backlog.popleft()
             submit = max(r.arrival, self._last_release) if self.cfg.max_concurrency else r.arrival
             s = _Seq(r, len(self.seqs), submit, r.block_keys(self.cfg.block_size) if
-                     self.cfg.enable_prefix_caching else [], num_tokens=r.prompt_len, enqueued=submit)
+                     self.cfg.enable_prefix_caching else [], num_tokens=r.prompt_len, waiting_since=submit)
             max_len = self.cfg.max_model_len
             total = r.prompt_len + r.output_len
             if max_len and total > max_len:
@@ -315,99 +320,96 @@ class Simulator:
         self._last_release = self.now
 
     # ------------------------------------------------------------- continuous
-    def _enqueue(self, s: _Seq, front: bool = False) -> None:
-        s.enqueued = self.now if front else s.submit
-        if front and self.cfg.scheduling_policy == "fcfs":
-            self.waiting.insert(0, s)
-        else:
-            self.waiting.append(s)
+    def _enqueue(self, s: _Seq) -> None:
+        s.waiting_since = self.now if s.preemptions else s.submit
+        self.waiting.append(s)
 
-    def _order_waiting(self) -> None:
-        p = self.cfg.scheduling_policy
+    def _key(self):
+        """Policy order, as carpool's scheduler: fcfs by arrival, priority (lower first), and
+        lof = longest total time spent waiting (across preemptions) first."""
+        p, now = self.cfg.scheduling_policy, self.now
         if p == "priority":
-            self.waiting.sort(key=lambda s: (s.req.priority, s.req.arrival, s.seqno))
-        elif p == "lof":
-            # Priority with aging: waiting lof_aging_s seconds is worth one priority level,
-            # so low-priority requests cannot starve.
-            a = self.cfg.lof_aging_s
-            self.waiting.sort(key=lambda s: (s.req.priority - (self.now - s.submit) / a, s.seqno))
-
-    def _victim(self) -> _Seq:
-        if self.cfg.scheduling_policy == "fcfs":
-            return self.running[-1]
-        return max(self.running, key=lambda s: (s.req.priority, s.req.arrival, s.seqno))
+            return lambda s: (s.req.priority, s.submit, s.seqno)
+        if p == "lof":
+            return lambda s: (-(s.wait_accum + (now - s.waiting_since if s.waiting else 0.0)), s.submit, s.seqno)
+        return lambda s: (s.submit, s.seqno)
 
     def _blocks_needed(self, s: _Seq, n: int) -> int:
         return ceil_div(s.num_computed + n, self.cfg.block_size) - len(s.blocks)
 
     def _preempt(self, s: _Seq) -> None:
-        self.running.remove(s)
         self.pool.release(s.blocks)
         s.blocks = []
         s.num_computed = 0
         s.preemptions += 1
+        s.waiting = True
         self.preemptions += 1
-        self._enqueue(s, front=True)
+        self._enqueue(s)
 
-    def _schedule(self) -> dict[int, tuple[_Seq, int]]:
+    def _schedule(self) -> list[tuple[_Seq, int]]:
+        """One step's batch, the same decisions as carpool.engine.scheduler.Scheduler.
+
+        Running sequences in policy order, decodes before unfinished prefills; a sequence
+        that cannot get its blocks preempts the lowest-ranked one not yet scheduled (or
+        itself); waiting sequences are admitted only in steps without preemption.
+        """
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
-        sched: dict[int, tuple[_Seq, int]] = {}
+        key = self._key()
+        sched: list[tuple[_Seq, int]] = []
+        self.running.sort(key=key)
+        queue = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        queue += [s for s in self.running if s.num_tokens - s.num_computed != 1]
+        kept: list[_Seq] = []
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            s = self.running[i]
-            n = s.num_tokens - s.num_computed
-            if not cfg.enable_chunked_prefill and n > budget:
-                i += 1
+        while queue:
+            s = queue.pop(0)
+            left = s.num_tokens - s.num_computed
+            n = min(left, budget)
+            if n <= 0 or (not cfg.enable_chunked_prefill and n < left):
+                kept.append(s)  # no budget this step; it stays running
                 continue
-            n = min(n, budget)
-            while True:
-                need = self._blocks_needed(s, n)
-                if need <= self.pool.num_free:
-                    s.blocks += self.pool.allocate(need) if need > 0 else []
-                    sched[s.seqno] = (s, n)
-                    budget -= n
-                    i += 1
-                    break
-                v = self._victim()
+            while self._blocks_needed(s, n) > self.pool.num_free and queue:
+                self._preempt(queue.pop())
                 preempted = True
-                if v.seqno in sched:  # undo its place in this step
-                    budget += sched.pop(v.seqno)[1]
-                    i -= 1
-                self._preempt(v)
-                if v is s:
-                    break
+            if self._blocks_needed(s, n) > self.pool.num_free:
+                self._preempt(s)
+                preempted = True
+                continue
+            s.blocks += self.pool.allocate(self._blocks_needed(s, n))
+            kept.append(s)
+            sched.append((s, n))
+            budget -= n
+        self.running = kept
         self._preempted_step = preempted
         if preempted:
-            return sched  # as vLLM: no new admissions in a step that had to preempt
-        self._order_waiting()
+            return sched  # memory is tight: no admissions this step
+        self.waiting.sort(key=key)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             s = self.waiting[0]
-            hit: list[int] = []
-            if s.num_computed == 0 and not s.blocks:
-                hit = self.pool.lookup(s.keys[: (s.num_tokens - 1) // cfg.block_size])
+            hit = self.pool.lookup(s.keys[: (s.num_tokens - 1) // cfg.block_size])
             computed = len(hit) * cfg.block_size
-            n = s.num_tokens - computed
-            if not cfg.enable_chunked_prefill and n > budget:
+            left = s.num_tokens - computed
+            n = min(left, budget)
+            if not cfg.enable_chunked_prefill and n < left:
                 break
-            n = min(n, budget)
             need = ceil_div(computed + n, cfg.block_size) - len(hit)
-            reusable_free = sum(1 for b in hit if self.pool.ref[b] == 0)
-            if need > self.pool.num_free - reusable_free:
+            need += sum(1 for b in hit if self.pool.ref[b] == 0)  # they leave the free list
+            if need > self.pool.num_free:
                 break
             self.waiting.pop(0)
-            self.pool.touch(hit)
-            s.blocks = hit + self.pool.allocate(need)
-            s.num_computed = computed
-            if s.preemptions == 0:
-                self.query_tokens += s.num_tokens
-                self.hit_tokens += computed
-                s.cached_tokens = computed
+            self.query_tokens += s.num_tokens
+            self.hit_tokens += computed
             if s.first_scheduled is None:
                 s.first_scheduled = self.now
+                s.cached_tokens = min(computed, s.req.prompt_len)
+            s.wait_accum += self.now - s.waiting_since
+            s.waiting = False
+            self.pool.touch(hit)
+            s.blocks = hit + self.pool.allocate(ceil_div(computed + n, cfg.block_size) - len(hit))
+            s.num_computed = computed
             self.running.append(s)
-            sched[s.seqno] = (s, n)
+            sched.append((s, n))
             budget -= n
         return sched
 
@@ -427,7 +429,7 @@ class Simulator:
                     continue  # everything was preempted: the next step admits again
                 raise RuntimeError("scheduler made no progress (a request cannot fit the budget or KV cache)")
             shape = StepShape(num_seqs=len(sched))
-            for s, n in sched.values():
+            for s, n in sched:
                 old = s.num_computed
                 if n == 1 and s.num_output > 0 and old == s.num_tokens - 1:
                     shape.num_decode_tokens += 1
@@ -440,7 +442,7 @@ class Simulator:
             used = self.n_blocks - self.pool.num_free
             self._record(dt, shape, used)
             self.now += dt
-            for s, n in sched.values():
+            for s, n in sched:
                 old = s.num_computed
                 s.num_computed += n
                 # Register prompt blocks that just became full, for later prefix hits.

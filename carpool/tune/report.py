@@ -1,0 +1,118 @@
+"""Side-by-side tables, plots (matplotlib Agg PNG) and a one-file HTML report."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+
+from carpool.tune.simulator import SimResult
+
+ROWS = [
+    ("throughput req/s", lambda r: r.throughput_rps, "{:.2f}"),
+    ("output tok/s", lambda r: r.output_tok_s, "{:.0f}"),
+    ("total tok/s", lambda r: r.total_tok_s, "{:.0f}"),
+    ("TTFT p50 / p99 ms", lambda r: (r.ttft_s["p50"] * 1e3, r.ttft_s["p99"] * 1e3), "{:.0f} / {:.0f}"),
+    ("TPOT p50 / p99 ms", lambda r: (r.tpot_s["p50"] * 1e3, r.tpot_s["p99"] * 1e3), "{:.1f} / {:.1f}"),
+    ("E2E p50 / p99 s", lambda r: (r.e2e_s["p50"], r.e2e_s["p99"]), "{:.2f} / {:.2f}"),
+    ("mean batch size", lambda r: r.mean_batch_size, "{:.1f}"),
+    ("tokens / step", lambda r: r.mean_tokens_per_step, "{:.0f}"),
+    ("utilisation", lambda r: r.utilisation, "{:.0%}"),
+    ("KV usage mean / max", lambda r: (r.kv_usage_mean, r.kv_usage_max), "{:.0%} / {:.0%}"),
+    ("preemptions", lambda r: r.preemptions, "{}"),
+    ("prefix hit rate", lambda r: r.prefix_hit_rate, "{:.0%}"),
+    ("finished / rejected", lambda r: (r.num_finished, r.num_rejected), "{} / {}"),
+]
+
+
+def _fmt(fmt: str, v) -> str:
+    vals = v if isinstance(v, tuple) else (v,)
+    if any(isinstance(x, float) and math.isnan(x) for x in vals):
+        return "-"
+    return fmt.format(*vals)
+
+
+def table(results: list[SimResult]) -> list[list[str]]:
+    out = [["", *[r.label for r in results]]]
+    for name, get, fmt in ROWS:
+        out.append([name, *[_fmt(fmt, get(r)) for r in results]])
+    return out
+
+
+def text_table(results: list[SimResult]) -> str:
+    rows = table(results)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in rows)
+
+
+def plots(results: list[SimResult]) -> dict[str, bytes]:
+    """PNG bytes by name: throughput bars, E2E CDFs, batch size and KV usage over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out: dict[str, bytes] = {}
+    labels = [r.label for r in results]
+
+    def save(fig, name):
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=100)
+        plt.close(fig)
+        out[name] = buf.getvalue()
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].barh(labels, [r.output_tok_s for r in results], color="tab:blue")
+    ax[0].set_xlabel("output tokens/s")
+    ax[1].barh(labels, [r.e2e_s["p99"] for r in results], color="tab:red")
+    ax[1].set_xlabel("P99 end-to-end latency (s)")
+    ax[1].set_yticks([])
+    save(fig, "throughput_latency")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r in results:
+        e2e = sorted(q["finish"] - q["submit"] for q in r.requests if q["finish"] is not None and not q["error"])
+        if e2e:
+            ax.plot(e2e, np.linspace(0, 1, len(e2e)), label=r.label)
+    ax.set_xlabel("end-to-end latency (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.legend(fontsize=7)
+    save(fig, "e2e_cdf")
+
+    if any(r.steps for r in results):
+        fig, ax = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+        for r in results:
+            if not r.steps:
+                continue
+            t = [s["t"] for s in r.steps]
+            ax[0].plot(t, [s["num_seqs"] for s in r.steps], lw=0.8, label=r.label)
+            ax[1].plot(t, [s["kv_blocks_used"] / max(r.num_kv_blocks, 1) for s in r.steps], lw=0.8)
+        ax[0].set_ylabel("sequences / step")
+        ax[0].legend(fontsize=7)
+        ax[1].set_ylabel("KV usage")
+        ax[1].set_xlabel("time (s)")
+        save(fig, "timeline")
+    return out
+
+
+def html_report(results: list[SimResult], title: str, meta: dict | None = None) -> str:
+    rows = table(results)
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows[1:])
+    imgs = "".join(
+        f'<h2>{html.escape(name)}</h2><img alt="{name}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+        for name, png in plots(results).items()
+    )
+    meta_html = f"<pre>{html.escape(json.dumps(meta, indent=2, default=str))}</pre>" if meta else ""
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>body{{font-family:sans-serif;margin:2em}}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        "td:first-child{text-align:left}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table>{imgs}{meta_html}</body></html>"
+    )
