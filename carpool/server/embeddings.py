@@ -86,10 +86,7 @@ def _encode(vec: np.ndarray, fmt: str) -> list[float] | str:
 async def create_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json(request)
-    if state.batcher is None:
-        raise ApiError(404, "no embedding model is served (start with --embedding-model NAME)",
-                       param="model", code="model_not_found")
-    model = state.resolve_model(body, "embedding")
+    model = state.resolve_model(body, "embedding")  # 404 when no embedding model is served
     inp = body.get("input")
     if isinstance(inp, list) and inp and all(isinstance(x, (int, list)) for x in inp):
         raise ApiError(400, "'input': token-id input is not supported for embeddings; send strings",

@@ -1,0 +1,122 @@
+"""Bad requests get OpenAI-style error bodies, the API key guards every endpoint but /health,
+and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from carpool.server import ServerConfig, start_server
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _call(url: str, body: bytes | dict | None = None, headers: dict | None = None, method: str | None = None):
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def _error(status_body) -> dict:
+    _status, _, raw = status_body
+    body = json.loads(raw)
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param, needle",
+    [
+        ("/v1/chat/completions", b"{not json", 400, None, "JSON"),
+        ("/v1/chat/completions", b"[1, 2]", 400, None, "object"),
+        ("/v1/chat/completions", {"model": "gpt-nope", "messages": MSG}, 404, "model", "gpt-nope"),
+        ("/v1/chat/completions", {"model": "tiny-random"}, 400, "messages", "required"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "robot"),
+        ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, 400, "temperature", "number"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2040}, 400, "max_tokens", "max_tokens"),
+        ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 2045}, 400,
+         "max_completion_tokens", "context length"),
+        ("/v1/chat/completions", {"messages": MSG, "n": 1000}, 400, "n", "<="),
+        ("/v1/chat/completions", {"messages": MSG, "logprobs": True}, 400, "logprobs", "not supported"),
+        ("/v1/chat/completions", {"messages": MSG, "stop": 5}, 400, "stop", "string"),
+        ("/v1/completions", {"prompt": 12}, 400, "prompt", "must be"),
+        ("/v1/completions", {"prompt": "x" * 30000, "max_tokens": 1}, 400, "prompt", "context length"),
+        ("/v1/completions", {"model": "all-MiniLM-L6-v2", "prompt": "x"}, 404, "model", "all-MiniLM-L6-v2"),
+        ("/v1/embeddings", {"model": "tiny-random", "input": "x"}, 404, "model", "tiny-random"),
+    ],
+)
+def test_bad_request_then_server_still_serves(server, path, body, status, param, needle):
+    result = _call(server.base_url + path, body)
+    assert result[0] == status, result
+    err = _error(result)
+    assert err["param"] == param
+    assert needle.lower() in err["message"].lower()
+    if status == 404:
+        assert err["code"] == "model_not_found"
+    ok = _call(server.base_url + "/v1/chat/completions", {"messages": MSG, "max_tokens": 2})
+    assert ok[0] == 200 and json.loads(ok[2])["object"] == "chat.completion"
+
+
+def test_unknown_route_and_method_are_openai_errors(server):
+    assert _error(_call(server.base_url + "/v1/nothing"))["code"] == "404"
+    status, _, _ = _call(server.base_url + "/v1/chat/completions", method="GET")
+    assert status == 405
+
+
+def test_sdk_raises_typed_errors(openai_client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        openai_client.chat.completions.create(model="missing", messages=MSG)
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(model="tiny-random", messages=MSG, max_tokens=100000)
+    assert "max_tokens" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_engine, tiny_config):
+    cfg = ServerConfig(engine=tiny_config, port=0, api_key="sekrit", embedding_model=None)
+    with start_server(cfg, engine=tiny_engine) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ("/v1/embeddings", {"input": "x"}),
+    ("/v1/models", None),
+    ("/metrics", None),
+    ("/openapi.json", None),
+])
+def test_api_key_required_everywhere_but_health(keyed_server, path, body):
+    url = keyed_server.base_url + path
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+        result = _call(url, body, headers)
+        assert result[0] == 401, (headers, result)
+        assert _error(result)["code"] == "invalid_api_key"
+    status, _, _ = _call(url, body, {"Authorization": "Bearer sekrit"})
+    assert status in (200, 404)  # 404: this server serves no embedding model
+
+
+def test_health_is_open_and_sdk_with_key_works(keyed_server):
+    import openai
+
+    assert _call(keyed_server.base_url + "/health")[0] == 200
+    bad = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key="sekrit", max_retries=0)
+    r = good.chat.completions.create(model="tiny-random", messages=MSG, max_tokens=2)
+    assert r.choices[0].message.role == "assistant"
