@@ -1,0 +1,132 @@
+"""Crash-safe progress: the output files are the journal.
+
+Every finished task is one appended line of the output (or errors) file, and a task is
+"done" exactly when its line is complete in that file.  There is no second file that
+could disagree with the output, so after a crash or Ctrl-C:
+
+- a half-written last line (the process died mid-write) is cut off;
+- the custom_ids of the complete lines are the done set; the reader skips them;
+- nothing done is sent again and no line is ever written twice.
+
+Lines start with ``{"custom_id": ...`` so recovery decodes only that string, not the
+whole response.  The done set is a sorted numpy array of 64-bit hashes (8 bytes a task:
+80 MB for 10 million), which keeps resume of huge jobs in bounded memory.  A small state
+file beside the output remembers the input file and the command, to warn when a resume
+uses a different input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+_DECODER = json.JSONDecoder()
+_HEAD = '{"custom_id":'
+
+
+def id_hash(custom_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(custom_id.encode(), digest_size=8).digest(), "little")
+
+
+class DoneSet:
+    def __init__(self, hashes: np.ndarray | None = None):
+        self._h = np.unique(hashes) if hashes is not None and len(hashes) else np.zeros(0, np.uint64)
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def __contains__(self, custom_id: str) -> bool:
+        if not len(self._h):
+            return False
+        h = np.uint64(id_hash(custom_id))
+        i = int(np.searchsorted(self._h, h))
+        return i < len(self._h) and self._h[i] == h
+
+
+def _line_id(line: bytes) -> str | None:
+    text = line.decode("utf-8", "replace")
+    if text.startswith(_HEAD):
+        try:
+            value, _ = _DECODER.raw_decode(text, len(_HEAD))
+            return value if isinstance(value, str) else None
+        except ValueError:
+            pass
+    try:  # a line written by something else: decode it all
+        obj = json.loads(text)
+        return obj.get("custom_id") if isinstance(obj, dict) else None
+    except ValueError:
+        return None
+
+
+def recover_file(path: Path) -> tuple[list[int], int]:
+    """Cut a trailing partial line; return (hashes of done custom_ids, bytes cut)."""
+    if not path.exists():
+        return [], 0
+    hashes: list[int] = []
+    good_end = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            good_end += len(line)
+            cid = _line_id(line)
+            if cid is not None:
+                hashes.append(id_hash(cid))
+    size = path.stat().st_size
+    if size > good_end:
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+            os.fsync(f.fileno())
+    return hashes, size - good_end
+
+
+class Journal:
+    def __init__(self, output: str | os.PathLike, errors: str | os.PathLike | None = None):
+        self.paths = [Path(output)] + ([Path(errors)] if errors else [])
+        self.state_path = Path(str(output) + ".carpool.json")
+        self.done = DoneSet()
+        self.cut_bytes = 0
+
+    def exists(self) -> bool:
+        return any(p.exists() and p.stat().st_size > 0 for p in self.paths)
+
+    def recover(self) -> DoneSet:
+        all_hashes: list[int] = []
+        for p in self.paths:
+            hashes, cut = recover_file(p)
+            all_hashes.extend(hashes)
+            self.cut_bytes += cut
+        self.done = DoneSet(np.array(all_hashes, dtype=np.uint64))
+        return self.done
+
+    def reset(self) -> None:
+        """``--fresh``: start over (the old output is removed)."""
+        for p in self.paths + [self.state_path]:
+            if p.exists():
+                p.unlink()
+
+    def check_state(self, input_path: str) -> str | None:
+        """A warning when the previous run used another input file, else None."""
+        try:
+            old = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return None
+        st = os.stat(input_path)
+        if old.get("input") != os.path.abspath(input_path) or old.get("input_size") != st.st_size:
+            return (f"the previous run into this output used {old.get('input')} ({old.get('input_size')} bytes); "
+                    f"now {os.path.abspath(input_path)} ({st.st_size} bytes). Tasks are matched by custom_id; "
+                    "use --fresh to start over")
+        return None
+
+    def write_state(self, input_path: str, finished: bool, argv: list[str] | None = None) -> None:
+        st = os.stat(input_path)
+        doc = {"input": os.path.abspath(input_path), "input_size": st.st_size, "finished": finished,
+               "argv": argv if argv is not None else sys.argv}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.state_path)

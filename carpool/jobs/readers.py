@@ -1,0 +1,103 @@
+"""Streamed readers: JSONL (plain or OpenAI Batch), CSV and Parquet.
+
+Every reader yields ``Task | BadLine`` one at a time, so a file of any size is read in
+bounded memory.  Line numbers are 1-based and count the file's lines (for CSV the line
+where the record ends, the header being line 1; for Parquet the row number), so an error
+can be found with ``sed -n Np``.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_task, parse_json_line
+
+FORMATS = ("jsonl", "batch", "csv", "parquet")
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        return "csv"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    return "jsonl"  # .jsonl, .json, .ndjson; Batch-format lines are recognised line by line
+
+
+class Reader:
+    def __init__(self, path: str | os.PathLike, fmt: str | None = None, template: Template | None = None,
+                 defaults: TaskDefaults | None = None):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"input file {str(self.path)!r} does not exist")
+        self.fmt = fmt or detect_format(path)
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown input format {self.fmt!r}; one of {', '.join(FORMATS)}")
+        self.template = template
+        self.defaults = defaults or TaskDefaults()
+
+    def __iter__(self) -> Iterator[Task | BadLine]:
+        if self.fmt in ("jsonl", "batch"):
+            return self._jsonl()
+        if self.fmt == "csv":
+            return self._rows(self._csv_rows())
+        return self._rows(self._parquet_rows())
+
+    def count(self) -> int | None:
+        """How many records (for the progress bar); a fast byte scan, run it off the event loop."""
+        if self.fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(self.path).metadata.num_rows
+        n, last = 0, b"\n"
+        with open(self.path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                n += chunk.count(b"\n")
+                last = chunk[-1:]
+        if last != b"\n":
+            n += 1
+        return n - 1 if self.fmt == "csv" else n
+
+    def _jsonl(self) -> Iterator[Task | BadLine]:
+        with open(self.path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield BadLine(line_no, f"line-{line_no}", "", f"not UTF-8 text ({e.reason} at byte {e.start})")
+                    continue
+                item = parse_json_line(text, line_no, self.defaults)
+                if item is not None:
+                    yield item
+
+    def _csv_rows(self) -> Iterator[tuple[int, dict]]:
+        with open(self.path, newline="", encoding="utf-8") as f:
+            dialect = "excel-tab" if self.path.suffix.lower() == ".tsv" else "excel"
+            reader = csv.DictReader(f, dialect=dialect)
+            for row in reader:
+                yield reader.line_num, row
+
+    def _parquet_rows(self) -> Iterator[tuple[int, dict]]:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(self.path)
+        n = 0
+        for batch in pf.iter_batches(batch_size=2048):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
+
+    def _rows(self, rows: Iterator[tuple[int, dict]]) -> Iterator[Task | BadLine]:
+        for line_no, row in rows:
+            if self.template is not None:
+                yield build_from_row(row, line_no, self.template, self.defaults)
+            elif any(k in row for k in ("messages", "prompt", "input")):
+                rec = {k: v for k, v in row.items() if v is not None and v != ""}
+                yield build_task(rec, line_no, self.defaults)
+            else:
+                yield BadLine(line_no, f"line-{line_no}", "template",
+                              "this file has no prompt/input column: pass --template, e.g. "
+                              f"--template 'Classify: {{{next(iter(row), 'text')}}}'")

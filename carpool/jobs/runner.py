@@ -1,0 +1,509 @@
+"""The batch pipeline: reader -> journal (skip done) -> cache / dedup -> limiter ->
+backend (HTTP or the in-process engine) -> cache store -> writer (the journal).
+
+Memory stays bounded whatever the file size: the reader is a generator, and a task takes
+one of ``max_pending`` slots from the moment it is read until its line is in the output
+file, so at most that many tasks (and, with ``--ordered``, held-back lines) exist at once.
+Concurrency towards the backend is the limiter's business, below that bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from carpool.client import retry as R
+from carpool.client.base import CallResult, Request
+from carpool.client.budget import make_budget
+from carpool.client.executor import Executor
+from carpool.client.limiter import FixedLimiter, make_limiter
+from carpool.client.pool import Timeouts
+from carpool.jobs.journal import DoneSet, Journal
+from carpool.jobs.progress import Progress
+from carpool.jobs.readers import Reader
+from carpool.jobs.summary import JobStats
+from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, prefix_key
+from carpool.jobs.writer import Appender, ResultWriter, error_line, success_line
+
+try:  # the cache room's package; the pipeline works without it (exact-body dedup only)
+    from carpool import cache as _cache
+
+    _cache.open_cache  # noqa: B018  (fail here if the package is still an empty stub)
+except (ImportError, AttributeError):
+    _cache = None
+
+
+@dataclass
+class RunOptions:
+    input: str
+    output: str
+    errors: str | None = None
+    fmt: str | None = None
+    template: Template | None = None
+    defaults: TaskDefaults = field(default_factory=TaskDefaults)
+    endpoints: list[str] = field(default_factory=list)  # empty: the embedded engine
+    api_key: str | None = None
+    engine_model: str = "smollm2"
+    engine_config: dict = field(default_factory=dict)  # extra EngineConfig fields
+    engine: object | None = None  # an EngineClient already running (API / tests); not shut down here
+    embedder_factory: object | None = None
+    concurrency: int | None = None
+    max_concurrency: int | None = None
+    rpm: float | None = None
+    tpm: float | None = None
+    stream: bool = True
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_attempts: int = 6
+    ordered: bool = False
+    prefix_order: bool = False
+    prefix_window: int = 1024
+    cache: str | None = None  # None: the default SQLite file; "off"; sqlite:///...; redis://...
+    cache_ttl: float | None = None
+    cache_sampled: bool = False
+    semantic_cache: float | None = None  # cosine threshold, opt-in
+    dedup: bool = True
+    fresh: bool = False
+    progress: bool | None = None  # None: when stderr is a terminal
+    report: str | None = None
+    max_pending: int = 2048
+    dry_run: bool = False  # answer every task locally without a backend (memory / overhead runs)
+    latency_signal: str = "tpot"
+    argv: list[str] | None = None
+    quiet: bool = False
+
+
+class DryBackend:
+    """Answers at once with a fixed tiny body: the pipeline without any model or network."""
+
+    name = "dry-run"
+
+    async def call(self, req: Request) -> CallResult:
+        body = {"id": "dry", "object": "chat.completion", "model": "dry-run",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+        return CallResult(ok=True, status_code=200, body=body, request_id="dry", ttft_s=0.0)
+
+    async def close(self) -> None:
+        return None
+
+
+def _body_key(req: Request) -> str:
+    doc = json.dumps([req.kind, req.body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
+def _fallback_cacheable(body: dict, kind: str) -> bool:
+    return kind == "embedding" or body.get("temperature", 1.0) == 0
+
+
+class Runner:
+    def __init__(self, opts: RunOptions):
+        self.opts = opts
+        self.stats = JobStats()
+        self._stop = False
+        self._pending: set[asyncio.Task] = set()
+        self._inflight: dict[str, asyncio.Future] = {}  # dedup: key -> leader's result
+        self._recent: collections.OrderedDict[str, CallResult] = collections.OrderedDict()
+        self._store = None
+        self._sem = None
+        self._owned_engine = None
+        self._warned_cache = False
+        self.executor: Executor | None = None
+        self.limiter: FixedLimiter | None = None
+        self.backend = None
+        self.messages: list[str] = []  # what the user should read after the run (warnings, resume)
+
+    # -- setup ----------------------------------------------------------------------------
+    async def _make_backend(self):
+        o = self.opts
+        if o.dry_run:
+            return DryBackend()
+        if o.endpoints:
+            from carpool.client.http_backend import HttpBackend
+
+            return HttpBackend(o.endpoints, model=o.defaults.model, api_key=o.api_key, stream=o.stream,
+                               timeouts=o.timeouts, max_connections=o.max_concurrency or 0)
+        from carpool.client.engine_backend import EngineBackend, default_embedder_factory
+
+        engine = o.engine
+        if engine is None:
+            from carpool.engine import AsyncEngine, EngineConfig
+
+            engine = AsyncEngine(EngineConfig(model=o.engine_model, **o.engine_config))
+            await engine.start()
+            self._owned_engine = engine
+        return EngineBackend(engine, o.embedder_factory or default_embedder_factory)
+
+    def _make_limiter(self) -> FixedLimiter:
+        o = self.opts
+        if o.dry_run and not o.concurrency:
+            return FixedLimiter(256)
+        if not o.endpoints and not o.concurrency:
+            # In-process the engine's own scheduler batches: keep it fed (two per batch slot),
+            # nothing to learn from 429s that cannot happen.
+            seqs = int(o.engine_config.get("max_num_seqs", 64))
+            n = 2 * seqs if not o.max_concurrency else min(2 * seqs, o.max_concurrency)
+            return FixedLimiter(n)
+        return make_limiter(o.concurrency, o.max_concurrency)
+
+    def _open_caches(self) -> None:
+        o = self.opts
+        if _cache is None:
+            self.stats.cache_backend = "unavailable"
+            return
+        try:
+            self._store = _cache.open_cache(o.cache, ttl_s=o.cache_ttl)
+            self.stats.cache_backend = getattr(self._store, "backend", type(self._store).__name__)
+            loc = getattr(self._store, "path", None)
+            if loc:
+                self.stats.cache_backend += f" ({loc})"
+        except Exception as e:  # a bad URL or an unreachable Redis: say so, run uncached
+            self.messages.append(f"cache disabled: {e}")
+            self._store = None
+            self.stats.cache_backend = "off (error)"
+        if o.semantic_cache:
+            try:
+                sem_dir = _cache.default_semantic_dir(self._store)
+                self._sem = _cache.SemanticCache(sem_dir, threshold=o.semantic_cache)
+            except Exception as e:
+                self.messages.append(f"semantic cache disabled: {e}")
+                self._sem = None
+
+    def _endpoint_identity(self) -> str:
+        if self.opts.endpoints:
+            return ",".join(sorted(self.opts.endpoints))
+        return "carpool-engine" if not self.opts.dry_run else "dry-run"
+
+    def _model_of(self, req: Request) -> str:
+        if req.body.get("model"):
+            return str(req.body["model"])
+        return getattr(self.backend, "model_name", None) or self.opts.engine_model
+
+    # -- control --------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """First Ctrl-C: stop reading, let in-flight requests finish.  Second: stop now."""
+        self.stats.interrupted = True
+        if not self._stop:
+            self._stop = True
+            print(f"\ncarpool run: stopping; finishing {len(self._pending)} requests in flight "
+                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            return
+        for t in list(self._pending):
+            t.cancel()
+
+    def resume_command(self) -> str:
+        argv = self.opts.argv if self.opts.argv is not None else sys.argv[1:]
+        argv = [a for a in argv if a != "--fresh"]
+        return "carpool " + shlex.join(argv)
+
+    # -- the run --------------------------------------------------------------------------
+    async def run(self) -> JobStats:
+        o = self.opts
+        reader = Reader(o.input, o.fmt, o.template, o.defaults)
+        journal = Journal(o.output, o.errors)
+        done = DoneSet()
+        if o.fresh:
+            journal.reset()
+        elif journal.exists():
+            warning = journal.check_state(o.input)
+            if warning:
+                self.messages.append("warning: " + warning)
+            done = journal.recover()
+            if journal.cut_bytes:
+                self.messages.append(f"cut a half-written last line ({journal.cut_bytes} bytes) from the output")
+        journal.write_state(o.input, finished=False, argv=o.argv)
+        writer = ResultWriter(Appender(o.output), Appender(o.errors) if o.errors else None, ordered=o.ordered)
+        self.backend = await self._make_backend()
+        self.stats.backend = (f"http {', '.join(o.endpoints)}" if o.endpoints else
+                              "dry-run" if o.dry_run else f"engine {getattr(self.backend, 'model_name', '')}")
+        self.limiter = self._make_limiter()
+        self.executor = Executor(self.backend, self.limiter, make_budget(o.rpm, o.tpm),
+                                 R.RetryPolicy(max_attempts=o.max_attempts), latency_signal=o.latency_signal)
+        self._open_caches()
+        progress = Progress(self.stats, o.progress if not o.quiet else False)
+        progress.start()
+        counter = asyncio.get_running_loop().run_in_executor(None, reader.count)
+        counter.add_done_callback(lambda f: setattr(self.stats, "total", f.result()) if not f.exception() else None)
+        ticker = asyncio.create_task(self._tick(writer, progress))
+        self.stats.started = time.monotonic()
+        try:
+            await self._produce(reader, done, writer)
+            while self._pending:
+                await asyncio.gather(*list(self._pending), return_exceptions=True)
+        finally:
+            ticker.cancel()
+            for t in list(self._pending):
+                t.cancel()
+            writer.close()
+            self.stats.finished = time.monotonic()
+            self.stats.retries.update(self.executor.retries)
+            self.stats.sample(self.limiter.snapshot())
+            progress.stop()
+            await self._close()
+            journal.write_state(o.input, finished=not self.stats.interrupted, argv=o.argv)
+        if self.stats.interrupted:
+            self.messages.append(f"interrupted: {self.stats.done + self.stats.skipped:,} tasks are in {o.output}. "
+                                 f"Resume with:\n  {self.resume_command()}")
+        if o.report:
+            from carpool.jobs.report import write_report
+
+            write_report(o.report, self.stats, self.limiter, self._sem)
+        return self.stats
+
+    async def _close(self) -> None:
+        try:
+            await self.backend.close()
+        finally:
+            if self._owned_engine is not None:
+                await self._owned_engine.shutdown()
+            for c in (self._store, self._sem):
+                if c is not None and hasattr(c, "close"):
+                    try:
+                        c.close()
+                    except Exception:
+                        pass
+
+    async def _tick(self, writer: ResultWriter, progress: Progress) -> None:
+        last_sample = 0.0
+        while True:
+            await asyncio.sleep(0.25)
+            writer.tick()
+            lim = self.limiter.snapshot()
+            progress.update(f" conc {lim['in_flight']}/{lim['limit']:g}" if self.opts.endpoints else "")
+            now = time.monotonic()
+            if now - last_sample >= 1.0:
+                last_sample = now
+                self.stats.sample(lim)
+
+    async def _produce(self, reader: Reader, done: DoneSet, writer: ResultWriter) -> None:
+        o = self.opts
+        slots = asyncio.Semaphore(o.max_pending)
+        seq = 0
+        window: list[tuple[int, Task]] = []
+        check = getattr(self.backend, "check", None)
+
+        def written() -> None:
+            slots.release()
+            self.stats.done += 1
+
+        self._written = written
+        n = 0
+        for item in reader:
+            if self._stop:
+                break
+            n += 1
+            if n % 64 == 0:
+                await asyncio.sleep(0)  # let responses in while a fast reader runs ahead
+            if len(done) and item.custom_id in done:
+                self.stats.skipped += 1
+                continue
+            await slots.acquire()
+            s, seq = seq, seq + 1
+            if isinstance(item, BadLine):
+                self.stats.bad_lines += 1
+                self.stats.errors[R.INVALID_INPUT] += 1
+                writer.emit(s, error_line(item.custom_id, R.INVALID_INPUT, item.message, item.line_no, item.field),
+                            True, written)
+                continue
+            problem = check(item.request) if check is not None else None
+            if problem is not None:
+                self.stats.bad_lines += 1
+                self.stats.errors[R.INVALID_INPUT] += 1
+                msg = f"line {item.line_no}: field '{problem[0]}': {problem[1]}"
+                writer.emit(s, error_line(item.custom_id, R.INVALID_INPUT, msg, item.line_no, problem[0]),
+                            True, written)
+                continue
+            if o.prefix_order:
+                window.append((s, item))
+                if len(window) >= o.prefix_window:
+                    self._dispatch_window(window, writer)
+                    window = []
+                continue
+            self._dispatch(s, item, writer)
+        if window:
+            self._dispatch_window(window, writer)
+
+    def _dispatch_window(self, window: list[tuple[int, Task]], writer: ResultWriter) -> None:
+        # Stable sort by the start of the prompt: tasks sharing a prefix reach the server
+        # together, while its prefix cache still holds the shared blocks.
+        window.sort(key=lambda st: prefix_key(st[1]))
+        for s, t in window:
+            self._dispatch(s, t, writer)
+
+    def _dispatch(self, seq: int, task: Task, writer: ResultWriter) -> None:
+        t = asyncio.create_task(self._handle(seq, task, writer))
+        self._pending.add(t)
+        t.add_done_callback(self._pending.discard)
+
+    # -- one task -------------------------------------------------------------------------
+    def _cacheable(self, req: Request) -> bool:
+        if _cache is not None:
+            try:
+                return _cache.is_cacheable(req.body, cache_sampled=self.opts.cache_sampled)
+            except Exception:
+                pass
+        return _fallback_cacheable(req.body, req.kind)
+
+    def _key(self, req: Request) -> str:
+        if _cache is not None:
+            try:
+                return _cache.cache_key(model=self._model_of(req), endpoint=self._endpoint_identity(), body=req.body)
+            except Exception:
+                pass
+        return _body_key(req)
+
+    def _store_get(self, key: str) -> dict | None:
+        if self._store is None:
+            return None
+        try:
+            return self._store.get(key)
+        except Exception as e:
+            self._cache_failed(e)
+            return None
+
+    def _store_put(self, key: str, body: dict) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.put(key, body, ttl_s=self.opts.cache_ttl)
+        except Exception as e:
+            self._cache_failed(e)
+
+    def _cache_failed(self, e: Exception) -> None:
+        if not self._warned_cache:
+            self._warned_cache = True
+            self.messages.append(f"cache error (the job ran on without it): {e}")
+
+    async def _handle(self, seq: int, task: Task, writer: ResultWriter) -> None:
+        req = task.request
+        o = self.opts
+        st = self.stats
+        cacheable = self._cacheable(req) if (self._store is not None or o.dedup or self._sem) else False
+        key = self._key(req) if cacheable else None
+        fut: asyncio.Future | None = None
+        if key is not None:
+            hit = self._store_get(key)
+            if hit is not None:
+                st.cache_hits += 1
+                st.saved_tokens += _usage_tokens(hit)
+                writer.emit(seq, success_line(req.custom_id, 200, "cache:exact", hit), False, self._written)
+                return
+            if o.dedup:
+                leader = self._inflight.get(key)
+                if leader is not None:
+                    res = await asyncio.shield(leader)
+                    st.dedup_fanouts += 1
+                    self._emit_result(seq, task, res, 1, writer, fanout=True)
+                    return
+                recent = self._recent.get(key)
+                if recent is not None:
+                    self._recent.move_to_end(key)
+                    st.dedup_fanouts += 1
+                    self._emit_result(seq, task, recent, 1, writer, fanout=True)
+                    return
+                fut = asyncio.get_running_loop().create_future()
+                self._inflight[key] = fut
+        try:
+            sem_text = sem_scope = None
+            if self._sem is not None and key is not None:
+                sem_text = _cache.semantic_text(req.body)
+                if sem_text is not None:
+                    sem_scope = _cache.scope_key(model=self._model_of(req), endpoint=self._endpoint_identity(),
+                                                 body=req.body)
+                    found = await asyncio.to_thread(self._sem.lookup, sem_scope, sem_text)
+                    if found is not None:
+                        body, sim = found
+                        st.semantic_hits += 1
+                        st.saved_tokens += _usage_tokens(body)
+                        if len(st.semantic_similarities) < 1000:
+                            st.semantic_similarities.append((req.custom_id, round(float(sim), 4)))
+                        res = CallResult(ok=True, status_code=200, body=body, request_id=f"cache:semantic:{sim:.3f}")
+                        self._finish_leader(key, fut, res)
+                        fut = None
+                        writer.emit(seq, success_line(req.custom_id, 200, res.request_id, body), False,
+                                    self._written)
+                        return
+            st.sent += 1
+            outcome = await self.executor.execute(req)
+            res = outcome.result
+            self._account(res)
+            if res.ok and key is not None:
+                self._store_put(key, res.body)
+                if sem_text is not None:
+                    try:
+                        await asyncio.to_thread(self._sem.add, sem_scope, sem_text, res.body)
+                    except Exception as e:
+                        self._cache_failed(e)
+            self._finish_leader(key, fut, res)
+            fut = None
+            self._emit_result(seq, task, res, outcome.attempts, writer)
+        finally:
+            if fut is not None and not fut.done():  # cancelled: followers must not wait forever
+                fut.cancel()
+                self._inflight.pop(key, None)
+
+    def _finish_leader(self, key: str | None, fut: asyncio.Future | None, res: CallResult) -> None:
+        if fut is None or key is None:
+            return
+        self._inflight.pop(key, None)
+        if not fut.done():
+            fut.set_result(res)
+        if res.ok:
+            self._recent[key] = res
+            if len(self._recent) > 2048:
+                self._recent.popitem(last=False)
+
+    def _account(self, res: CallResult) -> None:
+        st = self.stats
+        if res.ok:
+            st.prompt_tokens += res.prompt_tokens
+            st.completion_tokens += res.completion_tokens
+            st.cached_prompt_tokens += res.cached_tokens
+            st.ttft.add(res.ttft_s)
+            st.tpot.add(res.tpot_s)
+            st.e2e.add(res.e2e_s)
+
+    def _emit_result(self, seq: int, task: Task, res: CallResult, attempts: int, writer: ResultWriter,
+                     fanout: bool = False) -> None:
+        req = task.request
+        if res.ok:
+            self.stats.ok += 1
+            if fanout:
+                self.stats.saved_tokens += res.prompt_tokens + res.completion_tokens
+            rid = "dedup:" + res.request_id if fanout else res.request_id
+            writer.emit(seq, success_line(req.custom_id, res.status_code or 200, rid, res.body), False, self._written)
+            return
+        kind = res.error_kind or R.SERVER_ERROR
+        self.stats.errors[kind] += 1
+        msg = f"line {task.line_no}: {res.error_message}" if res.error_message else f"line {task.line_no}: {kind}"
+        writer.emit(seq, error_line(req.custom_id, kind, msg, task.line_no, None, res.status_code or None,
+                                    res.body, attempts), True, self._written)
+
+
+def _usage_tokens(body: dict) -> int:
+    u = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(u, dict):
+        return 0
+    return int(u.get("total_tokens") or (u.get("prompt_tokens") or 0) + (u.get("completion_tokens") or 0))
+
+
+def run_with_signals(runner: Runner) -> JobStats:
+    """Run the job on a fresh event loop; Ctrl-C (SIGINT) and SIGTERM stop it gracefully."""
+
+    async def main() -> JobStats:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, runner.request_stop)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        return await runner.run()
+
+    return asyncio.run(main())

@@ -1,0 +1,157 @@
+"""Job statistics, kept in bounded memory, and the end-of-job summary table.
+
+Latencies go into fixed-size reservoirs (uniform samples) so percentiles of a
+10-million-task job cost the same memory as those of a small one; the timeline keeps
+one row per second for the report's plots.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Reservoir:
+    def __init__(self, size: int = 50_000, seed: int = 0):
+        self.size = size
+        self.values: list[float] = []
+        self.seen = 0
+        self._rng = random.Random(seed)
+
+    def add(self, v: float | None) -> None:
+        if v is None:
+            return
+        self.seen += 1
+        if len(self.values) < self.size:
+            self.values.append(v)
+        else:
+            j = self._rng.randrange(self.seen)
+            if j < self.size:
+                self.values[j] = v
+
+    def pct(self, q: float) -> float | None:
+        return float(np.percentile(self.values, q)) if self.values else None
+
+
+@dataclass
+class JobStats:
+    total: int | None = None  # records in the input (None until counted)
+    done: int = 0  # lines written this run
+    ok: int = 0
+    errors: Counter = field(default_factory=Counter)  # kind -> count
+    skipped: int = 0  # already done in an earlier run (resume)
+    bad_lines: int = 0
+    cache_hits: int = 0
+    semantic_hits: int = 0
+    semantic_similarities: list = field(default_factory=list)  # (custom_id, similarity), first 1000
+    dedup_fanouts: int = 0
+    saved_tokens: int = 0
+    sent: int = 0  # requests that went to the backend (first attempts)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    retries: Counter = field(default_factory=Counter)
+    ttft: Reservoir = field(default_factory=Reservoir)
+    tpot: Reservoir = field(default_factory=Reservoir)
+    e2e: Reservoir = field(default_factory=Reservoir)
+    timeline: list = field(default_factory=list)  # one dict a second
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    interrupted: bool = False
+    backend: str = ""
+    cache_backend: str = "off"
+
+    @property
+    def elapsed(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    @property
+    def n_errors(self) -> int:
+        return sum(self.errors.values())
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def saved_time_s(self) -> float:
+        """Time the cache hits and fan-outs saved, at this job's measured token throughput."""
+        rate = self.tokens / self.elapsed if self.elapsed > 0 and self.tokens else 0.0
+        return self.saved_tokens / rate if rate else 0.0
+
+    def sample(self, limiter_snapshot: dict | None = None) -> None:
+        row = {"t": round(self.elapsed, 3), "done": self.done, "ok": self.ok, "errors": self.n_errors,
+               "tokens": self.tokens, "completion_tokens": self.completion_tokens,
+               "cache_hits": self.cache_hits + self.semantic_hits + self.dedup_fanouts,
+               "retries": sum(self.retries.values())}
+        if limiter_snapshot:
+            row.update(limit=limiter_snapshot.get("limit"), in_flight=limiter_snapshot.get("in_flight"),
+                       drops=limiter_snapshot.get("drops"))
+        self.timeline.append(row)
+        if len(self.timeline) > 20000:  # very long jobs: keep every other point
+            self.timeline = self.timeline[::2]
+
+    def to_dict(self) -> dict:
+        el = self.elapsed
+
+        def ms(r: Reservoir, q: float) -> float | None:
+            v = r.pct(q)
+            return None if v is None else round(v * 1000, 2)
+
+        return {
+            "total": self.total, "done": self.done, "ok": self.ok, "errors": dict(self.errors),
+            "skipped_done_before": self.skipped, "bad_lines": self.bad_lines,
+            "elapsed_s": round(el, 3), "requests_per_s": round(self.done / el, 2) if el else None,
+            "tokens_per_s": round(self.tokens / el, 1) if el else None,
+            "output_tokens_per_s": round(self.completion_tokens / el, 1) if el else None,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "sent": self.sent, "retries": dict(self.retries),
+            "ttft_ms_p50": ms(self.ttft, 50), "ttft_ms_p99": ms(self.ttft, 99),
+            "tpot_ms_p50": ms(self.tpot, 50), "tpot_ms_p99": ms(self.tpot, 99),
+            "e2e_ms_p50": ms(self.e2e, 50), "e2e_ms_p99": ms(self.e2e, 99),
+            "cache_hits": self.cache_hits, "semantic_hits": self.semantic_hits,
+            "dedup_fanouts": self.dedup_fanouts, "saved_tokens": self.saved_tokens,
+            "saved_time_s": round(self.saved_time_s(), 2), "interrupted": self.interrupted,
+            "backend": self.backend, "cache": self.cache_backend,
+        }
+
+
+def render_summary(stats: JobStats, console=None) -> None:
+    """The summary table (rich) on stderr."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(stderr=True)
+    d = stats.to_dict()
+
+    def f(v, unit=""):
+        return "-" if v is None else f"{v:,}{unit}" if isinstance(v, int) else f"{v:,.2f}{unit}"
+
+    t = Table(title="carpool run" + (" (interrupted)" if stats.interrupted else ""), show_header=False)
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("backend", d["backend"])
+    total = "?" if d["total"] is None else f"{d['total']:,}"
+    t.add_row("tasks written / total", f"{d['done']:,} / {total}")
+    if d["skipped_done_before"]:
+        t.add_row("already done (resumed)", f(d["skipped_done_before"]))
+    t.add_row("succeeded", f(d["ok"]))
+    t.add_row("errors", f(stats.n_errors))
+    for kind, n in sorted(stats.errors.items(), key=lambda kv: -kv[1]):
+        t.add_row(f"  {kind}", f(n))
+    t.add_row("elapsed", f(d["elapsed_s"], " s"))
+    t.add_row("throughput", f"{f(d['requests_per_s'])} req/s, {f(d['tokens_per_s'])} tok/s "
+                            f"({f(d['output_tokens_per_s'])} out tok/s)")
+    t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
+    t.add_row("TTFT P50 / P99", f"{f(d['ttft_ms_p50'])} / {f(d['ttft_ms_p99'])} ms")
+    t.add_row("TPOT P50 / P99", f"{f(d['tpot_ms_p50'])} / {f(d['tpot_ms_p99'])} ms")
+    t.add_row("retries", ", ".join(f"{k} {v}" for k, v in stats.retries.items()) or "0")
+    t.add_row("cache", d["cache"])
+    t.add_row("cache hits / semantic / dedup", f"{d['cache_hits']:,} / {d['semantic_hits']:,} / {d['dedup_fanouts']:,}")
+    if d["saved_tokens"]:
+        t.add_row("saved", f"{d['saved_tokens']:,} tokens, ~{d['saved_time_s']:.1f} s")
+    console.print(t)

@@ -1,0 +1,246 @@
+"""The task model and the per-line validation of input records.
+
+A record becomes a ``Task`` (an OpenAI request body plus where it came from) or a
+``BadLine`` that says which line, which field and why, so the job reports it and goes
+on.  Two record shapes are accepted:
+
+- plain: ``{"custom_id"?, "messages" | "prompt" | "input", ...params}``; ``messages`` is
+  chat, ``prompt`` a text completion, ``input`` an embedding; the other keys are request
+  parameters (max_tokens, temperature, ...).
+- OpenAI Batch: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}``.
+
+A record without custom_id gets ``line-<n>`` (its 1-based line number).
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass, field
+
+from carpool.client.base import Request
+from carpool.client.retry import is_idempotent
+
+_URL_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding",
+              "/chat/completions": "chat", "/completions": "completion", "/embeddings": "embedding"}
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+# Carpool keys allowed on a plain record that are not request parameters.
+_META_KEYS = {"custom_id"}
+
+
+@dataclass(slots=True)
+class Task:
+    line_no: int
+    request: Request
+
+    @property
+    def custom_id(self) -> str:
+        return self.request.custom_id
+
+
+@dataclass(slots=True)
+class BadLine:
+    line_no: int
+    custom_id: str
+    field: str
+    reason: str
+
+    @property
+    def message(self) -> str:
+        where = f"field '{self.field}': " if self.field else ""
+        return f"line {self.line_no}: {where}{self.reason}"
+
+
+@dataclass
+class TaskDefaults:
+    """Values applied to records that do not set them (from the command line)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    idempotent: str = "auto"  # auto | on | off
+    extra: dict = field(default_factory=dict)
+
+
+def _bad(line_no: int, cid: str | None, fld: str, reason: str) -> BadLine:
+    return BadLine(line_no, cid or f"line-{line_no}", fld, reason)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_messages(msgs: object) -> tuple[str, str] | None:
+    if not isinstance(msgs, list) or not msgs:
+        return "messages", "must be a non-empty list of {role, content} objects"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return f"messages[{i}]", f"must be an object, got {type(m).__name__}"
+        role = m.get("role")
+        if role not in _ROLES:
+            return f"messages[{i}].role", f"must be one of {sorted(_ROLES)}, got {role!r}"
+        content = m.get("content")
+        if not isinstance(content, (str, list)) and not (content is None and role == "assistant"):
+            return f"messages[{i}].content", f"must be a string or a list of parts, got {type(content).__name__}"
+    return None
+
+
+def _check_params(body: dict) -> tuple[str, str] | None:
+    mt = body.get("max_tokens", body.get("max_completion_tokens"))
+    if mt is not None and (not _is_int(mt) or mt < 1):
+        return "max_tokens", f"must be a positive integer, got {mt!r}"
+    t = body.get("temperature")
+    if t is not None and (not _is_num(t) or not 0 <= t <= 2):
+        return "temperature", f"must be a number in [0, 2], got {t!r}"
+    p = body.get("top_p")
+    if p is not None and (not _is_num(p) or not 0 < p <= 1):
+        return "top_p", f"must be a number in (0, 1], got {p!r}"
+    s = body.get("stop")
+    if s is not None and not isinstance(s, str) and not (isinstance(s, list) and all(isinstance(x, str) for x in s)):
+        return "stop", "must be a string or a list of strings"
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        return "seed", f"must be an integer, got {seed!r}"
+    return None
+
+
+def _estimate_tokens(body: dict, kind: str) -> int:
+    if kind == "chat":
+        chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 200
+                    for m in body["messages"])
+    elif kind == "completion":
+        chars = len(body["prompt"]) if isinstance(body["prompt"], str) else 0
+    else:
+        inp = body["input"]
+        chars = len(inp) if isinstance(inp, str) else sum(len(x) for x in inp if isinstance(x, str))
+    out = body.get("max_tokens") or body.get("max_completion_tokens") or (0 if kind == "embedding" else 16)
+    return chars // 4 + 1 + int(out)
+
+
+def build_task(obj: object, line_no: int, defaults: TaskDefaults) -> Task | BadLine:
+    """Validate one parsed record."""
+    if not isinstance(obj, dict):
+        return _bad(line_no, None, "", f"a task must be a JSON object, got {type(obj).__name__}")
+    cid = obj.get("custom_id")
+    if cid is not None and (not isinstance(cid, str) or not cid):
+        return _bad(line_no, None, "custom_id", f"must be a non-empty string, got {cid!r}")
+    if "body" in obj or "url" in obj:  # OpenAI Batch format
+        url = obj.get("url")
+        kind = _URL_KINDS.get(url) if isinstance(url, str) else None
+        if kind is None:
+            return _bad(line_no, cid, "url", f"must be one of /v1/chat/completions, /v1/completions, "
+                                              f"/v1/embeddings; got {url!r}")
+        method = obj.get("method", "POST")
+        if method != "POST":
+            return _bad(line_no, cid, "method", f"must be POST, got {method!r}")
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            return _bad(line_no, cid, "body", "must be an object (the request body)")
+        body = dict(body)
+        prefix = "body."
+    else:
+        body = {k: v for k, v in obj.items() if k not in _META_KEYS}
+        kind = "chat" if "messages" in body else "completion" if "prompt" in body else \
+            "embedding" if "input" in body else None
+        if kind is None:
+            return _bad(line_no, cid, "messages", "missing: a task needs 'messages' (chat), 'prompt' "
+                                                  "(completion) or 'input' (embedding)")
+        prefix = ""
+    if kind == "chat":
+        err = _check_messages(body.get("messages"))
+    elif kind == "completion":
+        err = None if isinstance(body.get("prompt"), str) else ("prompt", "must be a string")
+    else:
+        inp = body.get("input")
+        ok = isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, str) for x in inp))
+        err = None if ok else ("input", "must be a string or a non-empty list of strings")
+    err = err or (_check_params(body) if kind != "embedding" else None)
+    if err:
+        return _bad(line_no, cid, prefix + err[0], err[1])
+    if defaults.model and "model" not in body:
+        body["model"] = defaults.model
+    if kind != "embedding":
+        if defaults.max_tokens is not None and "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = defaults.max_tokens
+        if defaults.temperature is not None and "temperature" not in body:
+            body["temperature"] = defaults.temperature
+    for k, v in defaults.extra.items():
+        body.setdefault(k, v)
+    req = Request(cid or f"line-{line_no}", kind, body, is_idempotent(body, kind, defaults.idempotent),
+                  _estimate_tokens(body, kind))
+    return Task(line_no, req)
+
+
+def parse_json_line(text: str | bytes, line_no: int, defaults: TaskDefaults) -> Task | BadLine | None:
+    """One JSONL line; None for a blank line (skipped, not an error)."""
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        return _bad(line_no, None, "", f"not valid JSON ({e})")
+    return build_task(obj, line_no, defaults)
+
+
+@dataclass
+class Template:
+    """``--template "Classify: {review}"`` builds the user message (or embedding input) from
+    columns; ``--system`` adds a system message; ``--id-column`` names the custom_id column."""
+
+    text: str
+    system: str | None = None
+    id_column: str | None = None
+    kind: str = "chat"  # chat | completion | embedding
+
+    def __post_init__(self) -> None:
+        self.columns = [f for _, f, _, _ in string.Formatter().parse(self.text) if f]
+
+    def record(self, row: dict, line_no: int) -> dict | BadLine:
+        cid = row.get(self.id_column) if self.id_column else None
+        cid = None if cid is None else str(cid)
+        missing = [c for c in self.columns if c not in row]
+        if missing:
+            return _bad(line_no, cid, "template", f"column {missing[0]!r} is not in the file "
+                                                  f"(columns: {', '.join(map(str, row))})")
+        values = {k: "" if v is None else v for k, v in row.items()}
+        try:
+            text = self.text.format_map(values)
+        except (ValueError, IndexError, KeyError) as e:
+            return _bad(line_no, cid, "template", f"cannot fill the template: {e}")
+        rec: dict = {"custom_id": cid} if cid else {}
+        if self.kind == "embedding":
+            rec["input"] = text
+        elif self.kind == "completion":
+            rec["prompt"] = text
+        else:
+            msgs = [{"role": "system", "content": self.system}] if self.system else []
+            rec["messages"] = msgs + [{"role": "user", "content": text}]
+        return rec
+
+
+def build_from_row(row: dict, line_no: int, template: Template, defaults: TaskDefaults) -> Task | BadLine:
+    rec = template.record(row, line_no)
+    if isinstance(rec, BadLine):
+        return rec
+    return build_task(rec, line_no, defaults)
+
+
+def prefix_key(task: Task, chars: int = 256) -> str:
+    """The start of the prompt as the server will see it: tasks with equal keys share a prefix."""
+    body = task.request.body
+    if task.request.kind == "chat":
+        parts = []
+        for m in body["messages"]:
+            c = m.get("content")
+            parts.append(f"{m.get('role')}:{c if isinstance(c, str) else json.dumps(c)}")
+            if sum(map(len, parts)) >= chars:
+                break
+        return "\n".join(parts)[:chars]
+    if task.request.kind == "completion":
+        return body["prompt"][:chars]
+    inp = body["input"]
+    return (inp if isinstance(inp, str) else inp[0])[:chars]

@@ -1,0 +1,128 @@
+"""Output lines (OpenAI Batch output shape) and the appending writers.
+
+Each line: ``{"custom_id", "id", "response": {"status_code", "request_id", "body"} | null,
+"error": {"code", "message", "line", "field"?} | null}``.  ``custom_id`` comes first so
+the journal can read it back cheaply (key order does not matter to JSON readers).
+
+Lines are flushed to the OS every ``flush_lines`` lines or ``flush_s`` seconds (a
+killed process loses at most those, and they are simply redone on resume) and fsync'd
+at most every ``fsync_s`` seconds (batched: one fsync per many lines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _rid() -> str:
+    return "batch_req_" + os.urandom(12).hex()
+
+
+def success_line(custom_id: str, status: int, request_id: str, body: dict) -> bytes:
+    doc = {"custom_id": custom_id, "id": _rid(),
+           "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+    return (_dumps(doc) + "\n").encode()
+
+
+def error_line(custom_id: str, code: str, message: str, line_no: int | None = None, field: str | None = None,
+               status: int | None = None, body: dict | None = None, attempts: int | None = None) -> bytes:
+    err: dict = {"code": code, "message": message}
+    if line_no is not None:
+        err["line"] = line_no
+    if field:
+        err["field"] = field
+    if attempts is not None:
+        err["attempts"] = attempts
+    response = None
+    if status:
+        response = {"status_code": status, "request_id": "", "body": body}
+    doc = {"custom_id": custom_id, "id": _rid(), "response": response, "error": err}
+    return (_dumps(doc) + "\n").encode()
+
+
+class Appender:
+    """An append-only file with batched flush and fsync."""
+
+    def __init__(self, path: str | os.PathLike, flush_lines: int = 256, flush_s: float = 0.2, fsync_s: float = 1.0):
+        self.path = Path(path)
+        if self.path.parent and not self.path.parent.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab", buffering=1 << 20)
+        self.flush_lines, self.flush_s, self.fsync_s = flush_lines, flush_s, fsync_s
+        self._pending = 0
+        self._last_flush = self._last_fsync = time.monotonic()
+        self.lines = 0
+
+    def write(self, line: bytes) -> None:
+        self._f.write(line)
+        self.lines += 1
+        self._pending += 1
+        if self._pending >= self.flush_lines:
+            self.flush()
+
+    def flush(self, fsync: bool = False) -> None:
+        now = time.monotonic()
+        self._f.flush()
+        self._pending = 0
+        self._last_flush = now
+        if fsync or now - self._last_fsync >= self.fsync_s:
+            os.fsync(self._f.fileno())
+            self._last_fsync = now
+
+    def tick(self) -> None:
+        """Called periodically: flush what waited longer than ``flush_s``."""
+        if self._pending and time.monotonic() - self._last_flush >= self.flush_s:
+            self.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self.flush(fsync=True)
+            self._f.close()
+
+
+class ResultWriter:
+    """Routes lines to the output (and the errors file if any), in input order when ``ordered``.
+
+    ``emit(seq, line, is_error, done)`` takes the line of the ``seq``-th output of this run;
+    ``done()`` is called once the line is in the file (the runner frees the task's slot
+    there, which bounds the reorder buffer in ordered mode).
+    """
+
+    def __init__(self, output: Appender, errors: Appender | None = None, ordered: bool = False):
+        self.output, self.errors, self.ordered = output, errors, ordered
+        self._held: dict[int, tuple[bytes, bool, Callable[[], None] | None]] = {}
+        self._next = 0
+
+    def emit(self, seq: int, line: bytes, is_error: bool = False, done: Callable[[], None] | None = None) -> None:
+        if not self.ordered:
+            self._write(line, is_error, done)
+            return
+        self._held[seq] = (line, is_error, done)
+        while self._next in self._held:
+            self._write(*self._held.pop(self._next))
+            self._next += 1
+
+    def _write(self, line: bytes, is_error: bool, done: Callable[[], None] | None) -> None:
+        (self.errors if is_error and self.errors is not None else self.output).write(line)
+        if done is not None:
+            done()
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def tick(self) -> None:
+        self.output.tick()
+        if self.errors is not None:
+            self.errors.tick()
+
+    def close(self) -> None:
+        self.output.close()
+        if self.errors is not None:
+            self.errors.close()
