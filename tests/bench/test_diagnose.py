@@ -1,0 +1,127 @@
+"""diagnose names the bottleneck of servers built to have one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from carpool.bench.datasets import random_requests
+from carpool.bench.diagnose import Diagnoser, parse_prometheus
+from carpool.testing.scripted_server import Script
+
+
+def _diagnose(srv, concurrency=8, tasks=16):
+    reqs = random_requests(tasks, input_len=20, output_len=8, seed=0)
+    return asyncio.run(Diagnoser(reqs, concurrency=concurrency, serial_tasks=6, endpoint=srv.url).run())
+
+
+def test_client_bound_server_with_spare_capacity(scripted):
+    # Unlimited capacity, fixed 100 ms per request: more requests in flight never slow it down.
+    d = _diagnose(scripted(Script(ttft_s=0.03, itl_s=0.01)), concurrency=4)
+    assert d.verdict == "client-bound", d.format()
+    assert "raise client concurrency from 4 to 16" in d.change
+    assert [p.concurrency for p in d.phases] == [1, 1, 4, 16]
+    assert d.server_metrics
+
+
+def test_queue_bound_server(scripted):
+    # Two request slots; the rest wait in the server's FIFO queue before their first token.
+    srv = scripted(Script(ttft_s=0.03, itl_s=0.01, capacity=2))
+    d = _diagnose(srv, concurrency=8)
+    assert d.verdict == "server-queueing", d.format()
+    assert "above ~2 concurrent requests" in d.change
+    conc = next(p for p in d.phases if p.concurrency == 8)
+    assert conc.server.peak_running == 2 and conc.server.peak_waiting >= 4
+    assert conc.server.queue_time_mean_ms > 50
+    assert srv.peak_running == 2
+
+
+def test_queue_bound_without_metrics_is_inferred_from_ttft(scripted):
+    d = _diagnose(scripted(Script(ttft_s=0.03, itl_s=0.01, capacity=2, expose_metrics=False)), concurrency=8)
+    assert not d.server_metrics
+    assert d.verdict == "server-queueing", d.format()
+    assert "no /metrics" in d.format()
+
+
+def test_rate_limited_server(scripted):
+    d = _diagnose(
+        scripted(Script(ttft_s=0.01, itl_s=0.005, rate_limit_rps=5, rate_limit_burst=2)), concurrency=4
+    )
+    assert d.verdict == "rate-limited", d.format()
+    paced = d.phases[-1]
+    assert paced.name.startswith("paced")
+    accepted = paced.metrics["completed"] / paced.duration
+    assert 3.0 < accepted < 8.0  # the bucket refills at 5/s
+    assert "req/s" in d.change and "requests/min" in d.change
+
+
+def test_decode_bound_server(scripted):
+    # Each chunk gap stretches with the number of requests in service: a batch-limited decoder.
+    d = _diagnose(scripted(Script(ttft_s=0.02, itl_s=0.01, slowdown_per_running=0.5)), concurrency=8)
+    assert d.verdict == "decode-bound", d.format()
+    assert "TPOT grew" in d.change
+
+
+def test_connection_cost(scripted):
+    d = _diagnose(scripted(Script(ttft_s=0.02, itl_s=0.005, new_connection_delay_s=0.15)), concurrency=4)
+    assert d.verdict == "connection-cost", d.format()
+    fresh = next(p for p in d.phases if p.fresh_connections)
+    assert fresh.metrics["median_e2el_ms"] > d.phases[0].metrics["median_e2el_ms"] + 100
+
+
+def test_cli_writes_json(scripted, tmp_path, capsys):
+    from carpool.cli import main
+
+    srv = scripted(Script(ttft_s=0.02, itl_s=0.01, capacity=1))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        "\n".join(
+            json.dumps({"messages": [{"role": "user", "content": f"task {i}"}], "max_tokens": 5})
+            for i in range(10)
+        )
+    )
+    out = tmp_path / "d.json"
+    rc = main(
+        [
+            "diagnose",
+            "--endpoint",
+            srv.url,
+            str(tasks),
+            "--concurrency",
+            "4",
+            "--serial-tasks",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "verdict: server-queueing" in text and "try first:" in text
+    data = json.loads(out.read_text())
+    assert data["verdict"] == "server-queueing" and len(data["phases"]) == 3
+
+
+def test_cli_bad_task_file_names_the_line(tmp_path, capsys):
+    from carpool.cli import main
+
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"prompt": "a"}\n{"oops": 1}\n')
+    assert main(["diagnose", "--endpoint", "http://127.0.0.1:9/v1", str(tasks)]) == 2
+    assert "t.jsonl:2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prefix", ["vllm:", "carpool:"])
+def test_parse_prometheus_sums_labels_and_strips_prefix(prefix):
+    text = (
+        f'{prefix}num_requests_running{{model_name="a"}} 2\n{prefix}num_requests_running{{model_name="b"}} 3\n'
+        f'{prefix}gpu_cache_usage_perc{{model_name="a"}} 0.5\n'
+        f'{prefix}request_queue_time_seconds_bucket{{le="1.0"}} 4\n{prefix}request_queue_time_seconds_sum 1.5\n'
+    )
+    m = parse_prometheus(text)
+    assert m["num_requests_running"] == 5
+    assert m["kv_cache_usage_perc"] == 0.5  # the older vLLM name is mapped
+    assert m["request_queue_time_seconds_sum"] == 1.5
+    assert not any(k.endswith("_bucket") for k in m)

@@ -1,0 +1,143 @@
+"""The load generator against scripted servers: timestamps, token counts, limits, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from carpool.bench.datasets import BenchRequest, random_requests
+from carpool.bench.loadgen import HttpBackend, metrics_url, normalize_base_url, run_benchmark
+from carpool.bench.metrics import compute_metrics
+from carpool.testing.scripted_server import Script
+
+# Scheduling jitter allowed around scripted times; the gaps below are 100+ ms, so a wrong
+# definition (e.g. counting the role chunk, or measuring from the wrong instant) is far outside it.
+TOL = 0.05
+
+
+def _chat(i: int, max_tokens: int = 4) -> BenchRequest:
+    return BenchRequest(f"r{i}", max_tokens, 3, messages=[{"role": "user", "content": "a b c"}])
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_metrics_match_the_script(scripted):
+    # Request i: TTFT 0.15 s, then gaps of 0.10 and 0.20 s; 2 tokens per chunk -> 6 tokens.
+    srv = scripted(Script(timing=lambda i, body: (0.15, [0.10, 0.20]), tokens_per_chunk=2, role_chunk=True))
+
+    async def go():
+        async with HttpBackend(srv.url) as be:
+            return await run_benchmark(be, [_chat(i) for i in range(4)], max_concurrency=2)
+
+    run = _run(go())
+    assert all(r.success for r in run.records)
+    served = {s.index: s for s in srv.served}
+    for r in run.records:
+        assert r.output_tokens == 6 and r.prompt_len == 3  # from the server's usage
+        assert len(r.chunk_times) == 3  # the role-only chunk is not a token
+        assert r.ttft >= 0.15 - 1e-3 and r.ttft < 0.15 + TOL
+        assert r.itl == pytest.approx([0.10, 0.20], abs=TOL)
+        assert sum(r.itl) == pytest.approx(r.chunk_times[-1] - r.chunk_times[0])
+    # Every client chunk stamp follows the server's send stamp of that chunk (same clock).
+    client_chunks = sorted(t for r in run.records for t in r.chunk_times)
+    server_chunks = sorted(t for s in served.values() for t in s.chunk_times)
+    assert len(client_chunks) == len(server_chunks) == 12
+    assert all(0 <= c - s < TOL for c, s in zip(client_chunks, server_chunks))
+    m = compute_metrics(run.records, run.duration)
+    # TPOT = (E2EL - TTFT) / (6 - 1): the 0.30 s of gaps over 5 tokens, not the 0.15 s mean ITL.
+    assert m["mean_tpot_ms"] == pytest.approx(300 / 5, abs=1000 * TOL / 5)
+    assert m["mean_itl_ms"] == pytest.approx(150, abs=1000 * TOL)
+    assert m["total_output_tokens"] == 24
+
+
+def test_max_concurrency_is_what_the_server_sees(scripted):
+    srv = scripted(Script(ttft_s=0.05, itl_s=0.05))
+
+    async def go():
+        async with HttpBackend(srv.url, max_connections=3) as be:
+            return await run_benchmark(be, [_chat(i) for i in range(12)], max_concurrency=3)
+
+    run = _run(go())
+    assert all(r.success for r in run.records)
+    assert srv.peak_in_flight == 3
+    waited = [r.client_wait for r in run.records]
+    assert sum(1 for w in waited if w > 0.05) >= 6  # later requests queued in the client, not the server
+
+
+def test_request_rate_schedule_is_followed(scripted):
+    srv = scripted(Script(ttft_s=0.01, itl_s=0.01))
+    from carpool.bench.arrivals import arrival_offsets
+
+    async def go():
+        async with HttpBackend(srv.url) as be:
+            return await run_benchmark(be, [_chat(i, 2) for i in range(10)], request_rate=20.0, seed=4)
+
+    run = _run(go())
+    offsets = arrival_offsets(10, 20.0, 1.0, seed=4)
+    sent = sorted(r.scheduled_time - run.start_time for r in run.records)
+    assert all(s >= o - 1e-3 for s, o in zip(sent, offsets))  # never early
+    assert run.duration >= offsets[-1]
+    assert sorted(s.arrival for s in srv.served) == pytest.approx(
+        sorted(r.start_time for r in run.records), abs=TOL
+    )
+
+
+def test_rate_limited_requests_are_failures_with_retry_after(scripted):
+    srv = scripted(Script(ttft_s=0.01, itl_s=0.01, rate_limit_rps=0.01, rate_limit_burst=1))
+
+    async def go():
+        async with HttpBackend(srv.url) as be:
+            return await run_benchmark(be, [_chat(i) for i in range(5)], max_concurrency=1)
+
+    run = _run(go())
+    statuses = sorted(r.status for r in run.records)
+    assert statuses == [200, 429, 429, 429, 429]
+    limited = [r for r in run.records if r.status == 429]
+    assert all(not r.success and "429" in r.error and r.retry_after > 1 for r in limited)
+    assert compute_metrics(run.records, run.duration)["failed"] == 4
+
+
+def test_fresh_connections_open_one_connection_per_request(scripted):
+    srv = scripted(Script(ttft_s=0.01, itl_s=0.01))
+
+    async def go(fresh):
+        async with HttpBackend(srv.url, model="m", fresh_connections=fresh) as be:
+            return await run_benchmark(be, [_chat(i, 2) for i in range(6)], max_concurrency=2)
+
+    fresh = _run(go(True))
+    assert all(r.new_connection for r in fresh.records)
+    assert all(s.new_connection for s in srv.served)
+    n = len(srv.served)
+    reused = _run(go(False))
+    assert sum(r.new_connection for r in reused.records) == 2  # one per concurrency slot
+    assert sum(s.new_connection for s in srv.served[n:]) == 2
+
+
+def test_completions_endpoint_and_model_discovery(scripted):
+    srv = scripted(Script(ttft_s=0.01, itl_s=0.01, num_chunks=3))
+
+    async def go():
+        async with HttpBackend(srv.url) as be:
+            assert be.model == "scripted"  # from /v1/models
+            return await run_benchmark(be, random_requests(3, 10, 3))
+
+    run = _run(go())
+    assert all(r.success and r.output_tokens == 3 and r.generated_text for r in run.records)
+
+
+def test_unreachable_server_is_a_readable_failure():
+    async def go():
+        async with HttpBackend("http://127.0.0.1:9/v1", model="m", timeout_s=5) as be:
+            return await be.send(_chat(0))
+
+    rec = _run(go())
+    assert not rec.success and "Connect" in rec.error
+
+
+def test_url_helpers():
+    assert normalize_base_url("localhost:8000") == "http://localhost:8000/v1"
+    assert normalize_base_url("http://h:1/v1/") == "http://h:1/v1"
+    assert metrics_url("http://h:1/v1") == "http://h:1/metrics"
