@@ -237,12 +237,13 @@ def validate(value: Any, schema: dict, path: str = "") -> None:
     elif expected == "object":
         if "maxProperties" in schema and len(value) > schema["maxProperties"]:
             raise _fail(path, schema, f"must have at most {schema['maxProperties']} properties")
-        for name in schema.get("required", []):
-            if name not in value:
-                raise _fail(_join(path, name), {}, "is required")
+        # Present fields first: a wrong value ("type": "image_url") explains more than what is missing.
         for name, sub in schema.get("properties", {}).items():
             if name in value:
                 validate(value[name], sub, _join(path, name))
+        for name in schema.get("required", []):
+            if name not in value:
+                raise _fail(_join(path, name), {}, "is required")
 
 
 def _check_range(value: float, schema: dict, path: str) -> None:

@@ -1,0 +1,101 @@
+"""The request validator, the OpenAPI document it publishes, and the admission waiting room."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.server.admission import AdmissionController, Rejection, Ticket
+from carpool.server.openai_schema import (
+    SchemaError,
+    chat_request_schema,
+    completion_request_schema,
+    embedding_request_schema,
+    openapi_document,
+    validate,
+)
+
+CHAT = chat_request_schema(["m"], max_model_len=100, max_n=4)
+COMPLETION = completion_request_schema(["m"], max_model_len=100, max_n=4)
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "temperature": 0, "top_p": 1},
+    {"messages": [{"role": "assistant", "content": None}], "stop": ["a", "b"], "seed": -3, "n": 4},
+    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100.0, "stream": None, "top_k": -1},
+])
+def test_valid_chat_bodies(body):
+    validate(body, CHAT)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": True}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 101}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_invalid_chat_bodies_name_the_field(body, param):
+    with pytest.raises(SchemaError) as e:
+        validate(body, CHAT)
+    assert e.value.param == param
+    assert param in e.value.message
+
+
+def test_completion_prompt_forms():
+    for prompt in ("x", ["a", "b"], [1, 2, 3], [[1], [2, 3]]):
+        validate({"prompt": prompt}, COMPLETION)
+    for prompt in (3, [], [[]], [1, "a"], [None]):
+        with pytest.raises(SchemaError):
+            validate({"prompt": prompt}, COMPLETION)
+
+
+def test_embedding_dimensions_only_native():
+    schema = embedding_request_schema(["e"], dim=384)
+    validate({"input": ["a"], "dimensions": 384}, schema)
+    with pytest.raises(SchemaError) as e:
+        validate({"input": "a", "dimensions": 128}, schema)
+    assert "dimensions" in e.value.message and "not supported" in e.value.message
+
+
+def test_openapi_document_carries_the_request_schemas():
+    doc = openapi_document(chat=CHAT, completion=COMPLETION, embedding=None, version="0", auth=True)
+    assert doc["openapi"] == "3.0.3"
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["required"] == ["messages"]
+    assert body["properties"]["max_tokens"]["maximum"] == 100
+    assert body["properties"]["logprobs"]["x-carpool-unsupported"] is True
+    assert doc["security"] == [{"bearer": []}] and doc["paths"]["/health"]["get"]["security"] == []
+    assert "/v1/embeddings" not in doc["paths"]
+
+
+def test_admission_counts_sequences_and_tokens():
+    ctl = AdmissionController(max_queue_size=3, max_queued_tokens=100)
+    a = ctl.try_admit(2, 60)
+    assert isinstance(a, Ticket)
+    full = ctl.try_admit(2, 10)
+    assert isinstance(full, Rejection) and full.reason == "queue_full" and full.retry_after_s >= 1
+    tokens = ctl.try_admit(1, 50)
+    assert isinstance(tokens, Rejection) and tokens.reason == "queued_tokens"
+    a.started()
+    a.release()  # idempotent: the room is empty, not negative
+    assert (ctl.waiting_seqs, ctl.waiting_tokens) == (0, 0)
+    big = ctl.try_admit(1, 500)  # an empty room admits even an oversized request
+    assert isinstance(big, Ticket)
+    assert isinstance(ctl.try_admit(1, 1), Rejection)
+    big.release()
+    assert isinstance(ctl.try_admit(1, 1), Ticket)
+
+
+def test_admission_without_limits_admits_everything():
+    ctl = AdmissionController(None, None)
+    tickets = [ctl.try_admit(1, 10_000) for _ in range(1000)]
+    assert all(isinstance(t, Ticket) for t in tickets)
