@@ -84,6 +84,7 @@ class FaultServer:
     # -- counters -------------------------------------------------------------------------
     def reset_counts(self) -> None:
         self.seen: Counter[str] = Counter()  # custom_id (or body hash) -> requests received
+        self.order: list[str] = []  # keys in arrival order (first 100k)
         self.completed: Counter[str] = Counter()  # answered with a 200
         self.faults_injected: Counter[str] = Counter()
         self.status_counts: Counter[int] = Counter()
@@ -168,6 +169,8 @@ class FaultServer:
         raw = await request.read()
         key = cid or "body:" + hashlib.sha256(raw).hexdigest()[:16]
         self.seen[key] += 1
+        if len(self.order) < 100_000:
+            self.order.append(key)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

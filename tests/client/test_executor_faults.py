@@ -1,0 +1,156 @@
+"""The executor against a real HTTP server that misbehaves on purpose."""
+
+import asyncio
+
+import pytest
+
+from carpool.client import retry as R
+from carpool.client.balancer import Balancer
+from carpool.client.base import Request
+from carpool.client.executor import Executor
+from carpool.client.http_backend import HttpBackend
+from carpool.client.limiter import FixedLimiter
+from carpool.client.pool import Timeouts
+from carpool.testing.fault_server import Fault, FaultConfig
+
+
+def chat(cid: str, temperature: float = 0.0, max_tokens: int = 4) -> Request:
+    body = {"messages": [{"role": "user", "content": f"hello {cid}"}], "max_tokens": max_tokens,
+            "temperature": temperature}
+    return Request(cid, "chat", body, idempotent=R.is_idempotent(body, "chat"))
+
+
+def run(urls, reqs, stream=True, timeouts=None, policy=None, limit=4, balancer=None):
+    async def go():
+        be = HttpBackend(urls, model="m", stream=stream, timeouts=timeouts, balancer=balancer)
+        ex = Executor(be, FixedLimiter(limit), policy=policy or R.RetryPolicy(base_s=0.01, cap_s=0.05), seed=1)
+        try:
+            return await asyncio.gather(*(ex.execute(r) for r in reqs)), ex
+        finally:
+            await be.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_success_reassembles_openai_body(fault_server, stream):
+    srv = fault_server(FaultConfig(completion_tokens=3))
+    (out,), _ = run([srv.url], [chat("a")], stream=stream)
+    res = out.result
+    assert res.ok and res.status_code == 200
+    assert res.body["object"] == "chat.completion"
+    assert len(res.body["choices"][0]["message"]["content"].split()) == 3
+    assert res.completion_tokens == 3 and res.prompt_tokens > 0
+    assert res.ttft_s is not None
+
+
+def test_429_with_retry_after_is_retried_and_honoured(fault_server):
+    srv = fault_server(FaultConfig(faults=[Fault("429", times=2, retry_after=0.2)]))
+    (out,), ex = run([srv.url], [chat("a", temperature=1.0)])
+    assert out.result.ok
+    assert out.attempts == 3 and out.retried_kinds == ["rate_limited", "rate_limited"]
+    assert ex.retries["rate_limited"] == 2
+    # Backoff never waits less than Retry-After.
+    assert R.RetryPolicy().backoff(1, 0.2) >= 0.2
+
+
+def test_503_retried_even_for_sampled_generation(fault_server):
+    srv = fault_server(FaultConfig(faults=[Fault("503", times=1)]))
+    (out,), _ = run([srv.url], [chat("a", temperature=0.9)])
+    assert out.result.ok and out.attempts == 2
+
+
+def test_500_retried_only_when_idempotent(fault_server):
+    srv = fault_server(FaultConfig(faults=[Fault("500", times=0, match="sampled")]))
+    srv2 = fault_server(FaultConfig(faults=[Fault("500", times=1)]))
+    (bad,), _ = run([srv.url], [chat("sampled", temperature=0.8)])
+    assert not bad.result.ok and bad.result.error_kind == R.MAYBE_EXECUTED
+    assert srv.server.seen["sampled"] == 1  # not sent twice
+    (good,), _ = run([srv2.url], [chat("greedy", temperature=0.0)])
+    assert good.result.ok and good.attempts == 2
+
+
+@pytest.mark.parametrize("kind", ["reset_after_body", "truncate", "invalid_json"])
+def test_maybe_executed_is_not_resent_for_sampled_tasks(fault_server, kind):
+    srv = fault_server(FaultConfig(faults=[Fault(kind, times=1)]))
+    (out,), _ = run([srv.url], [chat("s1", temperature=1.0)])
+    assert not out.result.ok
+    assert out.result.error_kind == R.MAYBE_EXECUTED
+    assert "may already have run" in out.result.error_message
+    assert srv.server.seen["s1"] == 1
+
+
+@pytest.mark.parametrize("kind", ["reset_before_body", "reset_after_body", "truncate", "invalid_json"])
+def test_idempotent_tasks_survive_resets_and_bad_bodies(fault_server, kind):
+    srv = fault_server(FaultConfig(faults=[Fault(kind, times=1)]))
+    (out,), _ = run([srv.url], [chat("g1", temperature=0.0)])
+    assert out.result.ok and out.attempts == 2
+
+
+def test_stall_past_read_timeout(fault_server):
+    srv = fault_server(FaultConfig(faults=[Fault("stall", times=1, stall_s=3.0)]))
+    t = Timeouts(connect_s=2, read_s=0.3, total_s=10)
+    (greedy, sampled), _ = run([srv.url], [chat("g", 0.0), chat("s", 1.0)], timeouts=t, limit=1)
+    # The first request (greedy) hit the stall: timed out and retried; the second went through.
+    assert greedy.result.ok and greedy.retried_kinds == [R.READ_TIMEOUT]
+    assert sampled.result.ok and sampled.attempts == 1
+
+
+def test_stall_on_sampled_is_reported_not_resent(fault_server):
+    srv = fault_server(FaultConfig(faults=[Fault("stall_mid_stream", times=1, stall_s=3.0)]))
+    t = Timeouts(connect_s=2, read_s=0.3, total_s=10)
+    (out,), _ = run([srv.url], [chat("s", 1.0, max_tokens=6)], timeouts=t)
+    assert out.result.error_kind == R.MAYBE_EXECUTED
+    assert srv.server.seen["s"] == 1
+
+
+def test_4xx_is_not_retried(fault_server):
+    srv = fault_server(FaultConfig(faults=[Fault("400", times=0)]))
+    (out,), _ = run([srv.url], [chat("a")])
+    assert out.result.error_kind == R.CLIENT_ERROR and out.attempts == 1
+    assert out.result.status_code == 400
+
+
+def test_connection_refused_retried_then_reported():
+    # A port nobody listens on: connect errors are always safe to retry, then reported.
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    (out,), ex = run([f"http://127.0.0.1:{port}/v1"], [chat("a", 1.0)], policy=R.RetryPolicy(3, 0.01, 0.02))
+    assert out.result.error_kind == R.CONNECT and out.attempts == 3
+    assert ex.retries[R.CONNECT] == 2
+
+
+def test_balancer_cools_down_dead_endpoint(fault_server):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    s.close()
+    srv = fault_server(FaultConfig())
+    bal = Balancer([dead, srv.url], cooldown_s=5.0)
+    outs, _ = run(None, [chat(f"t{i}") for i in range(40)], balancer=bal, limit=4)
+    assert all(o.result.ok for o in outs)
+    dead_ep = bal.endpoints[0]
+    assert dead_ep.sent <= 4  # after its first failures it was out of rotation
+    assert srv.server.total_requests == 40
+
+
+def test_least_outstanding_spreads_load(fault_server):
+    a = fault_server(FaultConfig(latency_s=0.02))
+    b = fault_server(FaultConfig(latency_s=0.02))
+    outs, _ = run([a.url, b.url], [chat(f"t{i}") for i in range(40)], limit=8)
+    assert all(o.result.ok for o in outs)
+    assert a.server.total_requests >= 10 and b.server.total_requests >= 10
+
+
+def test_embeddings_roundtrip(fault_server):
+    srv = fault_server(FaultConfig(embedding_dim=8))
+    req = Request("e", "embedding", {"input": ["one", "two"]}, idempotent=True)
+    (out,), _ = run([srv.url], [req])
+    assert out.result.ok
+    assert [len(d["embedding"]) for d in out.result.body["data"]] == [8, 8]

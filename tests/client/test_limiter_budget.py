@@ -1,0 +1,142 @@
+"""Adaptive limiter, RPM/TPM budget and backoff, as units and against a capacity-limited server."""
+
+import asyncio
+import random
+
+from carpool.client import retry as R
+from carpool.client.base import Request
+from carpool.client.budget import TokenBuckets
+from carpool.client.executor import Executor
+from carpool.client.http_backend import HttpBackend
+from carpool.client.limiter import AdaptiveLimiter, FixedLimiter, make_limiter
+from carpool.testing.fault_server import FaultConfig
+
+
+def test_fixed_limiter_never_exceeds_limit():
+    async def go():
+        lim = FixedLimiter(3)
+        peak = 0
+        active = 0
+
+        async def job():
+            nonlocal peak, active
+            await lim.acquire()
+            active += 1
+            peak = max(peak, active)
+            await asyncio.sleep(0.001)
+            active -= 1
+            lim.release()
+
+        await asyncio.gather(*(job() for _ in range(30)))
+        return peak, lim.in_flight
+
+    peak, left = asyncio.run(go())
+    assert peak == 3 and left == 0
+
+
+def test_adaptive_drop_sets_limit_below_level_and_remembers_ceiling():
+    lim = AdaptiveLimiter(initial=16, max_limit=100)
+    lim.in_flight = 12  # pretend 12 are out; one more comes back as a 429
+    lim.release(dropped=True)
+    assert lim.limit == 11 and lim.ceiling == 12
+    assert lim.drops == 1
+
+
+def test_adaptive_grows_in_slow_start_when_busy():
+    lim = AdaptiveLimiter(initial=4, max_limit=64)
+    for _ in range(3):
+        lim.in_flight = int(lim.limit) + 1
+        for _ in range(int(lim.limit)):
+            lim.release(latency=0.01)
+            lim.in_flight += 1
+    assert lim.limit >= 16
+
+
+def test_adaptive_shrinks_when_latency_climbs():
+    lim = AdaptiveLimiter(initial=32, max_limit=64)
+    lim._slow_start = False
+    for _ in range(10):  # a steady baseline
+        lim.in_flight = 33
+        for _ in range(32):
+            lim.release(latency=0.01)
+            lim.in_flight += 1
+    before = lim.limit
+    lim.in_flight = int(before) + 1
+    for _ in range(int(before)):
+        lim.release(latency=0.1)  # 10x slower: requests are queueing in the server
+        lim.in_flight += 1
+    assert lim.limit < before
+
+
+def test_make_limiter_fixed_and_capped():
+    assert isinstance(make_limiter(5, None), FixedLimiter) and make_limiter(5, None).limit == 5
+    assert make_limiter(50, 10).limit == 10
+    lim = make_limiter(None, 16)
+    assert isinstance(lim, AdaptiveLimiter) and lim.max_limit == 16
+
+
+def test_adaptive_finds_capacity_with_few_429s(fault_server):
+    capacity = 6
+    srv = fault_server(FaultConfig(capacity=capacity, latency_s=0.01, capacity_retry_after=0.01))
+
+    async def go():
+        be = HttpBackend([srv.url], model="m", stream=False)
+        lim = AdaptiveLimiter(initial=2, max_limit=64)
+        ex = Executor(be, lim, policy=R.RetryPolicy(base_s=0.01, cap_s=0.05), seed=0)
+        reqs = [Request(f"t{i}", "chat", {"messages": [{"role": "user", "content": "x"}], "temperature": 0},
+                        idempotent=True) for i in range(600)]
+        outs = await asyncio.gather(*(ex.execute(r) for r in reqs))
+        await be.close()
+        return outs, lim
+
+    outs, lim = asyncio.run(go())
+    assert all(o.result.ok for o in outs)
+    rejected = srv.server.status_counts[429]
+    assert rejected < 60, rejected  # no 429 storm: under 10% of the requests
+    assert capacity - 2 <= lim.limit <= capacity + 1
+
+
+def test_budget_bucket_waits_past_its_burst():
+    async def go():
+        b = TokenBuckets(rpm=600)  # 10/s, burst of one second's worth
+        for _ in range(10):
+            await b.acquire()
+        first = b.waited_s
+        await b.acquire()
+        return first, b.waited_s
+
+    first, after = asyncio.run(go())
+    assert first == 0.0 and after > 0.0
+
+
+def test_tpm_debt_and_adjust():
+    async def go():
+        b = TokenBuckets(tpm=6000)  # 100 tokens/s
+        await b.acquire(tokens=100)
+        b.adjust(-100)  # the request used nothing: refund
+        await b.acquire(tokens=100)
+        return b.waited_s
+
+    assert asyncio.run(go()) == 0.0
+
+
+def test_full_jitter_backoff_bounds():
+    pol = R.RetryPolicy(base_s=0.5, cap_s=4.0)
+    rng = random.Random(0)
+    waits = [pol.backoff(n, None, rng) for n in range(1, 10) for _ in range(50)]
+    assert min(waits) >= 0 and max(waits) <= 4.0
+    assert pol.backoff(1, 7.0, rng) >= 7.0
+
+
+def test_retry_rules():
+    assert R.decide(R.CONNECT, False).retry
+    assert R.decide(R.RATE_LIMITED, False).retry and R.decide(R.OVERLOADED, False).retry
+    assert R.decide(R.SERVER_ERROR, True).retry
+    assert R.decide(R.SERVER_ERROR, False) == R.Decision(False, R.MAYBE_EXECUTED)
+    assert R.decide(R.READ_TIMEOUT, False).kind == R.MAYBE_EXECUTED
+    assert not R.decide(R.CLIENT_ERROR, True).retry
+    assert R.is_idempotent({"temperature": 0}, "chat")
+    assert not R.is_idempotent({}, "chat")  # absent temperature is 1.0
+    assert R.is_idempotent({"input": "x"}, "embedding")
+    assert R.is_idempotent({}, "chat", mode="on") and not R.is_idempotent({"temperature": 0}, "chat", "off")
+    assert R.parse_retry_after("2.5") == 2.5 and R.parse_retry_after("Wed, 21 Oct") is None
