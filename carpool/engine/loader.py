@@ -284,12 +284,12 @@ def _eos_ids(folder: Path | None, cfg: dict, tokenizer) -> list[int]:
 
 
 def load_hf_folder(folder: str | Path, dtype: torch.dtype | str = "auto", name: str | None = None,
-                   source: str | None = None) -> LoadedModel:
+                   source: str | None = None, weight_files: list[Path] | None = None) -> LoadedModel:
     folder = Path(folder)
     torch_dtype = resolve_dtype(dtype)
     raw = _hf_config_dict(folder)
     cfg = model_config_from_hf(raw, str(folder / "config.json"))
-    sd = _read_safetensors(_safetensors_files(folder), torch_dtype)
+    sd = _read_safetensors(weight_files or _safetensors_files(folder), torch_dtype)
     # Checkpoints sometimes carry a redundant tied head, or a different prefix.
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -340,9 +340,40 @@ def load_gguf(gguf_path: str | Path, dtype: torch.dtype | str = "auto", name: st
     final = gguf_cache_dir(gguf_path, name)
     if not (final / "COMPLETE").exists():
         _write_atomically(final, lambda tmp: _convert_gguf(gguf_path, tmp))
-    loaded = load_hf_folder(final, dtype, name=name, source=str(gguf_path))
+    torch_dtype = resolve_dtype(dtype)
+    weights = final / "model.safetensors"
+    if torch_dtype != torch.float32:
+        weights = _cast_copy(weights, final / _DTYPE_DIRS[torch_dtype] / "model.safetensors", torch_dtype)
+    loaded = load_hf_folder(final, torch_dtype, name=name, source=str(gguf_path), weight_files=[weights])
     loaded.extra["cache_dir"] = str(final)
     return loaded
+
+
+_DTYPE_DIRS = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _cast_copy(src: Path, dst: Path, dtype: torch.dtype) -> Path:
+    """A copy of a float32 safetensors file in ``dtype``, made once.
+
+    The cache keeps float32 (exact dequantized values); casting 135M parameters at every
+    start costs seconds on a busy 2-core machine while reading a bf16 file is a memory map,
+    so the first bf16 load also writes a bf16 copy.  Written to a temp file and renamed.
+    """
+    if dst.exists():
+        return dst
+    from safetensors.torch import load_file, save_file
+
+    dst.parent.mkdir(exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".model.tmp-", suffix=".safetensors", dir=dst.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.to(dtype) for k, v in load_file(str(src)).items()}, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dst
 
 
 # ----------------------------------------------------------------------------- tiny-random
