@@ -79,6 +79,8 @@ class LlamaModel:
                 "qkv": qkv,
                 "qkv_bias": bias,
                 "o": w(p + "self_attn.o_proj.weight"),
+                # Llama's attention_bias also biases o_proj (Qwen2 biases only q/k/v).
+                "o_bias": w(p + "self_attn.o_proj.bias") if (p + "self_attn.o_proj.bias") in state_dict else None,
                 "ln2": w(p + "post_attention_layernorm.weight"),
                 "gate_up": gate_up,
                 "down": w(p + "mlp.down_proj.weight"),
@@ -129,7 +131,7 @@ class LlamaModel:
             k = qk[:, self.num_heads:]
             v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
             attn = self._attention(q, k, v, k_cache, v_cache, meta)
-            x = x + F.linear(attn, layer["o"])
+            x = x + F.linear(attn, layer["o"], layer["o_bias"])
             h = _rms_norm(x, layer["ln2"], self.eps)
             gu = F.linear(h, layer["gate_up"])
             g, u = gu.chunk(2, dim=-1)

@@ -1,0 +1,108 @@
+"""Sampling, detokenization and stop conditions."""
+
+from carpool.engine import LLM, GenerateRequest, SamplingParams
+from carpool.engine.detokenizer import IncrementalDetokenizer
+
+
+def gen(llm, ps, **params):
+    reqs = [GenerateRequest(request_id=f"s{i}", prompt_token_ids=p, params=SamplingParams(**params))
+            for i, p in enumerate(ps)]
+    return llm.generate(reqs)
+
+
+def test_seed_is_reproducible_across_batches(tiny, h):
+    _, loaded = tiny
+    llm = LLM(h.engine_config(), loaded=loaded)
+    p = h.prompts(11, [12])[0]
+    alone = gen(llm, [p], temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)[0].token_ids
+    others = h.prompts(12, [30, 5])
+    batched = gen(llm, [others[0], p, others[1]], temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
+    assert batched[1].token_ids == alone
+    other_seed = gen(llm, [p], temperature=1.0, max_tokens=16, seed=8, ignore_eos=True)[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(tiny, h):
+    _, loaded = tiny
+    llm = LLM(h.engine_config(), loaded=loaded)
+    ps = h.prompts(13, [4, 25, 60])
+    greedy = [o.token_ids for o in gen(llm, ps, temperature=0, max_tokens=10, ignore_eos=True)]
+    top_k = [o.token_ids for o in gen(llm, ps, temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True, seed=1)]
+    top_p = [o.token_ids for o in gen(llm, ps, temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True)]
+    assert top_k == greedy
+    assert top_p == greedy
+
+
+def test_sampling_mixes_greedy_and_random_rows(tiny, h):
+    _, loaded = tiny
+    llm = LLM(h.engine_config(), loaded=loaded)
+    ps = h.prompts(14, [8, 8])
+    greedy = gen(llm, ps[:1], temperature=0, max_tokens=12, ignore_eos=True)[0].token_ids
+    reqs = [GenerateRequest(request_id="g", prompt_token_ids=ps[0],
+                            params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+            GenerateRequest(request_id="t", prompt_token_ids=ps[1],
+                            params=SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=12, seed=3))]
+    outs = llm.generate(reqs)
+    assert outs[0].token_ids == greedy
+    assert len(outs[1].token_ids) == 12
+
+
+def test_stop_string_cuts_output(tiny_tok):
+    llm = LLM(h_config(), loaded=tiny_tok)
+    prompt = [{"role": "user", "content": "Say something."}]
+    base = llm.generate([GenerateRequest(request_id="a", messages=prompt,
+                                         params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))])[0]
+    text = base.text
+    assert len(text) > 12
+    stop = text[8:11]
+    cut = text[: text.index(stop)]
+    eng = llm.engine
+    eng.add_request(GenerateRequest(request_id="b", messages=prompt,
+                                    params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])))
+    deltas = []
+    while eng.has_unfinished():
+        deltas += eng.step()
+    assert deltas[-1].finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == cut
+    assert all(stop not in d.text for d in deltas)
+    assert len(deltas) < 24
+
+
+def test_stop_token_ids_and_eos(tiny_tok):
+    llm = LLM(h_config(), loaded=tiny_tok)
+    prompt = [1, 2, 3, 4]
+    base = gen(llm, [prompt], temperature=0, max_tokens=10, ignore_eos=True)[0].token_ids
+    out = gen(llm, [prompt], temperature=0, max_tokens=10, stop_token_ids=[base[3]])[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == base[: base.index(base[3]) + 1]
+    assert out.usage.completion_tokens == len(out.token_ids)
+
+
+def test_incremental_detokenizer_never_breaks_utf8(tiny_tok):
+    tok = tiny_tok.tokenizer
+    text = "héllo wörld 🎉 日本語 ok ünïcödé"
+    ids = tok.encode(text, add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, SamplingParams(max_tokens=len(ids) + 1), eos_token_ids=[])
+    deltas = [det.add_token(t, i + 1)[0] for i, t in enumerate(ids)]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids)
+
+
+def test_stop_prefix_is_held_back_until_resolved(tiny_tok):
+    tok = tiny_tok.tokenizer
+    ids = tok.encode("one two three four", add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, SamplingParams(max_tokens=100, stop=["two thr"]), eos_token_ids=[])
+    out, reason = [], None
+    for i, t in enumerate(ids):
+        d, reason = det.add_token(t, i + 1)
+        out.append(d)
+        if reason:
+            break
+    assert reason == "stop"
+    assert "".join(out) == "one "
+
+
+def h_config():
+    from carpool.engine import EngineConfig
+
+    return EngineConfig(model="tiny-random", dtype="float32", num_kv_blocks=128, num_threads=1)

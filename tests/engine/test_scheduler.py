@@ -1,0 +1,151 @@
+"""Scheduler and KV-cache invariants on a tiny random model."""
+
+import time
+
+import pytest
+
+from carpool.engine import LLM, EngineError, GenerateRequest, LLMEngine, SamplingParams
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def reqs_for(ps, n=10):
+    return [GenerateRequest(request_id=f"r{i}", prompt_token_ids=p, params=greedy(n)) for i, p in enumerate(ps)]
+
+
+def test_budgets_never_exceeded(tiny, h):
+    _, loaded = tiny
+    llm = LLM(h.engine_config(max_num_seqs=3, max_num_batched_tokens=24), loaded=loaded)
+    steps = []
+    llm.engine.add_step_listener(steps.append)
+    outs = llm.generate(reqs_for(h.prompts(5, [10, 50, 7, 33, 80, 2, 19]), 6))
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert steps
+    for s in steps:
+        assert s["num_prefill_tokens"] + s["num_decode_tokens"] <= 24
+        assert s["num_scheduled_seqs"] <= 3 and s["num_running"] <= 3
+        assert set(s) >= {"num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting", "duration_s"}
+    assert max(s["num_running"] for s in steps) == 3  # the seq budget is actually used
+
+
+def test_preemption_then_resumption_gives_same_tokens(tiny, h):
+    _, loaded = tiny
+    ps = h.prompts(6, [30, 35, 28, 40])
+    ref = [o.token_ids for o in LLM(h.engine_config(), loaded=loaded).generate(reqs_for(ps, 40))]
+    for caching in (True, False):
+        # 4 sequences of ~75 tokens need ~20 blocks of 16; give 10 so they must preempt.
+        llm = LLM(h.engine_config(num_kv_blocks=10, enable_prefix_caching=caching), loaded=loaded)
+        outs = llm.generate(reqs_for(ps, 40))
+        assert [o.token_ids for o in outs] == ref
+        stats = llm.engine.stats()
+        assert stats["num_preemptions"] > 0
+        assert stats["num_free_kv_blocks"] == 10
+
+
+def test_prefix_cache_hits_on_shared_system_prompt(tiny, h):
+    _, loaded = tiny
+    system = h.prompts(7, [48])[0]
+    tails = h.prompts(8, [5, 9, 13, 3])
+    ps = [system + t for t in tails]
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(h.engine_config(enable_prefix_caching=caching), loaded=loaded)
+        first = llm.generate(reqs_for(ps[:1]))  # computes and caches the system prompt blocks
+        rest = llm.generate(reqs_for(ps[1:]))
+        outs[caching] = [o.token_ids for o in first + rest]
+        stats = llm.engine.stats()
+        if caching:
+            assert stats["prefix_cache_hits"] >= 3 * 48  # 3 full blocks per later request
+            assert all(o.usage.cached_tokens == 48 for o in rest)
+            assert first[0].usage.cached_tokens == 0
+        else:
+            assert stats["prefix_cache_hits"] == 0
+        assert stats["prefix_cache_queries"] == sum(len(p) for p in ps)
+    assert outs[True] == outs[False]
+
+
+def test_abort_frees_every_block(tiny, h):
+    _, loaded = tiny
+    eng = LLMEngine(h.engine_config(), loaded=loaded)
+    for r in reqs_for(h.prompts(9, [40, 60, 20]), 50):
+        eng.add_request(r)
+    for _ in range(4):
+        eng.step()
+    assert eng.block_manager.num_free_blocks < eng.num_blocks
+    deltas = [eng.abort_request(f"r{i}") for i in range(3)]
+    assert [d.finish_reason for d in deltas] == ["abort"] * 3
+    assert deltas[0].usage.prompt_tokens == 40
+    assert not eng.has_unfinished()
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
+    assert eng.abort_request("r0") is None
+
+
+def finish_order(llm, requests):
+    order = []
+    eng = llm.engine
+    for r in requests:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        order += [d.request_id for d in eng.step() if d.finished]
+    return order
+
+
+def test_priority_policy_lower_first_ties_by_arrival(tiny, h):
+    _, loaded = tiny
+    llm = LLM(h.engine_config(max_num_seqs=1, scheduling_policy="priority"), loaded=loaded)
+    t = time.monotonic()
+    pr = [3, 1, 2, 1, 0]
+    rs = [GenerateRequest(request_id=f"p{i}", prompt_token_ids=[5 + i] * 4, params=greedy(2), priority=p,
+                          arrival_time=t + i) for i, p in enumerate(pr)]
+    assert finish_order(llm, rs) == ["p4", "p1", "p3", "p2", "p0"]
+
+
+def test_fcfs_and_lof_order(tiny, h):
+    _, loaded = tiny
+    t = time.monotonic()
+    arrivals = [t - 1, t - 5, t - 3]
+
+    def make():
+        # priorities that the priority policy would follow; fcfs and lof ignore them
+        return [GenerateRequest(request_id=f"q{i}", prompt_token_ids=[9 + i] * 4, params=greedy(2), priority=-i,
+                                arrival_time=a) for i, a in enumerate(arrivals)]
+
+    for policy in ("fcfs", "lof"):
+        llm = LLM(h.engine_config(max_num_seqs=1, scheduling_policy=policy), loaded=loaded)
+        assert finish_order(llm, make()) == ["q1", "q2", "q0"]
+    llm = LLM(h.engine_config(max_num_seqs=1, scheduling_policy="priority"), loaded=loaded)
+    assert finish_order(llm, make()) == ["q2", "q1", "q0"]
+
+
+def test_lof_favours_longest_total_wait_after_preemption(tiny, h):
+    """fcfs keeps a preempted request's old place; lof ranks by the time actually spent waiting."""
+    _, loaded = tiny
+    for policy, winner in (("fcfs", "old"), ("lof", "new")):
+        eng = LLMEngine(h.engine_config(scheduling_policy=policy, max_num_seqs=1), loaded=loaded)
+        old = eng.add_request(GenerateRequest(request_id="old", prompt_token_ids=[1] * 4, params=greedy(2)))
+        new = eng.add_request(GenerateRequest(request_id="new", prompt_token_ids=[2] * 4, params=greedy(2)))
+        now = time.monotonic()
+        # "old" arrived 20 s ago, waited 2 s, ran, and was preempted 1 s ago (3 s waited in all);
+        # "new" arrived 5 s ago and has waited 5 s.
+        old.arrival_time, old.wait_accum, old.waiting_since = now - 20, 2.0, now - 1
+        new.arrival_time, new.waiting_since = now - 5, now - 5
+        eng.step()
+        assert [s.request_id for s in eng.scheduler.running] == [winner]
+
+
+def test_max_model_len_error_names_the_field(tiny, h):
+    _, loaded = tiny
+    eng = LLMEngine(h.engine_config(max_model_len=64), loaded=loaded)
+    with pytest.raises(EngineError, match="max_model_len"):
+        eng.add_request(GenerateRequest(request_id="x", prompt_token_ids=[1] * 60, params=greedy(10)))
+    with pytest.raises(EngineError, match="max_tokens"):
+        eng.add_request(GenerateRequest(request_id="y", prompt_token_ids=[1] * 6, params=greedy(0)))
+    with pytest.raises(EngineError, match="prompt_token_ids"):
+        eng.add_request(GenerateRequest(request_id="z", prompt_token_ids=[1, 9999], params=greedy(2)))
+    with pytest.raises(EngineError, match="num_kv_blocks"):
+        LLMEngine(h.engine_config(num_kv_blocks=2), loaded=loaded).add_request(
+            GenerateRequest(request_id="w", prompt_token_ids=[1] * 40, params=greedy(2)))
+    assert not eng.has_unfinished()
