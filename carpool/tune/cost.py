@@ -152,20 +152,37 @@ class ProfiledCost:
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[StepShape, float]], kv_tokens: int | None = None,
-            name: str = "profiled", features: Sequence[str] = FEATURES) -> ProfiledCost:
-        """Fit on samples; ``features`` picks which terms may be non-zero."""
+            name: str = "profiled", features: Sequence[str] = FEATURES, robust: bool = True) -> ProfiledCost:
+        """Fit on samples; ``features`` picks which terms may be non-zero.
+
+        ``robust``: on a shared machine a few steps are stretched many times over by other
+        processes.  The coefficients come from a Huber-weighted fit (the spikes do not bend
+        the shape), then one scale factor restores the mean step time, which is what
+        throughput depends on.
+        """
         if len(samples) < len(features):
             raise ValueError(f"need at least {len(features)} step samples to fit, got {len(samples)}")
         cols = [FEATURES.index(f) for f in features]
         x = np.array([[_features(s)[c] for c in cols] for s, _ in samples], dtype=float)
         y = np.array([d for _, d in samples], dtype=float)
+        w = np.ones_like(y)
         beta = nnls(x, y)
+        if robust:
+            for _ in range(10):  # iteratively reweighted least squares, Huber weights
+                r = y - x @ beta
+                scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-12
+                w = np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(r), 1e-18))
+                sw = np.sqrt(w)
+                beta = nnls(x * sw[:, None], y * sw)
+            level = float(y.sum() / max((x @ beta).sum(), 1e-18))
+            beta = beta * level
         pred = x @ beta
         rel = np.abs(pred - y) / np.maximum(y, 1e-9)
         info = {
             "num_samples": len(samples),
             "median_abs_rel_error": float(np.median(rel)),
             "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-18)),
+            "downweighted_samples": int((w < 1).sum()),
         }
         return cls({f: float(b) for f, b in zip(features, beta)}, kv_tokens, name, info)
 

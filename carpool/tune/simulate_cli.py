@@ -35,15 +35,16 @@ def _bool(v: str) -> bool:
     raise ValueError(f"expected on/off, got {v!r}")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, profile: bool = True) -> None:
     g = p.add_argument_group("hardware and cost model")
     g.add_argument("--gpu", default="a10", help=f"accelerator: {', '.join(hardware.names())} (default a10)")
     g.add_argument("--gpus", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     g.add_argument("--model", default="7b", help="model size or name: 0.5b 1.5b 7b 8b 14b 32b 70b 72b 135m")
     g.add_argument("--cost", choices=("roofline", "profiled"), default="roofline",
                    help="roofline (named accelerator) or profiled (fitted on carpool's engine; needs --profile)")
-    g.add_argument("--profile", help="profiled cost model JSON (written by benchmarks/simulator_validation.py "
-                                     "or carpool tune --engine --save-profile)")
+    if profile:
+        g.add_argument("--profile", help="profiled cost model JSON (written by benchmarks/simulator_validation.py "
+                                         "--save-profile or carpool tune --engine --save-profile)")
     g.add_argument("--mem-eff", type=float, default=0.8, help="fraction of peak bandwidth reached (0.8)")
     g.add_argument("--compute-eff", type=float, default=0.6, help="fraction of peak FLOPs reached (0.6)")
     g.add_argument("--overhead-ms", type=float, default=None, help="fixed cost per engine step")

@@ -1,0 +1,126 @@
+"""Does the simulator predict carpool's real engine?  Fit on some workloads, test on others.
+
+    python benchmarks/simulator_validation.py                 # engine "smollm2" (the packaged model)
+    python benchmarks/simulator_validation.py --model tiny-random --quick
+
+1. Start carpool's engine in-process (``AsyncEngine``) and fit the profiled cost model on
+   the calibration workloads (``carpool.tune.profile.calibration_workloads``).
+2. For held-out workloads (other length mixes, other arrival rates: all-at-once batch
+   jobs and Poisson streams at fractions of the predicted capacity), predict throughput
+   and P99 end-to-end latency with the simulator, then measure them on the engine.
+3. Print one JSON object with the relative errors; the target is within 15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from carpool.engine import AsyncEngine, EngineConfig
+from carpool.tune.engine_load import run_load
+from carpool.tune.measure import Measurement
+from carpool.tune.profile import fit_engine
+from carpool.tune.simulator import SimConfig, Simulator
+from carpool.tune.workload import synthetic
+
+
+def sim_config(cfg: EngineConfig, num_blocks: int) -> SimConfig:
+    return SimConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                     enable_chunked_prefill=cfg.enable_chunked_prefill,
+                     enable_prefix_caching=cfg.enable_prefix_caching, scheduling_policy=cfg.scheduling_policy,
+                     block_size=cfg.block_size, num_kv_blocks=num_blocks)
+
+
+def held_out(quick: bool) -> list[dict]:
+    """Workloads unlike the calibration set.  rate_frac: arrival rate as a fraction of the
+    capacity the fitted model predicts for that mix (None: all requests at t=0)."""
+    n = 24 if quick else 48
+    return [
+        {"name": "batch-classify", "prompt": "uniform:60,160", "output": "fixed:6", "n": n, "rate_frac": None},
+        {"name": "batch-generate", "prompt": "lognormal:150,0.6", "output": "uniform:16,64", "n": n // 2,
+         "rate_frac": None},
+        {"name": "stream-mixed-50pct", "prompt": "mix:40x0.7,500x0.3", "output": "uniform:8,48", "n": n,
+         "rate_frac": 0.5},
+        {"name": "stream-chat-80pct", "prompt": "uniform:100,300", "output": "uniform:16,40", "n": n,
+         "rate_frac": 0.8},
+    ]
+
+
+def rel_err(pred: float, meas: float) -> float:
+    return abs(pred - meas) / meas if meas else math.inf
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="engine model: smollm2 (default) or tiny-random")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads")
+    ap.add_argument("--save-profile", help="also write the fitted profile JSON here")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+
+    cfg = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    t_start = time.time()
+    engine = AsyncEngine(cfg).start_sync()
+    try:
+        t0 = time.time()
+        profile = fit_engine(engine)
+        fit_s = time.time() - t0
+        if args.save_profile:
+            profile.save(args.save_profile)
+        num_blocks = engine.engine.num_blocks
+        scfg = sim_config(cfg, num_blocks)
+        rows = []
+        for i, w in enumerate(held_out(args.quick)):
+            base = synthetic(w["n"], 1.0, w["prompt"], w["output"], seed=args.seed + i)
+            if w["rate_frac"] is None:
+                rate = math.inf
+            else:  # a fraction of the capacity the simulator predicts for this mix
+                cap = Simulator(profile, scfg, record_steps=False).run(
+                    [replace(r, arrival=0.0) for r in base]).throughput_rps
+                rate = w["rate_frac"] * cap
+            reqs = [replace(r, arrival=0.0 if math.isinf(rate) else r.arrival / rate,
+                            request_id=f"{w['name']}-{r.request_id}") for r in base]
+            pred = Measurement.from_sim(Simulator(profile, scfg).run(reqs), rate)
+            meas = Measurement.from_records(asyncio.run(run_load(engine, reqs)), rate)
+            rows.append({
+                "workload": w["name"], "prompt_len": w["prompt"], "output_len": w["output"],
+                "num_requests": w["n"], "rate_rps": None if math.isinf(rate) else round(rate, 3),
+                "measured": {"throughput_rps": round(meas.throughput_rps, 3), "p99_e2e_s": round(meas.e2e_s["p99"], 3),
+                             "output_tok_s": round(meas.output_tok_s, 1)},
+                "predicted": {"throughput_rps": round(pred.throughput_rps, 3), "p99_e2e_s": round(pred.e2e_s["p99"], 3),
+                              "output_tok_s": round(pred.output_tok_s, 1)},
+                "throughput_error": round(rel_err(pred.throughput_rps, meas.throughput_rps), 4),
+                "p99_e2e_error": round(rel_err(pred.e2e_s["p99"], meas.e2e_s["p99"]), 4),
+            })
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    finally:
+        asyncio.run(engine.shutdown())
+    worst_thr = max(r["throughput_error"] for r in rows)
+    worst_p99 = max(r["p99_e2e_error"] for r in rows)
+    print(json.dumps({
+        "benchmark": "simulator_validation", "engine_model": args.model,
+        "engine_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                          "num_kv_blocks": num_blocks},
+        "cpu_count": os.cpu_count(), "fit": profile.describe(), "fit_seconds": round(fit_s, 1),
+        "held_out": rows, "max_throughput_error": worst_thr, "max_p99_e2e_error": worst_p99,
+        "mean_throughput_error": round(sum(r["throughput_error"] for r in rows) / len(rows), 4),
+        "mean_p99_e2e_error": round(sum(r["p99_e2e_error"] for r in rows) / len(rows), 4),
+        "within_15pct": worst_thr <= 0.15 and worst_p99 <= 0.15,
+        "total_seconds": round(time.time() - t_start, 1),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

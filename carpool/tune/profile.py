@@ -1,0 +1,50 @@
+"""Fit the profiled cost model on carpool's engine, on this machine.
+
+Runs calibration workloads through an in-process ``AsyncEngine`` with a
+``StepRecorder`` attached, then fits step time on prefill tokens, decode tokens, KV
+tokens read and attention pairs (non-negative least squares).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from carpool.tune.cost import ProfiledCost, StepShape
+from carpool.tune.engine_load import StepRecorder, run_load
+from carpool.tune.workload import SimRequest, synthetic
+
+
+def calibration_workloads(seed: int = 100) -> list[list[SimRequest]]:
+    """Shapes that pull the terms apart: pure decode at a few batch sizes and contexts,
+    prefill-heavy bursts, and a mixed open-loop stream."""
+    return [
+        synthetic(8, float("inf"), "uniform:16,64", "fixed:24", seed),  # small-batch decode
+        synthetic(24, float("inf"), "uniform:32,96", "fixed:24", seed + 1),  # larger-batch decode
+        synthetic(12, float("inf"), "uniform:300,700", "fixed:8", seed + 2),  # long prompts: prefill and KV
+        synthetic(24, 6.0, "uniform:16,400", "uniform:4,40", seed + 3),  # mixed stream
+    ]
+
+
+def record_engine(engine: Any, workloads: list[list[SimRequest]], tag: str = "cal") -> list[tuple[StepShape, float]]:
+    """Run each workload through ``engine`` (an ``AsyncEngine``) and return the step samples."""
+    rec = StepRecorder(engine.engine)
+    for i, w in enumerate(workloads):
+        reqs = [SimRequest(f"{tag}{i}-{r.request_id}", r.arrival, r.prompt_len, r.output_len, r.priority,
+                           r.prefix_group, r.prefix_len) for r in w]
+        asyncio.run(run_load(engine, reqs))
+    return rec.fit_samples()
+
+
+def kv_capacity_tokens(engine: Any) -> int:
+    e = engine.engine
+    return e.num_blocks * e.block_size
+
+
+def fit_engine(engine: Any, workloads: list[list[SimRequest]] | None = None, name: str | None = None,
+               warmup: bool = True) -> ProfiledCost:
+    if warmup:  # first forwards of new shapes are slow (allocator, kernels): keep them out of the fit
+        record_engine(engine, [synthetic(4, float("inf"), "uniform:32,400", "fixed:4", 7)], "warm")
+    samples = record_engine(engine, workloads or calibration_workloads())
+    return ProfiledCost.fit(samples, kv_tokens=kv_capacity_tokens(engine),
+                            name=name or f"carpool-engine:{engine.model_name}")

@@ -1,0 +1,151 @@
+"""``carpool tune``: the settings with the highest goodput under latency SLOs.
+
+    carpool tune --engine --slo p99_e2e_ms=2000                 # carpool's engine, restarted per setting
+    carpool tune --simulate --gpu h100 --model 8b --slo p99_ttft_ms=500 --emit vllm
+    carpool tune --endpoint http://127.0.0.1:8000/v1 --slo p99_e2e_ms=2000   # rate/concurrency only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from carpool.tune import simulate_cli as sc
+from carpool.tune.measure import SLO
+from carpool.tune.tuner import Setting, SimEvaluator, TuneResult, grid, tune, vllm_command
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a comma-separated list of integers, e.g. 16,32,64") from None
+
+
+def _strs(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--engine", action="store_true", help="tune carpool's engine in-process (restarted per setting)")
+    target.add_argument("--simulate", action="store_true", help="tune the simulated engine (--gpu/--model)")
+    target.add_argument("--endpoint", help="an OpenAI-compatible URL: only the request rate can be tuned")
+    p.add_argument("--slo", action="append", required=True, metavar="METRIC=LIMIT",
+                   help="e.g. p99_e2e_ms=2000, p99_ttft_ms=500, p90_tpot_ms=50; repeatable (all must hold)")
+    p.add_argument("--engine-model", default="smollm2", help="model for --engine (smollm2, tiny-random or a path)")
+    p.add_argument("--served-model", default="MODEL", help="model name for --endpoint requests and --emit vllm")
+    g = p.add_argument_group("search space")
+    g.add_argument("--seqs", type=_ints, default=None, metavar="LIST", help="max_num_seqs values (16,32,64,128)")
+    g.add_argument("--tokens", type=_ints, default=None, metavar="LIST",
+                   help="max_num_batched_tokens values (512,2048 for --engine; 2048,8192 otherwise)")
+    g.add_argument("--policies", type=_strs, default=["fcfs"], metavar="LIST", help="fcfs,priority,lof")
+    g.add_argument("--prefix-caching-options", type=_strs, default=["on"], metavar="LIST", help="on,off")
+    g.add_argument("--top-k", type=int, default=3, help="settings measured for real after simulator pruning")
+    g.add_argument("--rtol", type=float, default=0.05, help="relative tolerance of the rate root-find")
+    g.add_argument("--max-probes", type=int, default=10, help="runs per setting in the rate search")
+    g.add_argument("--start-rate", type=float, default=None, help="first rate probed (default: --qps)")
+    g.add_argument("--profile", help="profiled cost model JSON for pruning --engine (default: fit one now)")
+    g.add_argument("--save-profile", help="write the fitted profile here")
+    sc.add_model_arguments(p, profile=False)
+    sc.add_workload_arguments(p)
+    p.add_argument("--emit", choices=("vllm",), help="print a vLLM command line with the chosen settings")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+
+
+def settings_from(args: argparse.Namespace) -> list[Setting]:
+    engine = bool(args.engine)
+    seqs = args.seqs or ([8, 16, 32, 64] if engine else [16, 32, 64, 128, 256])
+    tokens = args.tokens or ([256, 512, 1024] if engine else [2048, 8192])
+    for pol in args.policies:
+        if pol not in ("fcfs", "priority", "lof"):
+            raise ValueError(f"--policies: {pol!r} is not one of fcfs, priority, lof")
+    pcs = [sc._bool(x) for x in args.prefix_caching_options]
+    return grid(seqs, tokens, args.policies, pcs)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
+    slos = [SLO.parse(s) for s in args.slo]
+    # The workload is drawn at unit rate and rescaled per probe (same requests at every rate).
+    base_qps = args.qps
+    args.qps = 1.0
+    requests = sc.build_workload(args)
+    start = args.start_rate or (base_qps if not math.isinf(base_qps) else 1.0)
+    settings = settings_from(args)
+    info: dict = {"target": "engine" if args.engine else "simulate" if args.simulate else args.endpoint}
+    if args.simulate:
+        cost = sc.build_cost(args)
+        info["cost_model"] = cost.describe()
+        ev = SimEvaluator(cost, requests)
+        # The pruning pass uses a shorter run of the same workload: it only has to rank.
+        pruner = SimEvaluator(cost, requests[: max(len(requests) // 2, 50)])
+        res = tune(settings, ev, slos, start, pruner, args.top_k, args.rtol, args.max_probes, _log)
+        return res, info
+    if args.endpoint:
+        from carpool.tune.http_eval import EndpointEvaluator
+
+        ev = EndpointEvaluator(args.endpoint, args.served_model, requests)
+        res = tune([Setting()], ev, slos, start, None, 1, args.rtol, args.max_probes, _log)
+        info["note"] = "server settings are the server's own; only the rate (and client concurrency) are tuned"
+        return res, info
+    # --engine: fit (or load) the profiled model, prune with the simulator, measure the finalists.
+    from carpool.engine import EngineConfig
+    from carpool.tune.cost import ProfiledCost
+    from carpool.tune.tuner import EngineEvaluator
+
+    base = EngineConfig(model=args.engine_model)
+    ev = EngineEvaluator(base, requests, log=_log)
+    try:
+        if args.profile:
+            cost = ProfiledCost.load(args.profile)
+        else:
+            from carpool.tune.profile import fit_engine
+
+            _log("fitting the profiled cost model on the engine ...")
+            eng = ev._engine_for(Setting(max_num_seqs=32, max_num_batched_tokens=512))
+            cost = fit_engine(eng, warmup=False)
+            _log(f"fit: {json.dumps(cost.describe())}")
+        if args.save_profile:
+            cost.save(args.save_profile)
+        info["cost_model"] = cost.describe()
+        pruner = SimEvaluator(cost, requests, sc.SimConfig(block_size=base.block_size))
+        res = tune(settings, ev, slos, start, pruner, args.top_k, args.rtol, args.max_probes, _log)
+    finally:
+        ev.close()
+    return res, info
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        res, info = run(args)
+    except (ValueError, OSError) as e:
+        print(f"carpool tune: {e}", file=sys.stderr)
+        return 2
+    out = {**info, **res.summary()}
+    if args.json:
+        print(json.dumps(out, default=str))
+    else:
+        print(f"SLO: {', '.join(str(s) for s in res.slos)}")
+        rows = res.measured or res.pruned
+        for r in rows:
+            print(f"  {r.setting.label():<45} max rate {r.rate:8.3f} req/s  "
+                  f"{'ok' if r.feasible else 'SLO never met'}  ({len(r.probes)} runs)")
+        if res.best is None:
+            print("no setting meets the SLO at any rate tried: relax the SLO or shorten the workload")
+        else:
+            m = res.best.measurement
+            print(f"best: {res.best.setting.label()}: goodput {res.best.goodput_rps:.3f} req/s; at that rate "
+                  f"p99 E2E {m.e2e_s['p99'] * 1e3:.0f} ms, p99 TTFT {m.ttft_s['p99'] * 1e3:.0f} ms; "
+                  f"client concurrency {res.recommended_concurrency}")
+    if args.emit == "vllm":
+        if res.best is None:
+            print("carpool tune: no setting met the SLO; nothing to emit", file=sys.stderr)
+            return 1
+        print(vllm_command(res.best.setting, args.served_model, getattr(args, "gpus", 1)))
+    return 0 if res.best is not None else 1
