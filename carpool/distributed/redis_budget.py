@@ -95,6 +95,11 @@ class _Bucket:
         return cls(capacity, (limit - capacity) / window_s)
 
 
+def _per(limit: float | None, factor: float) -> float | None:
+    # Rounded so that e.g. 360 rpm over a 1 s window is exactly 6, not 5.999999.
+    return None if not limit else round(limit * factor, 9)
+
+
 class BudgetClosed(RuntimeError):
     pass
 
@@ -103,7 +108,10 @@ class RedisBudget:
     """Requests-per-minute and tokens-per-minute budget shared through Redis.
 
     ``await budget.acquire(requests=1, tokens=n)`` waits until the request may be sent
-    without any worker of the job going over ``rpm`` / ``tpm`` in any ``window_s`` window.
+    without all workers of the job together going over ``rpm`` / ``tpm`` (per minute, as
+    providers state them).  ``window_s`` is the window the provider counts in: 60 by
+    default; a provider that quantises "600 RPM" as 10 per second wants ``window_s=1``.
+    The guarantee: never more than ``rpm * window_s / 60`` requests in any ``window_s``.
     ``budget.adjust(tokens)`` reconciles an estimate once the real usage is known
     (positive: more tokens were used than acquired; negative: give the surplus back).
     It has the interface of ``carpool.client.budget.Budget``, so the executor takes it as is.
@@ -136,8 +144,10 @@ class RedisBudget:
         self.rpm, self.tpm = rpm, tpm
         self.window_s = window_s
         self.key = f"{prefix}:budget:{name}"
-        self._requests = _Bucket.for_limit(rpm, window_s, burst_s, floor=1.0)
-        self._tokens = _Bucket.for_limit(tpm, window_s, burst_s, floor=1.0)
+        # rpm/tpm are per minute, as providers state them; the bound holds per window_s.
+        per_window = window_s / 60.0
+        self._requests = _Bucket.for_limit(_per(rpm, per_window), window_s, burst_s, floor=1.0)
+        self._tokens = _Bucket.for_limit(_per(tpm, per_window), window_s, burst_s, floor=1.0)
         # Idle budgets vanish: after two windows a bucket is full again anyway.
         self._ttl_ms = math.ceil(2 * window_s * 1000) + 1000
         self._script = redis.register_script(_SCRIPT)

@@ -22,7 +22,9 @@ r = redis.Redis.from_url(url)
 while not r.get(name + ":go"):
     time.sleep(0.005)
 async def main():
-    b = RedisBudget(url, rpm=40, tpm=1000, name=name, window_s=1e6, burst_s=1e6)
+    # 40 requests and 1000 tokens per (very long) window, all of it available as a burst:
+    # a bucket that practically does not refill during the test.
+    b = RedisBudget(url, rpm=40 * 60 / 1e6, tpm=1000 * 60 / 1e6, name=name, window_s=1e6, burst_s=1e6)
     granted = 0
     for _ in range(attempts):
         if await b.try_acquire(requests=1, tokens=7) == 0.0:
@@ -57,7 +59,7 @@ async def _grant_times(url: str, name: str, clients: int, per_client: int) -> li
     times: list[float] = []
 
     async def worker():
-        b = RedisBudget(url, rpm=8, name=name, window_s=1.0, burst_s=0.25)
+        b = RedisBudget(url, rpm=480, name=name, window_s=1.0, burst_s=0.25)  # 8 per second
         for _ in range(per_client):
             await b.acquire()
             times.append(time.monotonic())
