@@ -212,13 +212,16 @@ class Diagnosis:
 async def _sample(
     probe: ServerProbe, samples: list[dict[str, float]], stop: asyncio.Event, every: float
 ) -> None:
+    # Start fast (5 ms, doubling up to ``every``) so a phase shorter than one interval is still seen.
+    wait = min(0.005, every)
     while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait)
         data = await probe.read()
         if data is None:
             return
         samples.append(data)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), every)
+        wait = min(2 * wait, every)
 
 
 def _server_view(before: dict | None, after: dict | None, samples: list[dict]) -> ServerView | None:
