@@ -107,12 +107,19 @@ async def create_embeddings(request: web.Request) -> web.Response:
     finally:
         if metered:
             embedder.forget(texts)
-    counter = getattr(embedder, "count_tokens", None)
-    tokens = sum(int(counter(t)) for t in texts) if counter is not None else 0
+    tokens = _count_tokens(embedder, texts)
     fmt = body.get("encoding_format") or "float"
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)]
     return json_response({"object": "list", "data": data, "model": model,
                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _count_tokens(embedder: Any, texts: list[str]) -> int:
+    batch = getattr(embedder, "count_tokens_batch", None)
+    if batch is not None:
+        return int(sum(batch(texts)))
+    one = getattr(embedder, "count_tokens", None)
+    return sum(int(one(t)) for t in texts) if one is not None else 0
 
 
 def _batcher_error(state, e: Exception) -> Exception:
