@@ -19,6 +19,10 @@ from carpool.client.limiter import FixedLimiter
 _DROP_KINDS = (R.RATE_LIMITED, R.OVERLOADED)
 
 
+class Stopped(Exception):
+    """The job is stopping: this request was not sent (it runs again on resume)."""
+
+
 class Executor:
     def __init__(self, backend: Backend, limiter: FixedLimiter, budget: Budget | None = None,
                  policy: R.RetryPolicy | None = None, latency_signal: str = "tpot", seed: int | None = None):
@@ -32,6 +36,7 @@ class Executor:
         self.retries: Counter[str] = Counter()  # error kind -> retries made
         self.attempts = 0
         self._rng = random.Random(seed)
+        self.stopping = False  # set on Ctrl-C: requests not yet sent are not sent
 
     def _latency(self, res: CallResult) -> float | None:
         if self.latency_signal == "ttft":
@@ -47,6 +52,9 @@ class Executor:
             attempt += 1
             await self.budget.acquire(1, req.est_tokens)
             await self.limiter.acquire()
+            if self.stopping:
+                self.limiter.release()
+                raise Stopped(req.custom_id)
             self.attempts += 1
             try:
                 res = await self.backend.call(req)

@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import asyncio
 
+import dataclasses
+
 from carpool.jobs.runner import Runner, RunOptions
+from carpool.jobs.tasks import TaskDefaults
+
+
+def make_options(input: str, output: str, **options) -> RunOptions:
+    """``model``, ``max_tokens``, ``temperature`` and ``idempotent`` are accepted as shortcuts:
+    with ``endpoints`` ``model`` is the model name sent, without it the engine's model."""
+    shortcuts = {k: options.pop(k) for k in ("model", "max_tokens", "temperature", "idempotent") if k in options}
+    defaults = options.pop("defaults", None) or TaskDefaults()
+    model = shortcuts.pop("model", None)
+    if model is not None:
+        if options.get("endpoints"):
+            defaults = dataclasses.replace(defaults, model=model)
+        else:
+            options.setdefault("engine_model", model)
+    defaults = dataclasses.replace(defaults, **shortcuts)
+    return RunOptions(input=str(input), output=str(output), defaults=defaults, **options)
 
 
 async def arun_batch(input: str, output: str, **options) -> dict:
     """Run a job inside a running event loop."""
-    runner = Runner(RunOptions(input=str(input), output=str(output), **options))
+    runner = Runner(make_options(input, output, **options))
     stats = await runner.run()
     out = stats.to_dict()
     out["messages"] = runner.messages

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from carpool.client import retry as R
 from carpool.client.base import CallResult, Request
 from carpool.client.budget import make_budget
-from carpool.client.executor import Executor
+from carpool.client.executor import Executor, Stopped
 from carpool.client.limiter import FixedLimiter, make_limiter
 from carpool.client.pool import Timeouts
 from carpool.jobs.journal import DoneSet, Journal
@@ -192,7 +192,10 @@ class Runner:
         self.stats.interrupted = True
         if not self._stop:
             self._stop = True
-            print(f"\ncarpool run: stopping; finishing {len(self._pending)} requests in flight "
+            if self.executor is not None:
+                self.executor.stopping = True
+            n = self.limiter.in_flight if self.limiter is not None else 0
+            print(f"\ncarpool run: stopping; finishing {n} requests in flight "
                   "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
             return
         for t in list(self._pending):
@@ -284,7 +287,7 @@ class Runner:
 
     async def _produce(self, reader: Reader, done: DoneSet, writer: ResultWriter) -> None:
         o = self.opts
-        slots = asyncio.Semaphore(o.max_pending)
+        slots = self._slots = asyncio.Semaphore(o.max_pending)
         seq = 0
         window: list[tuple[int, Task]] = []
         check = getattr(self.backend, "check", None)
@@ -305,6 +308,8 @@ class Runner:
                 self.stats.skipped += 1
                 continue
             await slots.acquire()
+            if self._stop:
+                break
             s, seq = seq, seq + 1
             if isinstance(item, BadLine):
                 self.stats.bad_lines += 1
@@ -398,7 +403,13 @@ class Runner:
             if o.dedup:
                 leader = self._inflight.get(key)
                 if leader is not None:
-                    res = await asyncio.shield(leader)
+                    try:
+                        res = await asyncio.shield(leader)
+                    except asyncio.CancelledError:
+                        if not leader.cancelled():
+                            raise  # we are cancelled ourselves
+                        self._slots.release()  # the leader stopped unsent: so do we (resume redoes both)
+                        return
                     st.dedup_fanouts += 1
                     self._emit_result(seq, task, res, 1, writer, fanout=True)
                     return
@@ -430,8 +441,12 @@ class Runner:
                         writer.emit(seq, success_line(req.custom_id, 200, res.request_id, body), False,
                                     self._written)
                         return
+            try:
+                outcome = await self.executor.execute(req)
+            except Stopped:
+                self._slots.release()
+                return  # not written: it is done on resume
             st.sent += 1
-            outcome = await self.executor.execute(req)
             res = outcome.result
             self._account(res)
             if res.ok and key is not None:

@@ -1,0 +1,87 @@
+"""Readers and per-line validation, through the whole pipeline in dry-run mode."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from carpool.jobs.api import run_batch
+
+
+def lines(path):
+    return [json.loads(x) for x in open(path)]
+
+
+def test_bad_lines_are_reported_with_line_and_field_and_the_rest_runs(tmp_path):
+    src = tmp_path / "in.jsonl"
+    rows = [
+        json.dumps({"custom_id": "ok1", "messages": [{"role": "user", "content": "hi"}]}),
+        "{not json",
+        json.dumps({"custom_id": "nofield", "max_tokens": 3}),
+        json.dumps({"custom_id": "badtype", "messages": [{"role": "user", "content": 5}]}),
+        json.dumps({"custom_id": "badmax", "prompt": "x", "max_tokens": "ten"}),
+        "",
+        json.dumps({"custom_id": "ok2", "prompt": "hello"}),
+        json.dumps([1, 2]),
+        json.dumps({"custom_id": "badurl", "method": "POST", "url": "/v1/images", "body": {}}),
+    ]
+    src.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(src, out, dry_run=True, cache="off")
+    got = {d["custom_id"]: d for d in lines(out)}
+    assert len(got) == 8  # the blank line is no task
+    assert got["ok1"]["error"] is None and got["ok2"]["response"]["status_code"] == 200
+    assert got["line-2"]["error"]["line"] == 2 and "not valid JSON" in got["line-2"]["error"]["message"]
+    assert got["nofield"]["error"]["field"] == "messages"
+    assert got["badtype"]["error"]["field"] == "messages[0].content" and got["badtype"]["error"]["line"] == 4
+    assert got["badmax"]["error"]["field"] == "max_tokens"
+    assert got["line-8"]["error"]["code"] == "invalid_input"
+    assert got["badurl"]["error"]["field"] == "url"
+    assert summary["bad_lines"] == 6 and summary["ok"] == 2
+
+
+def test_openai_batch_format_and_output_shape(tmp_path):
+    src = tmp_path / "batch.jsonl"
+    with open(src, "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": "x", "messages": [{"role": "user", "content": f"q{i}"}]}}) + "\n")
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, dry_run=True, cache="off")
+    for d in lines(out):
+        assert set(d) == {"id", "custom_id", "response", "error"}
+        assert set(d["response"]) == {"status_code", "request_id", "body"}
+        assert d["id"].startswith("batch_req_")
+
+
+def test_csv_with_template(tmp_path):
+    src = tmp_path / "reviews.csv"
+    src.write_text('id,review,stars\nr1,"great, really",5\nr2,"bad\nvery bad",1\n')
+    from carpool.jobs.readers import Reader
+    from carpool.jobs.tasks import Template
+
+    items = list(Reader(src, template=Template("Review: {review} ({stars})", system="Classify.", id_column="id")))
+    assert [t.custom_id for t in items] == ["r1", "r2"]
+    assert items[1].request.body["messages"][1]["content"] == "Review: bad\nvery bad (1)"
+    assert items[0].request.body["messages"][0] == {"role": "system", "content": "Classify."}
+    bad = list(Reader(src, template=Template("{missing}")))
+    assert bad[0].field == "template" and "missing" in bad[0].reason
+
+
+def test_parquet_with_template_embeddings(tmp_path):
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["a", "b", "c"], "key": ["k1", "k2", "k3"]}), src)
+    out = tmp_path / "out.jsonl"
+    from carpool.jobs.tasks import Template
+
+    run_batch(src, out, dry_run=True, cache="off", template=Template("{text}", id_column="key", kind="embedding"))
+    assert sorted(d["custom_id"] for d in lines(out)) == ["k1", "k2", "k3"]
+
+
+def test_csv_without_template_says_what_to_do(tmp_path):
+    src = tmp_path / "r.csv"
+    src.write_text("review\nnice\n")
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, dry_run=True, cache="off")
+    (d,) = lines(out)
+    assert d["error"]["field"] == "template" and "--template" in d["error"]["message"]
