@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +62,15 @@ class Embedder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         self.model = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=dtype).eval()
         self.dim = int(self.model.config.hidden_size)
+        # A fast tokenizer is not safe to call from two threads at once ("Already borrowed"):
+        # the batcher counts tokens on the event loop while its worker thread embeds.
+        self._tok_lock = threading.Lock()
 
     # ------------------------------------------------------------------ tokens
 
     def _token_ids(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
+        with self._tok_lock:
+            return self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
 
     def count_tokens(self, text: str) -> int:
         """Tokens the model sees for ``text`` ([CLS] and [SEP] included, after truncation)."""
