@@ -58,7 +58,9 @@ class EngineBackend:
         self._run = uuid.uuid4().hex[:8]
 
     async def close(self) -> None:
-        return None
+        if self._batcher is not None and hasattr(self._batcher, "close"):
+            await self._batcher.close()
+        self._batcher = None
 
     def check(self, req: Request) -> tuple[str, str] | None:
         """A request the engine would refuse for its length: (field, reason), before it is queued."""
@@ -146,6 +148,7 @@ class EngineBackend:
             name = type(e).__name__
             kind = R.OVERLOADED if "Queue" in name else R.ENGINE_ERROR
             res.status_code, res.error_kind, res.error_message = 503, kind, f"{name}: {e}"
+            res.retry_after = getattr(e, "retry_after_s", None)
             res.e2e_s = time.monotonic() - t0
             return res
         res.e2e_s = res.ttft_s = time.monotonic() - t0
