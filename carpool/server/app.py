@@ -145,6 +145,9 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not state.ready:
         raise ApiError(503, "starting", type="server_error")
+    failure = getattr(state.engine, "error", None)
+    if failure is not None:
+        raise ApiError(503, f"the engine has failed: {failure!r}", type="server_error", code="engine_failed")
     return json_response({"status": "ok"})
 
 

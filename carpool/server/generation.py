@@ -53,7 +53,9 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     top_k = body.get("top_k")
     return SamplingParams(
         temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
-        top_p=float(1.0 if body.get("top_p") is None else body["top_p"]),
+        # A top_p that rounds to 0 in float32 would mask every token; below 1e-6 the nucleus
+        # is the top token anyway, so the floor changes no result.
+        top_p=max(1e-6, float(1.0 if body.get("top_p") is None else body["top_p"])),
         top_k=int(top_k) if top_k and top_k > 0 else 0,
         max_tokens=max_tokens,
         stop=[s for s in stops if s],  # an empty stop string would end every request at once
@@ -255,7 +257,11 @@ class _Run:
         }
 
 
-def _engine_failure(e: Exception) -> ApiError:
+def _engine_failure(e: Exception, state: ServerState) -> ApiError:
+    if getattr(state.engine, "error", None) is not None:  # the engine loop itself died
+        log.error("engine loop failed: %r", state.engine.error)  # type: ignore[union-attr]
+        return ApiError(503, f"the engine has failed and cannot serve: {state.engine.error!r}",  # type: ignore[union-attr]
+                        type="server_error", code="engine_failed")
     if isinstance(e, EngineError):
         return ApiError(400, str(e))
     log.error("engine failed: %r", e)
@@ -311,7 +317,7 @@ async def _respond(request: web.Request, body: dict, run: _Run, shape: _Shape) -
             async for _ in run.deltas():
                 pass
         except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
-            raise _engine_failure(e) from None
+            raise _engine_failure(e, run.state) from None
         for c in run.choices:
             _check_abort(c)
         out = {**shape.head(shape.object), "choices": [shape.final_choice(c) for c in run.choices],
@@ -331,7 +337,7 @@ async def _stream(request: web.Request, body: dict, run: _Run, shape: _Shape) ->
     except StopAsyncIteration:
         first = None
     except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
-        raise _engine_failure(e) from None
+        raise _engine_failure(e, run.state) from None
     resp = await sse.open_stream(request)
 
     def with_usage(chunk: dict) -> dict:
@@ -359,7 +365,7 @@ async def _stream(request: web.Request, body: dict, run: _Run, shape: _Shape) ->
             except StopAsyncIteration:
                 item = None
             except Exception as e:  # noqa: BLE001 - headers are gone: report in-band, as OpenAI does
-                await sse.send(resp, _engine_failure(e).body())
+                await sse.send(resp, _engine_failure(e, run.state).body())
                 break
         else:
             if include_usage:
