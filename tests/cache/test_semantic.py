@@ -149,3 +149,14 @@ def test_numbers_must_match(tmp_path, embedder):
 def test_bad_threshold_is_a_readable_error(tmp_path):
     with pytest.raises(ValueError, match="cosine similarity"):
         SemanticCache(tmp_path, threshold=1.5, embedder=lambda t: None)
+
+
+def test_texts_longer_than_the_embedder_reads_are_never_matched(tmp_path, embedder):
+    sem = SemanticCache(tmp_path / "sem", embedder=embedder)
+    head = " ".join(["word"] * 300)  # past MiniLM's 256 word pieces: the endings would be cut off
+    assert sem.add("s", "word word word", LABEL)  # so the scope's index is not empty
+    assert sem.add("s", head + " positive", LABEL) is False
+    assert sem.lookup("s", head + " negative") is None
+    stats = sem.stats()
+    assert (stats["entries"], stats["skipped_too_long"]) == (1, 1)
+    sem.close()
