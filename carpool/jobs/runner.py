@@ -357,7 +357,10 @@ class Runner:
         return _fallback_cacheable(req.body, req.kind)
 
     def _key(self, req: Request) -> str:
-        if _cache is not None:
+        # The cache room's key normalises the prompt (costly); with no store and no semantic
+        # cache, in-batch dedup only needs identical bodies, which a plain hash finds.
+        if _cache is not None and (self._store is not None and not isinstance(self._store, _cache.NullStore)
+                                   or self._sem is not None):
             try:
                 return _cache.cache_key(model=self._model_of(req), endpoint=self._endpoint_identity(), body=req.body)
             except Exception:
