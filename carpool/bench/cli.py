@@ -59,7 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--seed", type=int, default=0)
 
     t = p.add_argument_group("load")
-    t.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once")
+    t.add_argument(
+        "--request-rate", "--rate", type=float, default=math.inf, help="requests/s; inf sends all at once"
+    )
+    t.add_argument(
+        "--profile",
+        choices=["poisson", "gamma", "constant", "all-at-once", "sweep"],
+        help="shorthand: poisson = burstiness 1, gamma = --burstiness as given, constant = fixed gaps, "
+        "all-at-once = rate inf, sweep = --sweep",
+    )
     t.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 bursty, >1 even")
     t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     t.add_argument(
@@ -113,7 +121,23 @@ def default_result_name(res: dict[str, Any]) -> str:
     return f"{label}-{res['request_rate']}qps{conc}-{model}-{datetime.now():%Y%m%d-%H%M%S}.json"
 
 
+def apply_profile(args: argparse.Namespace) -> None:
+    """Fold ``--profile`` into the vLLM-style flags it abbreviates."""
+    profile = getattr(args, "profile", None)
+    if profile == "poisson":
+        args.burstiness = 1.0
+    elif profile == "constant":
+        args.burstiness = math.inf
+    elif profile == "all-at-once":
+        args.request_rate = math.inf
+    elif profile == "sweep":
+        args.sweep = True
+    if profile in ("poisson", "gamma", "constant") and math.isinf(args.request_rate):
+        raise ValueError(f"--profile {profile} needs a finite --request-rate (requests/s)")
+
+
 async def _run(args: argparse.Namespace) -> int:
+    apply_profile(args)
     percentiles = parse_percentiles(args.metric_percentiles)
     goodput = parse_goodput(args.goodput)
     metric_names = parse_metric_names(args.percentile_metrics)

@@ -210,7 +210,7 @@ def result_json(
         "tokenizer_id": model_id,
         "num_prompts": num_prompts,
         "request_rate": run.request_rate if math.isfinite(run.request_rate) else "inf",
-        "burstiness": run.burstiness,
+        "burstiness": run.burstiness if math.isfinite(run.burstiness) else "inf",
         "max_concurrency": run.max_concurrency,
     }
     res.update(extra or {})

@@ -102,3 +102,28 @@ def test_workload_file_and_errors(scripted, tmp_path, capsys):
     assert "KEY:MILLISECONDS" in capsys.readouterr().err
     assert main(["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--num-prompts", "1"]) == 1
     assert "test request" in capsys.readouterr().err
+
+
+def test_profile_shorthands(scripted, tmp_path, capsys):
+    srv = scripted(Script(ttft_s=0.01, itl_s=0.01))
+    out = tmp_path / "c.json"
+    args = [
+        "bench",
+        "--endpoint",
+        srv.url,
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "2",
+        "--result-file",
+        str(out),
+    ]
+    assert main([*args, "--profile", "constant", "--rate", "40"]) == 0
+    res = json.loads(out.read_text())
+    assert res["request_rate"] == 40.0 and res["burstiness"] == "inf"
+    starts = sorted(s.arrival for s in srv.served[-6:])
+    assert starts[-1] - starts[0] >= 5 / 40 - 0.01  # fixed 25 ms gaps, never early
+    assert main([*args, "--profile", "poisson"]) == 2
+    assert "finite --request-rate" in capsys.readouterr().err
