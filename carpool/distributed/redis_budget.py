@@ -145,6 +145,8 @@ class RedisBudget:
         self.window_s = window_s
         self.key = f"{prefix}:budget:{name}"
         # rpm/tpm are per minute, as providers state them; the bound holds per window_s.
+        # The burst is capped at half the window: past that the refill rate would be tiny.
+        burst_s = min(burst_s, window_s / 2)
         per_window = window_s / 60.0
         self._requests = _Bucket.for_limit(_per(rpm, per_window), window_s, burst_s, floor=1.0)
         self._tokens = _Bucket.for_limit(_per(tpm, per_window), window_s, burst_s, floor=1.0)

@@ -22,9 +22,9 @@ r = redis.Redis.from_url(url)
 while not r.get(name + ":go"):
     time.sleep(0.005)
 async def main():
-    # 40 requests and 1000 tokens per (very long) window, all of it available as a burst:
-    # a bucket that practically does not refill during the test.
-    b = RedisBudget(url, rpm=40 * 60 / 1e6, tpm=1000 * 60 / 1e6, name=name, window_s=1e6, burst_s=1e6)
+    # 80 requests and 2000 tokens per (very long) window, half of it as the burst (the cap):
+    # a bucket of 40 requests / 1000 tokens that practically does not refill during the test.
+    b = RedisBudget(url, rpm=80 * 60 / 1e6, tpm=2000 * 60 / 1e6, name=name, window_s=1e6, burst_s=5e5)
     granted = 0
     for _ in range(attempts):
         if await b.try_acquire(requests=1, tokens=7) == 0.0:

@@ -1,0 +1,306 @@
+"""``carpool run --ray [ADDRESS]``: one job spread over a Ray cluster.
+
+The driver (this module, on the machine where the command runs):
+1. cuts the input into shards of whole lines without loading it (``shards.py``) and saves
+   the plan in the work directory (default ``<output>.ray/``);
+2. hands the shards that are not finished yet to a Ray Data actor pool
+   (``map_batches(ShardWorker, ...)``); each actor runs carpool's own async pipeline on
+   one shard at a time against the endpoints, or against an engine of its own;
+3. once every shard is done, merges the shard outputs, in shard order, into the one
+   output file the user asked for.  Each shard output is in input order with
+   ``--ordered``, so the merged file is too.
+
+Resume: each shard output is that shard's journal (keyed by custom_id, as in a
+single-process run), and a finished shard leaves a ``.done.json`` marker; running the
+same command again runs only what is missing, whatever the number of workers.
+Shared state: with ``--redis URL`` every worker takes its requests from one RPM/TPM
+budget and sees the others' endpoint cooldowns; ``--cache redis://...`` shares the exact
+cache.  On a multi-node cluster the input and the work directory must be on a file
+system every node sees (NFS, a mounted bucket); see docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from carpool.distributed.shards import Shard, load_or_make_plan, merge_files
+
+
+@dataclass
+class RayOptions:
+    address: str | None = None  # None: a running local cluster if any, else a new one; "auto"; "ray://h:10001"
+    workers: int | None = None  # actors; default: the cluster's CPUs / cpus_per_worker
+    shards: int | None = None  # default: 4 per worker (small shards balance and resume finer)
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0  # > 0 with the embedded engine on GPU nodes
+    workdir: str | None = None  # default: <output>.ray (must be shared by all nodes)
+    redis: str | None = None  # shared RPM/TPM budget and endpoint cooldowns
+    budget_name: str | None = None  # default: derived from the endpoints and model
+    rpm_window_s: float = 60.0  # the window the provider counts its per-minute limits in
+    rpm_burst_s: float = 1.0  # burst allowed, in seconds of traffic (capped at half the window)
+    keep_workdir: bool = False  # keep the shard files after a successful merge
+    init_kwargs: dict = field(default_factory=dict)  # extra ray.init arguments (tests: num_cpus)
+
+
+class RayRunError(RuntimeError):
+    pass
+
+
+def _plan(input_path: Path, fmt: str, workdir: Path, n_shards: int) -> list[Shard]:
+    if fmt == "parquet":
+        return _parquet_plan(input_path, workdir, n_shards)
+    if fmt == "csv":
+        n_shards = 1  # a quoted field may hold newlines: byte ranges are not safe, one shard
+    return load_or_make_plan(input_path, workdir, n_shards)
+
+
+def _parquet_plan(path: Path, workdir: Path, n_shards: int) -> list[Shard]:
+    """Parquet shards are ranges of row groups (start/end = row-group indices)."""
+    import pyarrow.parquet as pq
+
+    plan_file = workdir / "plan.json"
+    st = path.stat()
+    fp = {"input": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if plan_file.exists():
+        saved = json.loads(plan_file.read_text())
+        if {k: saved.get(k) for k in fp} == fp:
+            return [Shard(**s) for s in saved["shards"]]
+    meta = pq.ParquetFile(path).metadata
+    rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    total = sum(rows)
+    shards: list[Shard] = []
+    start, acc, first = 0, 0, 1
+    for i, n in enumerate(rows):
+        acc += n
+        if acc >= total * (len(shards) + 1) / n_shards or i == len(rows) - 1:
+            lines = sum(rows[start:i + 1])
+            shards.append(Shard(len(shards), start, i + 1, first, lines))
+            first += lines
+            start = i + 1
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(json.dumps({**fp, "shards": [dataclasses.asdict(s) for s in shards]}))
+    return shards
+
+
+def _combine(summaries: list[dict]) -> dict:
+    """One job summary from the shards' (counts add up; latency percentiles are per shard)."""
+    add = ("done", "ok", "skipped_done_before", "bad_lines", "prompt_tokens", "completion_tokens",
+           "cached_prompt_tokens", "sent", "cache_hits", "semantic_hits", "dedup_fanouts", "saved_tokens")
+    out: dict = dict.fromkeys(add, 0)
+    errors: Counter = Counter()
+    retries: Counter = Counter()
+    p99 = {k: [] for k in ("ttft_ms_p99", "tpot_ms_p99", "e2e_ms_p99")}
+    for s in summaries:
+        st = s["stats"]
+        for k in add:
+            out[k] += st.get(k) or 0
+        errors.update(st.get("errors") or {})
+        retries.update(st.get("retries") or {})
+        for k, vals in p99.items():
+            if st.get(k) is not None:
+                vals.append(st[k])
+    out["errors"] = dict(errors)
+    out["retries"] = dict(retries)
+    # The worst shard's P99 is a bound on the job's, not the job's own figure: named so.
+    for k, vals in p99.items():
+        out[k.replace("_p99", "_p99_worst_shard")] = max(vals) if vals else None
+    return out
+
+
+def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
+    """Run the job described by ``opts`` (``carpool.jobs.runner.RunOptions``) on Ray.
+
+    Returns the combined summary (``complete`` says whether every shard finished and the
+    output was merged).  Starts a local Ray if none is running, and stops it again.
+    """
+    import ray
+
+    from carpool.distributed.worker import SharedState, default_budget_name, shard_paths
+    from carpool.jobs.readers import detect_format
+
+    ray_opts = ray_opts or RayOptions()
+    started = time.monotonic()
+    input_path = Path(opts.input).resolve()
+    if not input_path.exists():
+        raise FileNotFoundError(f"input file {str(opts.input)!r} does not exist")
+    output = Path(opts.output).resolve()
+    errors = Path(opts.errors).resolve() if opts.errors else None
+    workdir = Path(ray_opts.workdir or f"{output}.ray").resolve()
+    fmt = opts.fmt or detect_format(input_path)
+    if opts.engine is not None:
+        raise RayRunError("an in-process engine object cannot be shipped to Ray workers; "
+                          "leave engine=None (each worker starts its own) or pass endpoints")
+    if opts.fresh:
+        shutil.rmtree(workdir, ignore_errors=True)
+        for p in (output, errors):
+            if p is not None and p.exists():
+                p.unlink()
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        address = None if ray_opts.address in (None, "", "local") else ray_opts.address
+        kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+        kwargs.update(ray_opts.init_kwargs)
+        ray.init(address=address, **kwargs)
+    try:
+        cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        workers = ray_opts.workers or max(1, int(cpus // max(ray_opts.cpus_per_worker, 0.01)))
+        shards = _plan(input_path, fmt, workdir, ray_opts.shards or 4 * workers)
+        pending = [s for s in shards if not shard_paths(workdir, s, errors is not None)[2].exists()]
+        job_opts = dataclasses.replace(opts, input=str(input_path), output=str(output),
+                                       errors=str(errors) if errors else None, progress=False, quiet=True)
+        shared = SharedState(redis=ray_opts.redis, budget_name=ray_opts.budget_name or default_budget_name(opts),
+                             window_s=ray_opts.rpm_window_s, burst_s=ray_opts.rpm_burst_s) if ray_opts.redis else None
+        run_error = None
+        if pending:
+            try:
+                _run_pending(ray, pending, {"opts": job_opts, "shared": shared, "workdir": str(workdir)},
+                             min(workers, len(pending)), ray_opts, quiet=opts.quiet)
+            except Exception as e:  # noqa: BLE001  (a worker crashed: finished shards are kept)
+                run_error = e
+        summaries, missing = [], []
+        for s in shards:
+            marker = shard_paths(workdir, s, errors is not None)[2]
+            if marker.exists():
+                summaries.append(json.loads(marker.read_text()))
+            else:
+                missing.append(s.index)
+        result = _combine(summaries)
+        result.update(shards=len(shards), shards_done=len(summaries), workers=workers, workdir=str(workdir),
+                      complete=not missing, elapsed_s=round(time.monotonic() - started, 3),
+                      backend=(f"ray x{workers}: " + (f"http {', '.join(opts.endpoints)}" if opts.endpoints
+                                                      else f"engine {opts.engine_model}")))
+        result["messages"] = [m for s in summaries for m in s.get("messages", [])]
+        result["shard_summaries"] = [{k: s.get(k) for k in ("shard", "host", "pid", "started", "finished")}
+                                     for s in summaries]
+        if missing:
+            why = f" ({type(run_error).__name__}: {run_error})" if run_error else ""
+            result["messages"].append(
+                f"{len(missing)} of {len(shards)} shards did not finish{why}; finished work is kept in "
+                f"{workdir}. Run the same command again to resume.")
+            return result
+        parts = [shard_paths(workdir, s, errors is not None) for s in shards]
+        merge_files([p[0] for p in parts], output)
+        if errors is not None:
+            merge_files([p[1] for p in parts], errors)
+        _write_state(output, input_path, opts)
+        if not ray_opts.keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return result
+    finally:
+        if own_ray:
+            ray.shutdown()
+
+
+def _run_pending(ray, pending: list[Shard], job: dict, workers: int, ray_opts: RayOptions, quiet: bool) -> None:
+    from carpool.distributed.worker import ShardWorker
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    items = [dataclasses.asdict(s) for s in pending]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    out = ds.map_batches(
+        ShardWorker,
+        fn_constructor_kwargs={"job": job},
+        batch_size=1,
+        # One shard per actor at a time: a queue per actor would let a fast-starting actor
+        # take every shard while the others are still starting.
+        compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1),
+        num_cpus=ray_opts.cpus_per_worker,
+        num_gpus=ray_opts.gpus_per_worker or None,
+    )
+    for row in out.iter_rows():
+        if not quiet:
+            s = json.loads(row["summary"])
+            st = s["stats"]
+            print(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
+                  f"({st['done']} written, {st['skipped_done_before']} resumed)", file=sys.stderr, flush=True)
+
+
+def _write_state(output: Path, input_path: Path, opts) -> None:
+    # The runner's state file beside the output, so a later single-process ``carpool run``
+    # into the same output resumes from it like from its own.
+    from carpool.jobs.journal import Journal
+
+    Journal(output, opts.errors).write_state(str(input_path), finished=True, argv=opts.argv)
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def _ray_address(value: str) -> str:
+    if value.endswith((".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".parquet", ".pq")):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} looks like the input file, not a Ray address: put --ray after the input "
+            "(carpool run tasks.jsonl --ray) or give the address (--ray auto)")
+    return value
+
+
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--ray`` flags of ``carpool run`` (imports nothing heavy)."""
+    g = p.add_argument_group("distributed (Ray)")
+    g.add_argument("--ray", nargs="?", const="local", default=None, type=_ray_address, metavar="ADDRESS",
+                   help="run on Ray: no ADDRESS = this machine (or its running cluster), 'auto', "
+                        "HOST:6379 or ray://HOST:10001; put it after the input file")
+    g.add_argument("--ray-workers", type=int, help="worker actors (default: cluster CPUs / --ray-cpus)")
+    g.add_argument("--ray-shards", type=int, help="pieces the input is cut into (default 4 per worker)")
+    g.add_argument("--ray-cpus", type=float, default=1.0, help="CPUs per worker (default 1)")
+    g.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per worker (embedded engine on GPU nodes)")
+    g.add_argument("--ray-workdir", help="shard outputs and plan (default <output>.ray; shared by all nodes)")
+    g.add_argument("--ray-keep-workdir", action="store_true", help="keep the shard files after the merge")
+    g.add_argument("--redis", help="redis://HOST:6379/0 shared by all workers: one --rpm/--tpm budget for "
+                                   "the whole job and shared endpoint cooldowns")
+    g.add_argument("--budget-name", help="with --redis: jobs with the same name share one budget "
+                                         "(default: derived from the endpoints and model)")
+    g.add_argument("--rpm-window", type=float, default=60.0,
+                   help="seconds the provider counts --rpm/--tpm over (default 60; 1 if it enforces per second)")
+
+
+def ray_options_from_args(args: argparse.Namespace) -> RayOptions:
+    return RayOptions(address=args.ray, workers=args.ray_workers, shards=args.ray_shards,
+                      cpus_per_worker=args.ray_cpus, gpus_per_worker=args.ray_gpus, workdir=args.ray_workdir,
+                      redis=args.redis, budget_name=args.budget_name, rpm_window_s=args.rpm_window,
+                      keep_workdir=args.ray_keep_workdir)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``carpool run ... --ray``: the same flags as ``carpool run`` plus the Ray ones."""
+    from carpool.jobs.cli import options_from_args
+
+    try:
+        opts = options_from_args(args)
+        result = run_on_ray(opts, ray_options_from_args(args))
+    except (FileNotFoundError, ValueError, RayRunError) as e:
+        print(f"carpool run --ray: {e}", file=sys.stderr)
+        return 2
+    for msg in result.pop("messages", []):
+        print(msg, file=sys.stderr)
+    if getattr(args, "summary_json", None):
+        doc = json.dumps(result, indent=None if args.summary_json == "-" else 2)
+        if args.summary_json == "-":
+            print(doc)
+        else:
+            Path(args.summary_json).write_text(doc + "\n")
+    if not args.quiet:
+        print(f"carpool run --ray: {result['shards_done']}/{result['shards']} shards on {result['workers']} "
+              f"workers, {result['ok']:,} ok, {sum(result['errors'].values()):,} errors, "
+              f"{result['elapsed_s']:.1f} s" + (f"; results: {opts.output}" if result["complete"] else ""),
+              file=sys.stderr)
+    return 0 if result["complete"] else 1
+
+
+def run_batch_on_ray(input: str, output: str, *, address: str | None = None, workers: int | None = None,
+                     redis: str | None = None, ray_options: RayOptions | None = None, **options) -> dict:
+    """Python API: ``run_batch`` spread over Ray; ``options`` are RunOptions fields."""
+    from carpool.jobs.runner import RunOptions
+
+    ray_options = ray_options or RayOptions(address=address, workers=workers, redis=redis)
+    return run_on_ray(RunOptions(input=str(input), output=str(output), **options), ray_options)

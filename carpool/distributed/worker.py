@@ -1,0 +1,224 @@
+"""What runs inside one Ray worker: the batch runner's pipeline on one shard of the input.
+
+``ShardRunner`` is ``carpool.jobs.runner.Runner`` with three changes, none of which
+copies its code:
+- it reads only its shard's lines (``ShardReader``), numbered as in the whole file, so
+  errors say the same line and default custom_ids (``line-<n>``) are the same as in a
+  single-process run;
+- its RPM/TPM budget is the Redis one shared by every worker (``RedisBudget``);
+- with several endpoints, its balancer shares cooldowns through Redis (``SharedBalancer``).
+Its output file is the shard's output *and* its journal (the runner's design), so a
+shard that was cut short resumes where it stopped, on whichever worker gets it next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from carpool.distributed.shards import Shard, iter_shard_lines
+from carpool.jobs.readers import Reader
+from carpool.jobs.runner import Runner, RunOptions
+from carpool.jobs.tasks import BadLine, Task, parse_json_line
+
+
+@dataclass
+class SharedState:
+    """Where the workers meet: one Redis for the budget and the endpoint cooldowns."""
+
+    redis: str | None = None
+    budget_name: str = "default"
+    window_s: float = 60.0  # the window the provider counts its per-minute limits in
+    burst_s: float = 1.0
+
+
+def default_budget_name(opts: RunOptions) -> str:
+    """Jobs against the same endpoints and model share one budget (it is the provider's)."""
+    ident = json.dumps([sorted(opts.endpoints), opts.defaults.model or opts.engine_model])
+    return "job-" + hashlib.sha1(ident.encode()).hexdigest()[:12]
+
+
+class ShardReader(Reader):
+    """A ``Reader`` that yields only the lines of one shard (JSONL) or rows (Parquet)."""
+
+    def __init__(self, path: str | os.PathLike, shard: Shard, fmt: str | None = None, template=None,
+                 defaults=None):
+        super().__init__(path, fmt, template, defaults)
+        self.shard = shard
+
+    def __iter__(self) -> Iterator[Task | BadLine]:
+        if self.fmt == "parquet":
+            return self._rows(self._parquet_range())
+        if self.fmt == "csv":
+            return super().__iter__()  # CSV is planned as a single shard (quoted newlines)
+        return self._jsonl_range()
+
+    def count(self) -> int | None:
+        return self.shard.lines
+
+    def _jsonl_range(self) -> Iterator[Task | BadLine]:
+        for line_no, raw in iter_shard_lines(self.path, self.shard):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield BadLine(line_no, f"line-{line_no}", "", f"not UTF-8 text ({e.reason} at byte {e.start})")
+                continue
+            item = parse_json_line(text, line_no, self.defaults)
+            if item is not None:
+                yield item
+
+    def _parquet_range(self) -> Iterator[tuple[int, dict]]:
+        # For Parquet a shard's start/end are row-group indices and first_line a row number.
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(self.path)
+        n = self.shard.first_line - 1
+        for batch in pf.iter_batches(batch_size=2048, row_groups=list(range(self.shard.start, self.shard.end))):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
+
+
+class ShardRunner(Runner):
+    def __init__(self, opts: RunOptions, shard: Shard, shared: SharedState | None = None):
+        super().__init__(opts)
+        self.shard = shard
+        self.shared = shared
+        self._redis_parts: list = []
+
+    async def _make_backend(self):
+        backend = await super()._make_backend()
+        balancer = getattr(backend, "balancer", None)
+        if self.shared and self.shared.redis and balancer is not None and len(self.opts.endpoints) > 1:
+            from carpool.distributed.redis_cooldown import RedisCooldown, SharedBalancer
+
+            cooldown = RedisCooldown(self.shared.redis, name=self.shared.budget_name)
+            backend.balancer = SharedBalancer(self.opts.endpoints, cooldown)
+            self._redis_parts += [backend.balancer, cooldown]
+        return backend
+
+    async def _produce(self, reader, done, writer) -> None:
+        # Called by Runner.run once the executor exists: swap in the shared budget and the
+        # shard's own reader, then run the unchanged pipeline.
+        o = self.opts
+        if self.shared and self.shared.redis and (o.rpm or o.tpm):
+            from carpool.distributed.redis_budget import RedisBudget
+
+            budget = RedisBudget(self.shared.redis, rpm=o.rpm, tpm=o.tpm, name=self.shared.budget_name,
+                                 window_s=self.shared.window_s, burst_s=self.shared.burst_s)
+            self.executor.budget = budget
+            self._redis_parts.append(budget)
+        shard_reader = ShardReader(o.input, self.shard, o.fmt, o.template, o.defaults)
+        await super()._produce(shard_reader, done, writer)
+
+    async def _close(self) -> None:
+        try:
+            await super()._close()
+        finally:
+            for part in self._redis_parts:  # balancer first: it flushes into the cooldown client
+                if hasattr(part, "flush"):
+                    await part.flush()
+                if hasattr(part, "close"):
+                    await part.close()
+
+
+def shard_paths(workdir: Path, shard: Shard, with_errors: bool) -> tuple[Path, Path | None, Path]:
+    """(output, errors or None, done marker) of one shard."""
+    base = workdir / shard.name
+    return (Path(f"{base}.jsonl"), Path(f"{base}.errors.jsonl") if with_errors else None,
+            Path(f"{base}.done.json"))
+
+
+def reorder_by_input(path: Path, reader: Reader) -> None:
+    """Rewrite a shard output in input order (after a resume appended out of order).
+
+    Memory: one (offset, length) per line of the shard, not the lines themselves.
+    """
+    if not path.exists():
+        return
+    index: dict[str, list[tuple[int, int]]] = {}
+    with open(path, "rb") as f:
+        offset = 0
+        for line in f:
+            from carpool.jobs.journal import _line_id  # the journal's own cheap custom_id decoder
+
+            cid = _line_id(line)
+            index.setdefault(cid or "", []).append((offset, len(line)))
+            offset += len(line)
+    tmp = path.with_name(path.name + ".ordered")
+    with open(path, "rb") as src, open(tmp, "wb") as out:
+        for item in reader:
+            slots = index.get(item.custom_id)
+            if not slots:
+                continue  # this task's line is in the other file (errors vs results)
+            off, n = slots.pop(0)
+            src.seek(off)
+            out.write(src.read(n))
+        for slots in index.values():  # lines for ids not in the input (should not happen): keep them
+            for off, n in slots:
+                src.seek(off)
+                out.write(src.read(n))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+class ShardWorker:
+    """A Ray Data actor (``map_batches`` callable class): runs whole shards, one at a time.
+
+    It keeps one event loop, and with the embedded engine one engine, for all the shards
+    it is given, so the model is loaded once per worker, not once per shard.
+    """
+
+    def __init__(self, job: dict):
+        self.opts: RunOptions = job["opts"]
+        self.shared: SharedState | None = job.get("shared")
+        self.workdir = Path(job["workdir"])
+        self.loop = asyncio.new_event_loop()
+        self.engine = None
+
+    def _engine(self):
+        o = self.opts
+        if o.endpoints or o.dry_run:
+            return None
+        if self.engine is None:
+            from carpool.engine import AsyncEngine, EngineConfig
+
+            self.engine = AsyncEngine(EngineConfig(model=o.engine_model, **o.engine_config))
+            self.loop.run_until_complete(self.engine.start())
+        return self.engine
+
+    def run_shard(self, shard: Shard) -> dict:
+        out, err, marker = shard_paths(self.workdir, shard, bool(self.opts.errors))
+        if marker.exists():
+            return json.loads(marker.read_text())
+        opts = dataclasses.replace(self.opts, output=str(out), errors=str(err) if err else None, progress=False,
+                                   quiet=True, report=None, fresh=False, engine=self._engine())
+        runner = ShardRunner(opts, shard, self.shared)
+        started = time.time()
+        stats = self.loop.run_until_complete(runner.run())
+        if opts.ordered and stats.skipped:
+            for path in (out, err):
+                if path is not None:
+                    reorder_by_input(path, ShardReader(opts.input, shard, opts.fmt, opts.template, opts.defaults))
+        summary = {"shard": shard.index, "stats": stats.to_dict(), "messages": runner.messages,
+                   "pid": os.getpid(), "host": os.uname().nodename, "started": started, "finished": time.time()}
+        if not stats.interrupted:
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps(summary))
+            os.replace(tmp, marker)
+        return summary
+
+    def __call__(self, batch: dict) -> dict:
+        results = []
+        for i in range(len(batch["index"])):
+            shard = Shard(**{f.name: int(batch[f.name][i]) for f in dataclasses.fields(Shard)})
+            results.append(json.dumps(self.run_shard(shard)))
+        return {"summary": results}

@@ -1,0 +1,138 @@
+"""``carpool run --ray`` on a local 2-CPU Ray cluster, against real HTTP servers and Redis."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from carpool.distributed.ray_runner import RayOptions, add_ray_arguments, run_on_ray
+from carpool.distributed.ray_runner import main as ray_main
+from carpool.jobs import cli as jobs_cli
+from carpool.jobs.api import run_batch
+from carpool.jobs.runner import RunOptions
+from carpool.jobs.tasks import TaskDefaults
+from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def write_tasks(path: Path, n: int, bad_at: tuple[int, ...] = ()) -> Path:
+    """n lines: chat tasks, every third with its own custom_id, the others get line-<n>;
+    lines listed in ``bad_at`` (1-based) are broken JSON, one line is blank."""
+    lines = []
+    for i in range(1, n + 1):
+        if i in bad_at:
+            lines.append('{"messages": [broken')
+            continue
+        rec = {"messages": [{"role": "user", "content": f"review number {i}: fine"}], "max_tokens": 3,
+               "temperature": 0}
+        if i % 3 == 0:
+            rec = {"custom_id": f"task-{i}", **rec}
+        lines.append(json.dumps(rec))
+    lines.insert(n // 2, "")  # a blank line: skipped, but it shifts the line numbers after it
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def normalised(path: Path) -> list[str]:
+    """The output lines minus what differs between any two runs (random line ids, the
+    server's wall-clock 'created')."""
+    out = []
+    for line in path.read_text().splitlines():
+        doc = json.loads(line)
+        doc.pop("id")
+        body = (doc.get("response") or {}).get("body") or {}
+        body.pop("created", None)
+        out.append(json.dumps(doc, sort_keys=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_server():
+    with ThreadedFaultServer(FaultConfig.zero()) as srv:
+        yield srv
+
+
+def test_ray_run_writes_the_same_lines_as_one_process(ray_cluster, zero_server, tmp_path):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 120, bad_at=(7, 64))
+    single = tmp_path / "single.jsonl"
+    stats = run_batch(str(tasks), str(single), endpoints=[zero_server.url], ordered=True, cache="off",
+                      defaults=TaskDefaults(model="m"))
+    assert stats["ok"] == 118 and stats["bad_lines"] == 2
+
+    # The Ray side goes through the command line, as a user would run it.
+    parser = argparse.ArgumentParser()
+    jobs_cli.add_arguments(parser)
+    add_ray_arguments(parser)
+    out = tmp_path / "ray.jsonl"
+    args = parser.parse_args([str(tasks), "-o", str(out), "--endpoint", zero_server.url, "--model", "m",
+                              "--ordered", "--cache", "off", "--ray", "--ray-workers", "2", "--ray-shards", "5",
+                              "--quiet"])
+    assert ray_main(args) == 0
+    assert normalised(out) == normalised(single)
+    # The bad lines are reported with their line numbers in the whole file, not in a shard.
+    errors = [json.loads(x)["error"] for x in out.read_text().splitlines() if json.loads(x)["error"]]
+    assert sorted(e["line"] for e in errors) == [7, 65]
+    assert not Path(f"{out}.ray").exists()  # the shard files are gone after the merge
+
+
+def test_two_workers_stay_under_a_shared_rpm_limit(ray_cluster, rate_window_server, redis_url, redis_name,
+                                                   tmp_path):
+    # The "provider": at most 6 requests in any 1 s window, 429 past it.
+    srv = rate_window_server(limit=6, window_s=1.0)
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 24)
+    out = tmp_path / "out.jsonl"
+    opts = RunOptions(input=str(tasks), output=str(out), endpoints=[srv.url], cache="off", rpm=360,
+                      defaults=TaskDefaults(model="m"), quiet=True)
+    result = run_on_ray(opts, RayOptions(workers=2, shards=2, redis=redis_url, budget_name=redis_name,
+                                         rpm_window_s=1.0, rpm_burst_s=0.5))
+    assert result["complete"] and result["ok"] == 24
+    assert len(out.read_text().splitlines()) == 24
+    assert srv.rejected == 0, f"the provider answered 429 {srv.rejected} times"
+    assert srv.max_in_window() <= 6
+    # Two workers really ran, one shard each (else this would not test sharing anything).
+    assert len({(s["host"], s["pid"]) for s in result["shard_summaries"]}) == 2
+
+
+def test_resume_after_a_partial_ray_run_sends_only_the_rest(ray_cluster, tmp_path):
+    with ThreadedFaultServer(FaultConfig.zero()) as srv:
+        tasks = write_tasks(tmp_path / "tasks.jsonl", 90, bad_at=(5,))
+        out = tmp_path / "out.jsonl"
+        opts = RunOptions(input=str(tasks), output=str(out), endpoints=[srv.url], cache="off", ordered=True,
+                          defaults=TaskDefaults(model="m"), quiet=True)
+        ray_opts = RayOptions(workers=2, shards=4, keep_workdir=True)
+        first = run_on_ray(opts, ray_opts)
+        assert first["complete"]
+        expected = normalised(out)
+        work = Path(first["workdir"])
+
+        # What a job killed mid-way leaves behind: no merged output, shard 1 finished but
+        # its marker not yet written, shard 2 cut short with a half-written last line,
+        # shard 3 never started.  Shard 0 is finished.
+        out.unlink()
+        (work / "shard-00001.done.json").unlink()
+        s2 = work / "shard-00002.jsonl"
+        kept = s2.read_bytes().splitlines(keepends=True)[:7]
+        s2.write_bytes(b"".join(kept) + b'{"custom_id":"line-4')
+        s2_ids = [json.loads(x)["custom_id"] for x in kept]
+        (work / "shard-00002.done.json").unlink()
+        s3_ids = [json.loads(x)["custom_id"] for x in (work / "shard-00003.jsonl").read_text().splitlines()]
+        (work / "shard-00003.jsonl").unlink()
+        (work / "shard-00003.done.json").unlink()
+        s2 = work / "shard-00002.jsonl"
+        kept = s2.read_bytes().splitlines(keepends=True)[:7]
+        s2.write_bytes(b"".join(kept) + b'{"custom_id":"line-4')
+        s2_ids = [json.loads(x)["custom_id"] for x in kept]
+        srv.server.reset_counts()
+
+        second = run_on_ray(opts, ray_opts)
+        assert second["complete"]
+        assert normalised(out) == expected  # complete, in input order, nothing twice
+        sent = set(srv.server.seen)
+        assert sent.isdisjoint(s2_ids)  # done before the "crash": not sent again
+        assert set(s3_ids) - {"line-5"} <= sent  # the shard that never ran: all sent
+        assert all(n == 1 for n in srv.server.seen.values())
+        assert second["skipped_done_before"] >= 7
