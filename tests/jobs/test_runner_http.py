@@ -181,3 +181,20 @@ def test_sigint_stops_gracefully_and_says_how_to_resume(fault_server, tmp_path):
     assert rerun.returncode == 0
     ids = [d["custom_id"] for d in read(out)]
     assert len(ids) == n and len(set(ids)) == n
+
+
+def test_report_html_has_plots(fault_server, tmp_path):
+    import base64
+    import re
+
+    srv = fault_server(FaultConfig(latency_s=0.01, faults=[Fault("429", times=3, retry_after=0.01)]))
+    src = tmp_path / "in.jsonl"
+    write_tasks(src, 30)
+    rep = tmp_path / "report.html"
+    s = run_batch(src, tmp_path / "out.jsonl", endpoints=[srv.url], model="m", cache="off", report=str(rep))
+    assert s["retries"] == {"rate_limited": 3}
+    page = rep.read_text()
+    pngs = re.findall(r"base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(pngs) >= 2
+    assert all(base64.b64decode(p)[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert "rate_limited" in page
