@@ -252,6 +252,9 @@ def _phase(
     name: str, conc: int, fresh: bool, records: list[RequestRecord], duration: float, view: ServerView | None
 ) -> Phase:
     new = [r.connect_time for r in records if r.new_connection]
+    queued = [r.server_queue_time for r in records if r.server_queue_time is not None]
+    if view is not None and view.queue_time_mean_ms is None and queued:
+        view.queue_time_mean_ms = 1000.0 * statistics.fmean(queued)  # the engine reports it per request
     return Phase(
         name=name,
         concurrency=conc,
@@ -556,8 +559,24 @@ def explain(phases: Sequence[Phase], server_metrics: bool) -> tuple[list[str], s
         f"extra latency under load: TTFT +{d_ttft:.0f} ms, decoding +{d_decode:.0f} ms per request; "
         f"the server serves ~{capacity:.1f} requests at once ({cap_src})"
     )
+    kv_full = view is not None and (view.peak_kv_usage >= 0.95 or view.preemptions > 0)
+    if kv_full:
+        findings.append(
+            f"KV cache: peak {100 * view.peak_kv_usage:.0f}% used, {view.preemptions:.0f} preemptions: "
+            "the number of requests the server can hold is set by KV-cache memory"
+        )
     if queue_seen or (not server_metrics and grew > 0 and d_ttft >= 0.6 * grew):
         q = f"mean queue wait {queue_ms:.0f} ms" if queue_ms is not None else f"TTFT grew {d_ttft:.0f} ms"
+        if kv_full:
+            return (
+                findings,
+                "server-queueing",
+                (
+                    f"give the server more KV-cache memory (vLLM --gpu-memory-utilization, carpool "
+                    f"--kv-cache-memory-gb) or shorter prompts/outputs: it holds ~{capacity:.0f} requests before "
+                    f"its KV cache is full (peak {100 * view.peak_kv_usage:.0f}%), and the rest queue ({q})"
+                ),
+            )
         return (
             findings,
             "server-queueing",

@@ -56,6 +56,7 @@ class RequestRecord:
     new_connection: bool = False
     connect_time: float = 0.0  # seconds spent opening a TCP connection for this request
     retry_after: float | None = None
+    server_queue_time: float | None = None  # seconds queued inside the engine, when it says
     generated_text: str = ""
 
     @property
@@ -307,6 +308,8 @@ class EngineBackend:
                     rec.chunk_times.append(ts)
                     tokens += len(delta.token_ids)
                     parts.append(delta.text)
+                if delta.metrics and delta.metrics.get("queue_time_s") is not None:
+                    rec.server_queue_time = float(delta.metrics["queue_time_s"])
                 if delta.usage is not None:
                     rec.output_tokens = delta.usage.completion_tokens
                     rec.prompt_len = delta.usage.prompt_tokens or rec.prompt_len

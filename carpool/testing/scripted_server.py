@@ -46,6 +46,9 @@ class Script:
     # Batching cost: every gap (and the TTFT) is stretched by 1 + k * (requests in service - 1),
     # the way a decode step slows as the batch grows on a compute-bound engine.
     slowdown_per_running: float = 0.0
+    # Reported kv_cache_usage_perc when all ``capacity`` slots are busy; 1.0 makes the slots look
+    # like KV-cache blocks running out (a memory-bound server), 0.5 like a max_num_seqs cap.
+    kv_usage_at_capacity: float = 0.5
     # Per-request override: (request index, body) -> (ttft_s, [gap_s, ...]); len(gaps)+1 chunks.
     timing: Callable[[int, dict], tuple[float, list[float]]] | None = None
 
@@ -309,7 +312,7 @@ class ScriptedServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         label = f'{{model_name="{self.model}"}}'
         cap = self.script.capacity
-        kv = self.running / cap if cap else min(1.0, 0.01 * self.running)
+        kv = self.script.kv_usage_at_capacity * self.running / cap if cap else min(0.5, 0.01 * self.running)
         lines = [
             "# TYPE vllm:num_requests_running gauge",
             f"vllm:num_requests_running{label} {self.running}",

@@ -125,3 +125,10 @@ def test_parse_prometheus_sums_labels_and_strips_prefix(prefix):
     assert m["kv_cache_usage_perc"] == 0.5  # the older vLLM name is mapped
     assert m["request_queue_time_seconds_sum"] == 1.5
     assert not any(k.endswith("_bucket") for k in m)
+
+
+def test_queue_bound_by_kv_memory_says_so(scripted):
+    srv = scripted(Script(ttft_s=0.03, itl_s=0.01, capacity=2, kv_usage_at_capacity=1.0))
+    d = _diagnose(srv, concurrency=8)
+    assert d.verdict == "server-queueing", d.format()
+    assert "KV-cache memory" in d.change and "peak 100%" in d.change
