@@ -60,6 +60,7 @@ class DynamicBatcher:
         if any(s < 1 or s > max_batch_size for s in preferred_batch_sizes):
             raise ValueError(f"preferred_batch_sizes {list(preferred_batch_sizes)} must lie in "
                              f"1..max_batch_size ({max_batch_size})")
+        self.embedder = embedder  # callers use it for token counts and the model name
         self._embed_fn = embedder.embed if hasattr(embedder, "embed") else embedder
         self._count = count_tokens or _token_counter(embedder)
         self.max_queue_delay_s = max_queue_delay_us / 1e6
