@@ -228,14 +228,68 @@ def run_pass(job, model: str, chunk: int, store=None, sem=None) -> tuple[dict, d
     return result, p.answers, p.how
 
 
+def runner_pass(job, model: str, folder: Path, cache: str, semantic: float | None, dedup: bool, chunk: int):
+    """One pass through the real batch pipeline (carpool.jobs.api.run_batch) on the embedded engine."""
+    from carpool.jobs.api import run_batch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tasks = folder / "tasks.jsonl"
+    with open(tasks, "w") as fh:
+        fh.writelines(json.dumps({"custom_id": t["custom_id"], **t["body"]}) + "\n" for t in job)
+    out = folder / "results.jsonl"
+    start = time.perf_counter()
+    summary = run_batch(str(tasks), str(out), cache=cache, semantic_cache=semantic, dedup=dedup,
+                        engine_model=model, progress=False, quiet=True,
+                        concurrency=chunk, max_concurrency=chunk, max_pending=chunk)
+    total = time.perf_counter() - start
+    answers, how, sims = {}, {}, []
+    for line in out.read_text().splitlines():
+        doc = json.loads(line)
+        resp = doc.get("response") or {}
+        body = resp.get("body") or {}
+        choices = body.get("choices") or [{}]
+        answers[doc["custom_id"]] = (choices[0].get("message") or {}).get("content")
+        rid = str(resp.get("request_id") or "")  # the runner tags hits: cache:exact, cache:semantic:<sim>
+        how[doc["custom_id"]] = "semantic" if rid.startswith("cache:semantic") else (
+            "exact" if rid.startswith("cache:") else "engine")
+        if rid.startswith("cache:semantic:"):
+            sims.append(float(rid.rsplit(":", 1)[1]))
+    result = {
+        "wall_s": summary["elapsed_s"],
+        "wall_s_with_engine_load": round(total, 2),
+        "requests": len(job),
+        "requests_computed": summary["sent"],
+        "engine_prompt_tokens": summary["prompt_tokens"],
+        "engine_generation_tokens": summary["completion_tokens"],
+        "cache_hits": summary["cache_hits"],
+        "dedup_fanouts": summary["dedup_fanouts"],
+        "semantic_hits": summary["semantic_hits"],
+        "saved_tokens_reported": summary["saved_tokens"],
+        "saved_time_s_reported": summary["saved_time_s"],
+        "errors": summary["errors"],
+    }
+    if semantic:
+        kind = {t["custom_id"]: t["kind"] for t in job}
+        result["semantic_hits_by_task_kind"] = {
+            k: sum(1 for c, h in how.items() if h == "semantic" and kind[c] == k) for k in ("original", "exact", "near")
+        }
+        result["semantic_hit_similarity_min"] = min(sims) if sims else None
+        result["semantic_hit_similarity_mean"] = round(sum(sims) / len(sims), 4) if sims else None
+    return result, answers, how
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=120, help="tasks in the job (default 120)")
     ap.add_argument("--model", default="smollm2", help="engine model (smollm2, tiny-random, HF folder)")
-    ap.add_argument("--chunk", type=int, default=32, help="tasks per wave sent to the engine")
+    ap.add_argument("--chunk", type=int, default=32,
+                    help="requests in flight: the runner's concurrency cap, or the engine driver's wave size")
     ap.add_argument("--threshold", type=float, default=None, help="semantic threshold (default: the cache's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workload", default=None)
+    ap.add_argument("--driver", choices=["runner", "engine"], default=None,
+                    help="runner: the real pipeline (carpool.jobs.api.run_batch, the default when present); "
+                    "engine: carpool.engine.LLM in waves with the caches in front, driven here")
     args = ap.parse_args(argv)
 
     from carpool.cache import SemanticCache, open_cache
@@ -261,20 +315,39 @@ def main(argv: list[str] | None = None) -> int:
                  for k, v in score(sims, t).items() if k in ("precision", "recall", "false_hits", "missed")}
         for t in (0.90, 0.92, threshold, 0.97)
     }
+    driver = args.driver
+    if driver is None:
+        try:
+            import carpool.jobs.api  # noqa: F401
+
+            driver = "runner"
+        except ImportError:
+            driver = "engine"
+    report["driver"] = driver
     passes = {}
     with tempfile.TemporaryDirectory(prefix="carpool-cache-bench-") as tmp:
-        base, base_answers, _ = run_pass(job, args.model, args.chunk)
-        passes["no_cache"] = base
-        store = open_cache(f"sqlite:///{tmp}/exact/results.sqlite")
-        exact, exact_answers, _ = run_pass(job, args.model, args.chunk, store=store)
-        store.close()
-        passes["exact"] = exact
-        store = open_cache(f"sqlite:///{tmp}/both/results.sqlite")
-        sem = SemanticCache(Path(tmp) / "both" / "semantic", threshold=threshold, embedder=embedder)
-        both, both_answers, both_how = run_pass(job, args.model, args.chunk, store=store, sem=sem)
-        sem.close()
-        store.close()
-        passes["exact_semantic"] = both
+        if driver == "runner":
+            # The runner opens its own caches (its semantic cache loads its own embedder).
+            folder = Path(tmp)
+            base, base_answers, _ = runner_pass(job, args.model, folder / "none", "off", None, dedup=False,
+                                                 chunk=args.chunk)
+            exact, exact_answers, _ = runner_pass(
+                job, args.model, folder / "exact", f"sqlite:///{folder}/exact/results.sqlite", None, dedup=True,
+                chunk=args.chunk)
+            both, both_answers, both_how = runner_pass(
+                job, args.model, folder / "both", f"sqlite:///{folder}/both/results.sqlite", threshold, dedup=True,
+                chunk=args.chunk)
+        else:
+            base, base_answers, _ = run_pass(job, args.model, args.chunk)
+            store = open_cache(f"sqlite:///{tmp}/exact/results.sqlite")
+            exact, exact_answers, _ = run_pass(job, args.model, args.chunk, store=store)
+            store.close()
+            store = open_cache(f"sqlite:///{tmp}/both/results.sqlite")
+            sem = SemanticCache(Path(tmp) / "both" / "semantic", threshold=threshold, embedder=embedder)
+            both, both_answers, both_how = run_pass(job, args.model, args.chunk, store=store, sem=sem)
+            sem.close()
+            store.close()
+        passes["no_cache"], passes["exact"], passes["exact_semantic"] = base, exact, both
     for name, answers in (("exact", exact_answers), ("exact_semantic", both_answers)):
         same = sum(answers[c] == base_answers[c] for c in base_answers)
         passes[name]["agreement_with_no_cache"] = round(same / len(base_answers), 4)
