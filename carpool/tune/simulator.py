@@ -267,8 +267,9 @@ class Simulator:
         while self.backlog and self.in_flight < cap:
             r = self.backlog.popleft()
             submit = max(r.arrival, self._last_release) if self.cfg.max_concurrency else r.arrival
-            s = _Seq(r, len(self.seqs), submit, r.block_keys(self.cfg.block_size) if
-                     self.cfg.enable_prefix_caching else [], num_tokens=r.prompt_len, waiting_since=submit)
+            keys = (r.block_keys(self.cfg.block_size, r.prompt_len + r.output_len)
+                    if self.cfg.enable_prefix_caching else [])
+            s = _Seq(r, len(self.seqs), submit, keys, num_tokens=r.prompt_len, waiting_since=submit)
             max_len = self.cfg.max_model_len
             total = r.prompt_len + r.output_len
             if max_len and total > max_len:
@@ -382,9 +383,11 @@ class Simulator:
             budget -= n
         self.running = kept
         self._preempted_step = preempted
+        self._admitted: set[int] = set()
         if preempted:
             return sched  # memory is tight: no admissions this step
         self.waiting.sort(key=key)
+        self._admitted = set()
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             s = self.waiting[0]
             hit = self.pool.lookup(s.keys[: (s.num_tokens - 1) // cfg.block_size])
@@ -410,6 +413,7 @@ class Simulator:
             s.num_computed = computed
             self.running.append(s)
             sched.append((s, n))
+            self._admitted.add(s.seqno)
             budget -= n
         return sched
 
@@ -431,7 +435,9 @@ class Simulator:
             shape = StepShape(num_seqs=len(sched))
             for s, n in sched:
                 old = s.num_computed
-                if n == 1 and s.num_output > 0 and old == s.num_tokens - 1:
+                # As the engine counts: a running sequence's single last token is a decode;
+                # whatever an admission computes is prefill.
+                if n == 1 and s.num_output > 0 and old == s.num_tokens - 1 and s.seqno not in self._admitted:
                     shape.num_decode_tokens += 1
                 else:
                     shape.num_prefill_tokens += n
@@ -445,11 +451,11 @@ class Simulator:
             for s, n in sched:
                 old = s.num_computed
                 s.num_computed += n
-                # Register prompt blocks that just became full, for later prefix hits.
+                # Register blocks that just became full, for later prefix hits (as the engine
+                # does, generated tokens' blocks too: a preempted sequence can hit its own).
                 if s.keys:
-                    for bi in range(old // bs, min(s.num_computed, s.req.prompt_len) // bs):
-                        if bi < len(s.keys):
-                            self.pool.commit(s.blocks[bi], s.keys[bi])
+                    for bi in range(old // bs, min(s.num_computed // bs, len(s.keys))):
+                        self.pool.commit(s.blocks[bi], s.keys[bi])
                 if s.num_computed == s.num_tokens:
                     s.num_output += 1
                     s.num_tokens += 1

@@ -49,8 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--start-rate", type=float, default=None, help="first rate probed (default: --qps)")
     g.add_argument("--profile", help="profiled cost model JSON for pruning --engine (default: fit one now)")
     g.add_argument("--save-profile", help="write the fitted profile here")
+    g.add_argument("--duration-s", type=float, default=None,
+                   help="length of each probe's arrival window (default: 10x the largest latency SLO, >= 5 s)")
     sc.add_model_arguments(p, profile=False)
     sc.add_workload_arguments(p)
+    p.set_defaults(num_requests=None)
     p.add_argument("--emit", choices=("vllm",), help="print a vLLM command line with the chosen settings")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
 
@@ -75,22 +78,25 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     # The workload is drawn at unit rate and rescaled per probe (same requests at every rate).
     base_qps = args.qps
     args.qps = 1.0
+    if args.num_requests is None:  # a pool; each probe takes the requests inside its window
+        args.num_requests = 20000 if args.simulate else 3000
     requests = sc.build_workload(args)
     start = args.start_rate or (base_qps if not math.isinf(base_qps) else 1.0)
     settings = settings_from(args)
-    info: dict = {"target": "engine" if args.engine else "simulate" if args.simulate else args.endpoint}
+    limits_s = [s.limit / (1000.0 if s.metric.endswith("_ms") else 1.0) for s in slos]
+    duration = args.duration_s or max(5.0, 10 * max(limits_s))
+    info: dict = {"target": "engine" if args.engine else "simulate" if args.simulate else args.endpoint,
+                  "probe_duration_s": duration}
     if args.simulate:
         cost = sc.build_cost(args)
         info["cost_model"] = cost.describe()
-        ev = SimEvaluator(cost, requests)
-        # The pruning pass uses a shorter run of the same workload: it only has to rank.
-        pruner = SimEvaluator(cost, requests[: max(len(requests) // 2, 50)])
-        res = tune(settings, ev, slos, start, pruner, args.top_k, args.rtol, args.max_probes, _log)
+        ev = SimEvaluator(cost, requests, duration_s=duration)
+        res = tune(settings, ev, slos, start, None, args.top_k, args.rtol, args.max_probes, _log)
         return res, info
     if args.endpoint:
         from carpool.tune.http_eval import EndpointEvaluator
 
-        ev = EndpointEvaluator(args.endpoint, args.served_model, requests)
+        ev = EndpointEvaluator(args.endpoint, args.served_model, requests, duration_s=duration)
         res = tune([Setting()], ev, slos, start, None, 1, args.rtol, args.max_probes, _log)
         info["note"] = "server settings are the server's own; only the rate (and client concurrency) are tuned"
         return res, info
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     from carpool.tune.tuner import EngineEvaluator
 
     base = EngineConfig(model=args.engine_model)
-    ev = EngineEvaluator(base, requests, log=_log)
+    ev = EngineEvaluator(base, requests, log=_log, duration_s=duration)
     try:
         if args.profile:
             cost = ProfiledCost.load(args.profile)
@@ -114,7 +120,7 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
         if args.save_profile:
             cost.save(args.save_profile)
         info["cost_model"] = cost.describe()
-        pruner = SimEvaluator(cost, requests, sc.SimConfig(block_size=base.block_size))
+        pruner = SimEvaluator(cost, requests, sc.SimConfig(block_size=base.block_size), duration_s=duration)
         res = tune(settings, ev, slos, start, pruner, args.top_k, args.rtol, args.max_probes, _log)
     finally:
         ev.close()

@@ -47,21 +47,40 @@ class Evaluator(Protocol):
     def measure(self, setting: Setting, rate: float, concurrency: int | None = None) -> Measurement: ...
 
 
+def probe_requests(requests: list[SimRequest], rate: float, base_rate: float = 1.0,
+                   duration_s: float | None = None, min_requests: int = 50) -> list[SimRequest]:
+    """The workload at ``rate``: the requests arriving within ``duration_s`` (at least
+    ``min_requests`` of them), or all of them without a duration.
+
+    A fixed duration is what makes overload visible: a fixed number of requests arriving
+    faster and faster would all fit in one batch, and their P99 would look fine at any
+    rate.  Over a fixed window the queue of an overloaded engine grows with the window.
+    """
+    reqs = at_rate(requests, rate, base_rate)
+    if duration_s is None or math.isinf(rate):
+        return reqs
+    inside = [r for r in reqs if r.arrival <= duration_s]
+    return inside if len(inside) >= min_requests else reqs[:min_requests]
+
+
 class SimEvaluator:
-    """The simulator as an evaluator.  ``requests`` are drawn at ``base_rate`` and rescaled."""
+    """The simulator as an evaluator.  ``requests`` are drawn at ``base_rate`` and rescaled;
+    with ``duration_s`` each probe is the requests arriving within that window."""
 
     def __init__(self, cost: CostModel, requests: list[SimRequest], base: SimConfig | None = None,
-                 base_rate: float = 1.0):
+                 base_rate: float = 1.0, duration_s: float | None = None, min_requests: int = 50):
         self.cost = cost
         self.requests = requests
         self.base = base or SimConfig()
         self.base_rate = base_rate
+        self.duration_s = duration_s
+        self.min_requests = min_requests
         self.calls = 0
 
     def measure(self, setting: Setting, rate: float, concurrency: int | None = None) -> Measurement:
         self.calls += 1
         cfg = replace(self.base, **asdict(setting), max_concurrency=concurrency)
-        reqs = at_rate(self.requests, rate, self.base_rate)
+        reqs = probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests)
         res = Simulator(self.cost, cfg, record_steps=False).run(reqs)
         return Measurement.from_sim(res, rate, concurrency)
 
@@ -271,13 +290,16 @@ class EngineEvaluator:
     setting, the model weights loaded once and shared."""
 
     def __init__(self, base, requests: list[SimRequest], base_rate: float = 1.0, warmup: int = 4,
-                 loaded=None, log: Callable[[str], None] = lambda s: None):
+                 loaded=None, log: Callable[[str], None] = lambda s: None, duration_s: float | None = None,
+                 min_requests: int = 50):
         from carpool.engine.llm_engine import resolve_dtype
         from carpool.engine.loader import load_model
 
         self.base = base  # EngineConfig
         self.requests = requests
         self.base_rate = base_rate
+        self.duration_s = duration_s
+        self.min_requests = min_requests
         self.warmup = warmup
         self.log = log
         self.loaded = loaded or load_model(base.model, dtype=resolve_dtype(base.dtype))
@@ -307,7 +329,7 @@ class EngineEvaluator:
 
         self.calls += 1
         eng = self._engine_for(setting)
-        reqs = at_rate(self.requests, rate, self.base_rate)
+        reqs = probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests)
         # Unique ids per run: a previous run's stragglers must never collide.
         reqs = [replace(r, request_id=f"{r.request_id}-{self.calls}") for r in reqs]
         return Measurement.from_records(asyncio.run(run_load(eng, reqs, concurrency)), rate, concurrency)

@@ -26,15 +26,16 @@ class SimRequest:
     prefix_group: str | None = None  # requests in one group share their first prefix_len tokens
     prefix_len: int = 0
 
-    def block_keys(self, block_size: int) -> list[tuple]:
-        """Keys of the full prompt blocks, equal across requests exactly when the tokens are.
+    def block_keys(self, block_size: int, num_tokens: int | None = None) -> list[tuple]:
+        """Keys of the full blocks of the first ``num_tokens`` tokens (default: the prompt),
+        equal across requests exactly when the tokens are.
 
         A block wholly inside the shared prefix has the same content and the same parent
         chain in every request of the group, so (group, index) names it as a chained
-        hash would; any later block is unique to the request.
+        hash would; any later block (generated tokens included) is unique to the request.
         """
         keys = []
-        for i in range(self.prompt_len // block_size):
+        for i in range((num_tokens or self.prompt_len) // block_size):
             if self.prefix_group is not None and (i + 1) * block_size <= self.prefix_len:
                 keys.append(("p", self.prefix_group, i))
             else:

@@ -1,0 +1,88 @@
+"""An OpenAI-compatible endpoint as a tuner evaluator (streamed /completions, token-id prompts).
+
+The server's own settings cannot be changed from here, so the tuner only searches the
+request rate (or the client concurrency) against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+
+import aiohttp
+
+from carpool.tune.engine_load import prompt_token_ids
+from carpool.tune.measure import Measurement
+from carpool.tune.workload import SimRequest
+
+
+class EndpointEvaluator:
+    def __init__(self, base_url: str, model: str, requests: list[SimRequest], base_rate: float = 1.0,
+                 vocab: int = 49152, api_key: str | None = None, timeout_s: float = 600.0,
+                 duration_s: float | None = None, min_requests: int = 50):
+        self.url = base_url.rstrip("/") + "/completions"
+        self.model = model
+        self.requests = requests
+        self.base_rate = base_rate
+        self.duration_s = duration_s
+        self.min_requests = min_requests
+        self.vocab = vocab
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.calls = 0
+
+    def measure(self, setting, rate: float, concurrency: int | None = None) -> Measurement:
+        self.calls += 1
+        from carpool.tune.tuner import probe_requests
+
+        reqs = [replace(r, request_id=f"{r.request_id}-{self.calls}")
+                for r in probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests)]
+        return Measurement.from_records(asyncio.run(self._run(reqs, concurrency)), rate, concurrency)
+
+    async def _run(self, reqs: list[SimRequest], concurrency: int | None) -> list[dict]:
+        sem = asyncio.Semaphore(concurrency) if concurrency else None
+        records: list[dict] = []
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=self.timeout, headers=self.headers) as session:
+            t0 = time.monotonic() + 0.02
+
+            async def one(r: SimRequest) -> None:
+                if sem is not None:
+                    await sem.acquire()
+                rec = {"id": r.request_id, "submit": time.monotonic() - t0, "first_token": None, "finish": None,
+                       "prompt_len": r.prompt_len, "output_len": r.output_len, "error": None}
+                body = {"model": self.model, "prompt": prompt_token_ids(r, self.vocab), "max_tokens": r.output_len,
+                        "temperature": 0, "ignore_eos": True, "stream": True}
+                try:
+                    async with session.post(self.url, json=body) as resp:
+                        if resp.status != 200:
+                            rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                        else:
+                            async for raw in resp.content:
+                                line = raw.decode("utf-8", "replace").strip()
+                                if not line.startswith("data:"):
+                                    continue
+                                data = line[5:].strip()
+                                if data == "[DONE]":
+                                    break
+                                chunk = json.loads(data)
+                                if rec["first_token"] is None and chunk.get("choices"):
+                                    rec["first_token"] = time.monotonic() - t0
+                            rec["finish"] = time.monotonic() - t0
+                except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
+                    rec["error"] = repr(e)
+                finally:
+                    if sem is not None:
+                        sem.release()
+                records.append(rec)
+
+            tasks = []
+            for r in sorted(reqs, key=lambda x: x.arrival):
+                delay = t0 + r.arrival - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(r)))
+            await asyncio.gather(*tasks)
+        return records
