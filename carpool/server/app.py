@@ -198,10 +198,12 @@ async def _start(app: web.Application) -> None:
     listener = getattr(state.engine, "add_step_listener", None)
     if listener is not None:
         listener(state.metrics.on_engine_step)
-    if state.batcher is None and cfg.embedding_model:
-        from carpool.server.embeddings import make_batcher
+    from carpool.server.embeddings import attach_batch_metrics, make_batcher
 
+    if state.batcher is None and cfg.embedding_model:
         state.batcher, state.embedder = await make_batcher(cfg, state.metrics)
+    elif state.batcher is not None:
+        attach_batch_metrics(state.batcher, state.metrics)
     if state.batcher is not None:
         embedder = state.embedder or getattr(state.batcher, "embedder", None)
         name = getattr(embedder, "name", None) or cfg.embedding_model or "embedding"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
-from collections import defaultdict
+import math
 from typing import Any
 
 import numpy as np
@@ -18,63 +17,37 @@ from carpool.server.metrics import ServerMetrics
 from carpool.server.openai_schema import SchemaError, validate
 
 
-class _MeteredEmbedder:
-    """Wraps the embedder the batcher calls, to see each batch: its size, and how long each
-    input waited for it (inputs are matched to their request by object identity)."""
-
-    def __init__(self, inner: Any, metrics: ServerMetrics) -> None:
-        self.inner = inner
-        self.metrics = metrics
-        self.enqueued: dict[int, list[float]] = defaultdict(list)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def mark(self, texts: list[str]) -> None:
-        now = time.monotonic()
-        for t in texts:
-            self.enqueued[id(t)].append(now)
-
-    def forget(self, texts: list[str]) -> None:
-        for t in texts:
-            times = self.enqueued.get(id(t))
-            if times:
-                times.pop(0)
-                if not times:
-                    del self.enqueued[id(t)]
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        now = time.monotonic()
-        self.metrics.embedding_batch_size.observe(len(texts))
-        for t in texts:
-            times = self.enqueued.get(id(t))
-            if times:
-                self.metrics.embedding_queue_delay.observe(max(0.0, now - times[0]))
-        return self.inner.embed(texts)
-
-
-async def make_batcher(cfg: ServerConfig, metrics: ServerMetrics) -> tuple[Any, _MeteredEmbedder]:
+async def make_batcher(cfg: ServerConfig, metrics: ServerMetrics) -> tuple[Any, Any]:
+    """Load the embedding model (off the loop) and put the dynamic batcher in front of it."""
     from carpool.engine.dynamic_batcher import DynamicBatcher
     from carpool.engine.embedder import Embedder
 
     loop = asyncio.get_running_loop()
-    inner = await loop.run_in_executor(None, lambda: Embedder(model=cfg.embedding_model))
-    embedder = _MeteredEmbedder(inner, metrics)
+    embedder = await loop.run_in_executor(None, lambda: Embedder(model=cfg.embedding_model))
     queue = cfg.embedding_max_queue_size if cfg.embedding_max_queue_size is not None else cfg.max_queue_size
+    sizes = list(cfg.preferred_batch_sizes)
     batcher = DynamicBatcher(
         embedder,
         max_queue_delay_us=cfg.max_queue_delay_us,
-        preferred_batch_sizes=list(cfg.preferred_batch_sizes),
+        preferred_batch_sizes=sizes,
+        max_batch_size=max([64, *sizes]),
         max_batch_tokens=cfg.max_batch_tokens,
-        max_queue_size=queue,
-        queue_timeout_s=cfg.embedding_queue_timeout_ms / 1000.0,
+        max_queue_size=queue or 1024,
+        queue_timeout_s=cfg.embedding_queue_timeout_ms / 1000.0 if cfg.embedding_queue_timeout_ms else None,
     )
-    start = getattr(batcher, "start", None)
-    if start is not None:
-        result = start()
-        if hasattr(result, "__await__"):
-            await result
+    attach_batch_metrics(batcher, metrics)
     return batcher, embedder
+
+
+def attach_batch_metrics(batcher: Any, metrics: ServerMetrics) -> None:
+    def on_batch(event: dict) -> None:
+        metrics.embedding_batch_size.observe(event["batch_size"])
+        for delay in event.get("queue_delays_s", ()):
+            metrics.embedding_queue_delay.observe(delay)
+
+    add = getattr(batcher, "add_batch_listener", None)
+    if add is not None:
+        add(on_batch)
 
 
 def _encode(vec: np.ndarray, fmt: str) -> list[float] | str:
@@ -96,18 +69,11 @@ async def create_embeddings(request: web.Request) -> web.Response:
     except SchemaError as e:
         raise ApiError(400, e.message, param=e.param) from None
     texts: list[str] = [inp] if isinstance(inp, str) else list(inp)
-    embedder = state.embedder
-    metered = isinstance(embedder, _MeteredEmbedder)
-    if metered:
-        embedder.mark(texts)
     try:
         vectors = await state.batcher.embed(texts)
     except Exception as e:  # noqa: BLE001 - queue errors become 429/503, others propagate
         raise _batcher_error(state, e) from None
-    finally:
-        if metered:
-            embedder.forget(texts)
-    tokens = _count_tokens(embedder, texts)
+    tokens = _count_tokens(state.embedder, texts)
     fmt = body.get("encoding_format") or "float"
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)]
     return json_response({"object": "list", "data": data, "model": model,
@@ -126,8 +92,8 @@ def _batcher_error(state, e: Exception) -> Exception:
     name = type(e).__name__
     if name == "QueueFullError":
         state.metrics.rejected("embedding_queue_full")
-        return ApiError(429, f"embedding queue is full; retry later ({e})", code="queue_full",
-                        headers={"Retry-After": "1"})
+        retry = max(1, math.ceil(float(getattr(e, "retry_after_s", 1) or 1)))
+        return ApiError(429, f"{e}", code="queue_full", headers={"Retry-After": str(retry)})
     if name == "QueueTimeoutError":
         state.metrics.rejected("embedding_queue_timeout")
         return ApiError(503, f"embedding request waited past --embedding-queue-timeout-ms ({e}); retry",

@@ -102,3 +102,21 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     # and the server still serves
     ok = asyncio.run(_burst(server.base_url + "/v1/completions", 1, {"prompt": "hi", "max_tokens": 2}))
     assert ok[0][0] == 200
+
+
+def test_embedding_queue_full_429_and_timeout_503(tiny_engine, tiny_config):
+    """The batcher holds a lone request for 300 ms hoping for company; waiting past the 50 ms
+    timeout answers 503, and the one-seat queue answers 429 to the others meanwhile."""
+    pytest.importorskip("carpool.engine.dynamic_batcher")
+    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model="all-MiniLM-L6-v2", max_queue_delay_us=300_000,
+                       preferred_batch_sizes=[64], embedding_queue_timeout_ms=50, embedding_max_queue_size=1)
+    with start_server(cfg, engine=tiny_engine) as srv:
+        results = asyncio.run(_burst(srv.base_url + "/v1/embeddings", 6, {"input": ["some text"]}))
+        statuses = sorted(r[0] for r in results)
+        assert 503 in statuses and 429 in statuses, statuses
+        for status, headers, payload in results:
+            assert int(headers["Retry-After"]) >= 1
+            assert payload["error"]["code"] == {503: "queue_timeout", 429: "queue_full"}[status]
+        metrics = asyncio.run(_get(srv.base_url + "/metrics"))
+        assert 'carpool:requests_rejected_total{reason="embedding_queue_timeout"}' in metrics
+        assert 'carpool:requests_rejected_total{reason="embedding_queue_full"}' in metrics
