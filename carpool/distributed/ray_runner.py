@@ -143,6 +143,13 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
         for p in (output, errors):
             if p is not None and p.exists():
                 p.unlink()
+    if not workdir.exists() and output.exists() and output.stat().st_size > 0:
+        done = _finished_before(output, input_path)
+        if done is not None:
+            return done
+        raise RayRunError(
+            f"{output} already holds results of a run that did not finish here (no {workdir}); "
+            "resume it without --ray, or pass --fresh to start over on Ray")
     own_ray = not ray.is_initialized()
     if own_ray:
         address = None if ray_opts.address in (None, "", "local") else ray_opts.address
@@ -223,6 +230,22 @@ def _run_pending(ray, pending: list[Shard], job: dict, workers: int, ray_opts: R
             st = s["stats"]
             print(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
                   f"({st['done']} written, {st['skipped_done_before']} resumed)", file=sys.stderr, flush=True)
+
+
+def _finished_before(output: Path, input_path: Path) -> dict | None:
+    """The summary of an earlier run into ``output`` that finished on this very input, else None."""
+    try:
+        state = json.loads(Path(f"{output}.carpool.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not state.get("finished") or state.get("input") != str(input_path) \
+            or state.get("input_size") != input_path.stat().st_size:
+        return None
+    with open(output, "rb") as f:
+        lines = sum(1 for _ in f)
+    return {"complete": True, "already_done": True, "done": 0, "ok": 0, "errors": {}, "skipped_done_before": lines,
+            "shards": 0, "shards_done": 0, "workers": 0, "elapsed_s": 0.0, "shard_summaries": [],
+            "messages": [f"{output} is already complete ({lines:,} lines); nothing to do (--fresh reruns it)"]}
 
 
 def _write_state(output: Path, input_path: Path, opts) -> None:

@@ -136,3 +136,26 @@ def test_resume_after_a_partial_ray_run_sends_only_the_rest(ray_cluster, tmp_pat
         assert set(s3_ids) - {"line-5"} <= sent  # the shard that never ran: all sent
         assert all(n == 1 for n in srv.server.seen.values())
         assert second["skipped_done_before"] >= 7
+
+
+@pytest.mark.slow
+def test_each_worker_runs_an_engine_of_its_own(ray_cluster, tmp_path):
+    # No endpoint: every Ray worker starts its own carpool engine (the tiny random model),
+    # greedy decoding, so the texts must match a single-process run exactly.
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"custom_id": f"e{i}", "prompt": f"The number {i} is", "max_tokens": 4,
+                                         "temperature": 0}) + "\n" for i in range(16)))
+
+    def texts(path: Path) -> list[tuple]:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        return [(r["custom_id"], r["response"]["body"]["choices"][0]["text"],
+                 r["response"]["body"]["usage"]["completion_tokens"]) for r in rows]
+
+    single = tmp_path / "single.jsonl"
+    run_batch(str(tasks), str(single), engine_model="tiny-random", cache="off", ordered=True)
+    out = tmp_path / "ray.jsonl"
+    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), engine_model="tiny-random", cache="off",
+                                   ordered=True, quiet=True), RayOptions(workers=2, shards=2))
+    assert result["complete"] and result["ok"] == 16
+    assert texts(out) == texts(single)
+    assert all(t[2] == 4 for t in texts(out))

@@ -1,0 +1,75 @@
+"""The --ray flags and the driver's checks that need no cluster; Parquet shards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from carpool.distributed.ray_runner import (
+    RayOptions,
+    RayRunError,
+    _parquet_plan,
+    add_ray_arguments,
+    run_on_ray,
+)
+from carpool.distributed.worker import ShardReader
+from carpool.jobs import cli as jobs_cli
+from carpool.jobs.api import run_batch
+from carpool.jobs.runner import RunOptions
+from carpool.jobs.tasks import Template
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    jobs_cli.add_arguments(p)
+    add_ray_arguments(p)
+    return p
+
+
+def test_ray_flag_forms():
+    assert parser().parse_args(["t.jsonl"]).ray is None
+    assert parser().parse_args(["t.jsonl", "--ray"]).ray == "local"
+    assert parser().parse_args(["t.jsonl", "--ray", "auto", "--ray-workers", "3"]).ray_workers == 3
+    assert parser().parse_args(["t.jsonl", "--ray=ray://head:10001"]).ray == "ray://head:10001"
+
+
+def test_ray_before_the_input_is_explained(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--ray", "tasks.jsonl"])
+    assert "put --ray after the input" in capsys.readouterr().err
+
+
+def test_refuses_to_overwrite_an_unfinished_single_process_output(tmp_path):
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"custom_id":"line-1","response":null,"error":null}\n')
+    with pytest.raises(RayRunError, match="resume it without --ray, or pass --fresh"):
+        run_on_ray(RunOptions(input=str(tasks), output=str(out), dry_run=True))
+
+
+def test_a_finished_output_is_not_run_again(tmp_path):
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    out = tmp_path / "out.jsonl"
+    run_batch(str(tasks), str(out), dry_run=True, cache="off")
+    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), dry_run=True), RayOptions())
+    assert result["complete"] and result["already_done"] and result["skipped_done_before"] == 2
+
+
+def test_parquet_shards_are_row_group_ranges(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "reviews.parquet"
+    table = pa.table({"id": [f"r{i}" for i in range(50)], "review": [f"text {i}" for i in range(50)]})
+    pq.write_table(table, path, row_group_size=10)
+    shards = _parquet_plan(path, tmp_path / "work", 3)
+    assert sum(s.lines for s in shards) == 50 and len(shards) == 3
+    tpl = Template("Classify: {review}", id_column="id")
+    items = [t for s in shards for t in ShardReader(path, s, "parquet", tpl)]
+    assert [t.custom_id for t in items] == [f"r{i}" for i in range(50)]
+    assert [t.line_no for t in items] == list(range(1, 51))
+    assert json.loads(json.dumps(items[7].request.body["messages"]))[-1]["content"] == "Classify: text 7"
