@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
 from carpool.engine.config import EngineConfig
 from carpool.server.config import ServerConfig
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="smollm2 (packaged SmolLM2-135M-Instruct), tiny-random, or a HF folder")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the --model value)")
-    g.add_argument("--dtype", default=d_engine.dtype, choices=["auto", "bfloat16", "float32", "int8"])
+    g.add_argument("--dtype", default=d_engine.dtype, help="auto (bf16 where the CPU has it), bfloat16, float32")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d_engine.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d_engine.max_num_batched_tokens)
@@ -99,7 +100,12 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve_forever(config_from_args(args)))
+    except KeyboardInterrupt:
+        return 0
     except OSError as e:  # typically the port is taken
-        print(f"carpool serve: cannot listen on {args.host}:{args.port}: {e}")
+        print(f"carpool serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # EngineError, a model that cannot load, a bad setting: say which
+        print(f"carpool serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     return 0
