@@ -173,7 +173,7 @@ def normalize_endpoint(endpoint: str | None) -> str:
 def _canonical(doc: Any) -> str:
     # Top-level and per-message field order does not matter (sorted in _canonical_doc);
     # nested order is kept, because the model sees it (schema properties, tool lists).
-    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
 
 
 def _canonical_doc(kind: str, model: str | None, endpoint: str | None, body: dict) -> dict:
