@@ -159,3 +159,68 @@ def test_each_worker_runs_an_engine_of_its_own(ray_cluster, tmp_path):
     assert result["complete"] and result["ok"] == 16
     assert texts(out) == texts(single)
     assert all(t[2] == 4 for t in texts(out))
+
+
+_DRIVER = r"""
+import sys
+from carpool.distributed.ray_runner import RayOptions, run_on_ray
+from carpool.jobs.runner import RunOptions
+from carpool.jobs.tasks import TaskDefaults
+address, tasks, out, url = sys.argv[1:5]
+run_on_ray(RunOptions(input=tasks, output=out, endpoints=[url], cache="off", ordered=True, concurrency=2,
+                      defaults=TaskDefaults(model="m"), quiet=True),
+           RayOptions(address=address, workers=2, shards=6))
+"""
+
+
+def _complete_ids(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")[:-1]  # the part after the last newline is not a complete line
+    return [json.loads(x)["custom_id"] for x in lines]
+
+
+@pytest.mark.slow
+def test_killed_driver_then_resume_sends_nothing_twice(ray_cluster, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 90)
+    out = tmp_path / "out.jsonl"
+    work = Path(f"{out}.ray")
+    address = ray_cluster.get_runtime_context().gcs_address
+    with ThreadedFaultServer(FaultConfig(latency_s=0.2)) as srv:
+        driver = subprocess.Popen([sys.executable, "-c", _DRIVER, address, str(tasks), str(out), srv.url])
+        try:
+            deadline = time.monotonic() + 180
+            while len(list(work.glob("*.done.json"))) < 2:
+                assert driver.poll() is None, "the driver ended before it could be killed"
+                assert time.monotonic() < deadline, "no shard finished in time"
+                time.sleep(0.05)
+        finally:
+            driver.kill()  # SIGKILL: no cleanup, Ray kills the job's actors with it
+            driver.wait()
+        # Wait until the killed job's actors have really stopped sending.
+        last, quiet_since = -1, time.monotonic()
+        while time.monotonic() - quiet_since < 2.0:
+            if srv.server.total_requests != last:
+                last, quiet_since = srv.server.total_requests, time.monotonic()
+            time.sleep(0.1)
+        assert len(list(work.glob("*.done.json"))) < 6  # really interrupted
+        assert not out.exists()
+        done_before = {cid for p in work.glob("shard-*.jsonl") if not p.name.endswith(".errors.jsonl")
+                       for cid in _complete_ids(p)}
+        srv.server.reset_counts()
+
+        result = run_on_ray(RunOptions(input=str(tasks), output=str(out), endpoints=[srv.url], cache="off",
+                                       ordered=True, concurrency=2, defaults=TaskDefaults(model="m"), quiet=True),
+                            RayOptions(workers=2, shards=6))
+        assert result["complete"]
+        assert done_before.isdisjoint(srv.server.seen)  # nothing finished was sent again
+        assert all(n == 1 for n in srv.server.seen.values())
+        ids = _complete_ids(out)
+        expected = [json.loads(x).get("custom_id") or f"line-{i}"
+                    for i, x in enumerate(tasks.read_text().splitlines(), 1) if x.strip()]
+        assert ids == expected  # every task once, in input order
