@@ -41,9 +41,8 @@ def _sampling_properties(max_model_len: int, max_n: int) -> dict[str, dict]:
             "properties": {"include_usage": {"type": "boolean", "nullable": True}},
         },
         "stop": {
-            "nullable": True,
-            "anyOf": [
-                {"type": "string"},
+            "anyOf": [  # OpenAPI 3.0: nullable only counts beside a type, so it sits on an option
+                {"type": "string", "nullable": True},
                 {"type": "array", "items": {"type": "string"}, "maxItems": 16},
             ],
         },
@@ -77,8 +76,7 @@ def chat_request_schema(models: list[str], max_model_len: int, max_n: int) -> di
         "properties": {
             "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
             "content": {
-                "nullable": True,
-                "anyOf": [{"type": "string"}, {"type": "array", "items": text_part}],
+                "anyOf": [{"type": "string", "nullable": True}, {"type": "array", "items": text_part}],
             },
             "name": {"type": "string", "nullable": True},
         },
@@ -168,10 +166,8 @@ def _type_name(value: Any) -> str:
 
 
 def _is_type(value: Any, expected: str) -> bool:
-    if expected == "integer":
-        if isinstance(value, bool):
-            return False
-        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if expected == "integer":  # as OpenAPI 3.0 (JSON Schema draft 4): 1.0 is a number, not an integer
+        return isinstance(value, int) and not isinstance(value, bool)
     if expected == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if expected == "boolean":
@@ -197,7 +193,7 @@ def validate(value: Any, schema: dict, path: str = "") -> None:
     if value is None:
         if schema.get("nullable"):
             return
-        if "type" in schema or "anyOf" in schema:
+        if "type" in schema and "anyOf" not in schema:
             raise _fail(path, schema, "must not be null")
     if "anyOf" in schema:
         errors = []

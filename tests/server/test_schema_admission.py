@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from carpool.server.admission import AdmissionController, Rejection, Ticket
 from carpool.server.openai_schema import (
@@ -22,7 +24,7 @@ COMPLETION = completion_request_schema(["m"], max_model_len=100, max_n=4)
     {"messages": [{"role": "user", "content": "hi"}]},
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "temperature": 0, "top_p": 1},
     {"messages": [{"role": "assistant", "content": None}], "stop": ["a", "b"], "seed": -3, "n": 4},
-    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100.0, "stream": None, "top_k": -1},
+    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stream": None, "top_k": -1},
 ])
 def test_valid_chat_bodies(body):
     validate(body, CHAT)
@@ -99,3 +101,64 @@ def test_admission_without_limits_admits_everything():
     ctl = AdmissionController(None, None)
     tickets = [ctl.try_admit(1, 10_000) for _ in range(1000)]
     assert all(isinstance(t, Ticket) for t in tickets)
+
+
+# ------------------------------------------------------------------------------------------------
+# The published document must accept exactly what the server accepts: compare our validator with
+# an independent OpenAPI 3.0 validator on generated bodies.
+
+_scalars = (st.none() | st.booleans() | st.integers(-3, 200) | st.integers()
+            | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=4)
+            | st.sampled_from(["user", "system", "text", "float", "base64", "none", "m", "e"]))
+_keys = st.sampled_from(["role", "content", "type", "text", "include_usage", "name"]) | st.text(max_size=3)
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3)
+                       | st.dictionaries(_keys, inner, max_size=3), max_leaves=8)
+_part = st.fixed_dictionaries({}, optional={"type": st.sampled_from(["text", "image_url"]) | _scalars,
+                                            "text": _values})
+_message = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "robot"]) | _scalars,
+    "content": st.text(max_size=4) | st.none() | st.lists(_part, max_size=2) | _values,
+    "name": _values,
+})
+_SPECIAL = {"messages": st.lists(_message, max_size=3) | _values,
+            "prompt": st.text(max_size=4) | st.lists(st.text(max_size=3) | st.integers(-1, 9), max_size=3)
+            | st.lists(st.lists(st.integers(-1, 9), max_size=3), max_size=2) | _values,
+            "input": st.text(max_size=4) | st.lists(st.text(max_size=3), max_size=3) | _values,
+            "stream_options": st.fixed_dictionaries({}, optional={"include_usage": _scalars}) | _values}
+
+
+def _bodies(schema: dict):
+    props = {name: _SPECIAL.get(name, _values) for name in schema["properties"]}
+    return st.fixed_dictionaries({}, optional=props)
+
+
+def _agree(schema: dict, validator, body: dict) -> None:
+    try:
+        validate(body, schema)
+        ours = True
+    except SchemaError:
+        ours = False
+    assert ours == validator.is_valid(body), body
+
+
+_SCHEMAS = (CHAT, COMPLETION, embedding_request_schema(["e"], dim=384))
+
+
+@pytest.fixture(scope="module")
+def oas_validators():
+    oas = pytest.importorskip("openapi_schema_validator")
+    return [oas.OAS30Validator(s) for s in _SCHEMAS]
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_validator_agrees_with_openapi_validator(oas_validators, data):
+    for schema, validator in zip(_SCHEMAS, oas_validators):
+        _agree(schema, validator, data.draw(_bodies(schema)))
+
+
+def test_published_document_is_valid_openapi():
+    spec = pytest.importorskip("openapi_spec_validator")
+    doc = openapi_document(chat=CHAT, completion=COMPLETION, embedding=embedding_request_schema(["e"], dim=384),
+                           version="0", auth=False)
+    spec.validate_spec(doc)
