@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -179,3 +180,34 @@ def test_openapi_document(server):
     assert "messages" in chat["required"]
     assert chat["properties"]["model"]["enum"] == ["tiny-random"]
     assert "/v1/completions" in doc["paths"] and "/v1/models" in doc["paths"]
+
+
+def test_responses_match_the_published_document(server):
+    import json
+
+    oas = pytest.importorskip("openapi_schema_validator")
+    doc = json.loads(urllib.request.urlopen(server.base_url + "/openapi.json", timeout=10).read())
+
+    def call(path: str, body: dict | None) -> tuple[int, dict]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(server.base_url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    cases = [("/v1/chat/completions", "post", {"messages": MSG, "max_tokens": 2, "n": 2}, 200),
+             ("/v1/completions", "post", {"prompt": ["a", "b"], "max_tokens": 2}, 200),
+             ("/v1/models", "get", None, 200),
+             ("/v1/chat/completions", "post", {"messages": "nope"}, 400),
+             ("/v1/completions", "post", {"model": "x", "prompt": "a"}, 404)]
+    if server.state.embedding_names:
+        cases.append(("/v1/embeddings", "post", {"input": ["a", "b"], "encoding_format": "float"}, 200))
+        cases.append(("/v1/embeddings", "post", {"input": "a", "encoding_format": "base64"}, 200))
+    for path, method, body, expected in cases:
+        status, payload = call(path, body)
+        assert status == expected, (path, payload)
+        schema = doc["paths"][path][method]["responses"][str(status)]["content"]["application/json"]["schema"]
+        oas.OAS30Validator(schema).validate(payload)
