@@ -24,6 +24,7 @@ import re
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Self
@@ -39,6 +40,7 @@ DEFAULT_THRESHOLD = 0.95  # chosen from carpool/cache/pairs.py; see docs/cache.m
 # texts differing only after the cut would embed alike.  Such texts are not cached.
 MAX_EMBED_TOKENS = 254
 _HIT_LOG_LIMIT = 10_000
+_RECENT_VECTORS = 4096  # embeddings kept so that add() after a missed lookup() does not embed again
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -123,7 +125,7 @@ class SemanticCache:
         self._indexes: dict[str, faiss.IndexFlatIP] = {}
         self._ids: dict[str, list[int]] = {}
         self._dirty: set[str] = set()
-        self._dim: int | None = None
+        self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
         self.lookups = self.hits = self.misses = self.skipped = self.adds = 0
         self.hit_log: list[dict] = []  # one record per hit: scope, similarity, text, matched
 
@@ -136,12 +138,31 @@ class SemanticCache:
         return self._embedder
 
     def _embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit vectors for ``texts``; a text looked up and then added is embedded once."""
+        missing = list(dict.fromkeys(t for t in texts if t not in self._recent))
+        if missing:
+            emb = self.embedder
+            fn: EmbedFn = emb.embed if hasattr(emb, "embed") else emb
+            fresh = np.ascontiguousarray(np.asarray(fn(missing), dtype=np.float32))
+            if fresh.ndim != 2 or fresh.shape[0] != len(missing):
+                raise ValueError(f"embedder returned shape {fresh.shape} for {len(missing)} texts")
+            faiss.normalize_L2(fresh)  # cosine = inner product, whatever the embedder did
+            with self._lock:
+                for text, vector in zip(missing, fresh):
+                    self._recent[text] = vector
+                while len(self._recent) > _RECENT_VECTORS:
+                    self._recent.popitem(last=False)
+        with self._lock:
+            vectors = [self._recent.get(t) for t in texts]
+        if any(v is None for v in vectors):  # evicted meanwhile by a very large batch
+            return self._embed_uncached(texts)
+        return np.ascontiguousarray(np.stack(vectors))
+
+    def _embed_uncached(self, texts: Sequence[str]) -> np.ndarray:
         emb = self.embedder
         fn: EmbedFn = emb.embed if hasattr(emb, "embed") else emb
         vectors = np.ascontiguousarray(np.asarray(fn(list(texts)), dtype=np.float32))
-        if vectors.ndim != 2 or vectors.shape[0] != len(texts):
-            raise ValueError(f"embedder returned shape {vectors.shape} for {len(texts)} texts")
-        faiss.normalize_L2(vectors)  # cosine = inner product, whatever the embedder did
+        faiss.normalize_L2(vectors)
         return vectors
 
     def _too_long(self, text: str) -> bool:
@@ -204,7 +225,7 @@ class SemanticCache:
                 index = self._scope(scope)
                 if index is None or index.ntotal == 0:
                     self.misses += 1
-                elif not text or self._too_long(text):
+                elif not text or (text not in self._recent and self._too_long(text)):
                     self.skipped += 1
                     self.misses += 1
                 else:
@@ -248,7 +269,8 @@ class SemanticCache:
 
     def add_many(self, items: Sequence[tuple[str, str, dict]]) -> list[bool]:
         texts = [normalize_text(t) for _, t, _ in items]
-        keep = [i for i, t in enumerate(texts) if t and not self._too_long(t)]
+        # Texts in self._recent were embedded before, so they are known to fit.
+        keep = [i for i, t in enumerate(texts) if t and (t in self._recent or not self._too_long(t))]
         stored = [False] * len(items)
         if not keep:
             return stored
