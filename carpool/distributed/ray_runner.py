@@ -185,6 +185,8 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
                       backend=(f"ray x{workers}: " + (f"http {', '.join(opts.endpoints)}" if opts.endpoints
                                                       else f"engine {opts.engine_model}")))
         result["messages"] = [m for s in summaries for m in s.get("messages", [])]
+        if opts.report:
+            result["messages"].append("--report is not written for --ray runs (use --summary-json)")
         result["shard_summaries"] = [{k: s.get(k) for k in ("shard", "host", "pid", "started", "finished")}
                                      for s in summaries]
         if missing:
@@ -304,6 +306,11 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, RayRunError) as e:
         print(f"carpool run --ray: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Finished shards and the partial shard outputs (their journals) stay in the workdir.
+        print("\ncarpool run --ray: interrupted; finished work is kept. Resume with the same command.",
+              file=sys.stderr)
+        return 130
     for msg in result.pop("messages", []):
         print(msg, file=sys.stderr)
     if getattr(args, "summary_json", None):

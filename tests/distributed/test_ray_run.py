@@ -97,47 +97,6 @@ def test_two_workers_stay_under_a_shared_rpm_limit(ray_cluster, rate_window_serv
     assert len({(s["host"], s["pid"]) for s in result["shard_summaries"]}) == 2
 
 
-def test_resume_after_a_partial_ray_run_sends_only_the_rest(ray_cluster, tmp_path):
-    with ThreadedFaultServer(FaultConfig.zero()) as srv:
-        tasks = write_tasks(tmp_path / "tasks.jsonl", 90, bad_at=(5,))
-        out = tmp_path / "out.jsonl"
-        opts = RunOptions(input=str(tasks), output=str(out), endpoints=[srv.url], cache="off", ordered=True,
-                          defaults=TaskDefaults(model="m"), quiet=True)
-        ray_opts = RayOptions(workers=2, shards=4, keep_workdir=True)
-        first = run_on_ray(opts, ray_opts)
-        assert first["complete"]
-        expected = normalised(out)
-        work = Path(first["workdir"])
-
-        # What a job killed mid-way leaves behind: no merged output, shard 1 finished but
-        # its marker not yet written, shard 2 cut short with a half-written last line,
-        # shard 3 never started.  Shard 0 is finished.
-        out.unlink()
-        (work / "shard-00001.done.json").unlink()
-        s2 = work / "shard-00002.jsonl"
-        kept = s2.read_bytes().splitlines(keepends=True)[:7]
-        s2.write_bytes(b"".join(kept) + b'{"custom_id":"line-4')
-        s2_ids = [json.loads(x)["custom_id"] for x in kept]
-        (work / "shard-00002.done.json").unlink()
-        s3_ids = [json.loads(x)["custom_id"] for x in (work / "shard-00003.jsonl").read_text().splitlines()]
-        (work / "shard-00003.jsonl").unlink()
-        (work / "shard-00003.done.json").unlink()
-        s2 = work / "shard-00002.jsonl"
-        kept = s2.read_bytes().splitlines(keepends=True)[:7]
-        s2.write_bytes(b"".join(kept) + b'{"custom_id":"line-4')
-        s2_ids = [json.loads(x)["custom_id"] for x in kept]
-        srv.server.reset_counts()
-
-        second = run_on_ray(opts, ray_opts)
-        assert second["complete"]
-        assert normalised(out) == expected  # complete, in input order, nothing twice
-        sent = set(srv.server.seen)
-        assert sent.isdisjoint(s2_ids)  # done before the "crash": not sent again
-        assert set(s3_ids) - {"line-5"} <= sent  # the shard that never ran: all sent
-        assert all(n == 1 for n in srv.server.seen.values())
-        assert second["skipped_done_before"] >= 7
-
-
 @pytest.mark.slow
 def test_each_worker_runs_an_engine_of_its_own(ray_cluster, tmp_path):
     # No endpoint: every Ray worker starts its own carpool engine (the tiny random model),
@@ -181,7 +140,6 @@ def _complete_ids(path: Path) -> list[str]:
     return [json.loads(x)["custom_id"] for x in lines]
 
 
-@pytest.mark.slow
 def test_killed_driver_then_resume_sends_nothing_twice(ray_cluster, tmp_path):
     import subprocess
     import sys
@@ -210,8 +168,13 @@ def test_killed_driver_then_resume_sends_nothing_twice(ray_cluster, tmp_path):
             time.sleep(0.1)
         assert len(list(work.glob("*.done.json"))) < 6  # really interrupted
         assert not out.exists()
-        done_before = {cid for p in work.glob("shard-*.jsonl") if not p.name.endswith(".errors.jsonl")
-                       for cid in _complete_ids(p)}
+        shard_outputs = sorted(work.glob("shard-*.jsonl"))
+        done_before = {cid for p in shard_outputs for cid in _complete_ids(p)}
+        # A kill in the middle of a write leaves half a line: make sure one shard has one.
+        unfinished = [p for p in shard_outputs if not Path(str(p)[:-len(".jsonl")] + ".done.json").exists()]
+        if unfinished:
+            with open(unfinished[0], "ab") as f:
+                f.write(b'{"custom_id":"line-8","id":"batch_req_')
         srv.server.reset_counts()
 
         result = run_on_ray(RunOptions(input=str(tasks), output=str(out), endpoints=[srv.url], cache="off",
