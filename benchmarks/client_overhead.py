@@ -50,9 +50,8 @@ async def raw_aiohttp(url: str, n: int, c: int) -> float:
     sem = asyncio.Semaphore(c)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def one(i: int) -> None:
-            async with sem:
-                async with s.post(url + "/chat/completions", json=body(i)) as r:
-                    await r.json()
+            async with sem, s.post(url + "/chat/completions", json=body(i)) as r:
+                await r.json()
 
         t = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
@@ -95,8 +94,7 @@ def carpool_run(url: str, n: int, c: int, tmp: str) -> float:
     src = os.path.join(tmp, "tasks.jsonl")
     if not os.path.exists(src):
         with open(src, "w") as f:
-            for i in range(n):
-                f.write(json.dumps({"custom_id": f"t{i}", **body(i)}) + "\n")
+            f.writelines(json.dumps({"custom_id": f"t{i}", **body(i)}) + "\n" for i in range(n))
     out = os.path.join(tmp, "out.jsonl")
     t = time.perf_counter()
     s = run_batch(src, out, endpoints=[url], concurrency=c, cache="off", dedup=False, stream=False, fresh=True)
@@ -119,9 +117,9 @@ async def cookbook(url: str, n: int, c: int, rpm: float = 1e9, tpm: float = 1e12
     async def call(i: int) -> None:
         nonlocal in_flight, done
         try:
-            async with aiohttp.ClientSession() as session:
-                async with session.post(url + "/chat/completions", json=body(i)) as r:
-                    data = await r.json()
+            async with aiohttp.ClientSession() as session, session.post(url + "/chat/completions",
+                                                                        json=body(i)) as r:
+                data = await r.json()
             if "error" in data:
                 retry.append(i)
             else:

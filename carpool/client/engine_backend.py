@@ -77,8 +77,9 @@ class EngineBackend:
         want = greq.params.max_tokens
         if n + want > limit:
             fld = "messages" if req.kind == "chat" else "prompt"
-            return (fld, f"the prompt is {n} tokens and max_tokens is {want}: {n + want} is past the model's "
-                         f"context of {limit} tokens; shorten the prompt or lower max_tokens")
+            reason = (f"the prompt is {n} tokens and max_tokens is {want}: {n + want} is past the model's "
+                      f"context of {limit} tokens; shorten the prompt or lower max_tokens")
+            return (fld, reason)
         return None
 
     async def call(self, req: Request) -> CallResult:
@@ -144,7 +145,7 @@ class EngineBackend:
         texts = [inp] if isinstance(inp, str) else list(inp)
         try:
             vecs = await self._batcher.embed(texts)
-        except Exception as e:  # QueueFullError / QueueTimeoutError: the batcher is overloaded
+        except Exception as e:  # noqa: BLE001  (QueueFullError / QueueTimeoutError, or an embedder failure)
             name = type(e).__name__
             kind = R.OVERLOADED if "Queue" in name else R.ENGINE_ERROR
             res.status_code, res.error_kind, res.error_message = 503, kind, f"{name}: {e}"

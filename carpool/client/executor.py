@@ -25,9 +25,10 @@ class Stopped(Exception):
 
 class Executor:
     def __init__(self, backend: Backend, limiter: FixedLimiter, budget: Budget | None = None,
-                 policy: R.RetryPolicy | None = None, latency_signal: str = "tpot", seed: int | None = None):
-        """``latency_signal``: what the adaptive limiter watches, "tpot" (latency per output
-        token, falls back to e2e per token) or "ttft"."""
+                 policy: R.RetryPolicy | None = None, latency_signal: str = "per_token", seed: int | None = None):
+        """``latency_signal``: what the adaptive limiter watches: "per_token" (end-to-end
+        latency per output token: it includes time queued in the server, which TPOT alone
+        would miss), "tpot" or "ttft"."""
         self.backend = backend
         self.limiter = limiter
         self.budget = budget or NoBudget()
@@ -41,7 +42,7 @@ class Executor:
     def _latency(self, res: CallResult) -> float | None:
         if self.latency_signal == "ttft":
             return res.ttft_s
-        if res.tpot_s is not None:
+        if self.latency_signal == "tpot" and res.tpot_s is not None:
             return res.tpot_s
         return res.e2e_s / max(1, res.completion_tokens)
 
@@ -61,7 +62,7 @@ class Executor:
             except asyncio.CancelledError:
                 self.limiter.release()
                 raise
-            except Exception as e:  # a bug or an unexpected library error: a value, not a crash
+            except Exception as e:  # noqa: BLE001  (a bug or an unexpected library error: a value, not a crash)
                 res = CallResult(ok=False, error_kind=R.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
             dropped = res.error_kind in _DROP_KINDS
             self.limiter.release(self._latency(res) if res.ok else None, dropped=dropped, e2e=res.e2e_s)

@@ -75,11 +75,15 @@ class FixedLimiter:
 
 class AdaptiveLimiter(FixedLimiter):
     def __init__(self, initial: int = 8, min_limit: int = 1, max_limit: int = 1024,
-                 tolerance: float = 2.0, long_window: int = 500, probe_windows: int = 4):
+                 tolerance: float = 2.0, long_window: int = 500, probe_windows: int = 4, smoothing: float = 0.2,
+                 drop_tolerance: float = 0.05):
         super().__init__(initial)
         self.limit = float(max(min_limit, min(initial, max_limit)))
         self.min_limit, self.max_limit = min_limit, max_limit
         self.tolerance = tolerance
+        self.smoothing = smoothing
+        self.drop_tolerance = drop_tolerance
+        self._drops_in_window = 0
         self._long_alpha = 2.0 / (long_window + 1)
         self._long: float | None = None  # long-term latency baseline (EMA)
         self._short_sum = 0.0
@@ -108,6 +112,11 @@ class AdaptiveLimiter(FixedLimiter):
             self._end_window()
 
     def _on_drop(self) -> None:
+        self._drops_in_window += 1
+        # A lone drop per window is tolerated (the request is simply retried): a limit right at
+        # the server's capacity keeps it busier than one safely below it.  More means too far.
+        if not self._slow_start and self._drops_in_window <= max(1.0, self.drop_tolerance * self.limit):
+            return
         now = time.monotonic()
         level = self.in_flight + 1  # this request was in flight when the server refused it
         # Several requests of one burst drop together: react once, then ignore the echo.
@@ -127,6 +136,7 @@ class AdaptiveLimiter(FixedLimiter):
 
     def _end_window(self) -> None:
         self._completed_in_window = 0
+        had_drops, self._drops_in_window = self._drops_in_window, 0
         short = self._short_sum / self._short_n if self._short_n else None
         self._short_sum, self._short_n = 0.0, 0
         if short is not None:
@@ -135,14 +145,15 @@ class AdaptiveLimiter(FixedLimiter):
             else:
                 self._long += self._long_alpha * (short - self._long)
         if short is not None and self._long and short > self.tolerance * self._long:
+            # Smoothed like Gradient2: one noisy window moves the limit by at most ~10%.
             gradient = max(0.5, self.tolerance * self._long / short)
             self._slow_start = False
-            self._set(self.limit * gradient)
+            self._set(self.limit * (1 - self.smoothing) + self.smoothing * self.limit * gradient)
             # Let the baseline drift up a little so a permanently slower server is not punished forever.
             self._long *= 1.05
             return
-        if self.in_flight + len(self._waiters) < self.limit * 0.5:
-            return  # not using the limit we have: no evidence that more would help
+        if had_drops or self.in_flight + len(self._waiters) < self.limit * 0.5:
+            return  # at the edge (a tolerated drop), or not using the limit we have: hold
         if self._slow_start:
             self._set(self.limit * 2)
             return

@@ -8,7 +8,6 @@ Returns the job summary as a dict (``JobStats.to_dict()``).
 from __future__ import annotations
 
 import asyncio
-
 import dataclasses
 
 from carpool.jobs.runner import Runner, RunOptions

@@ -25,7 +25,8 @@ class Progress:
     def start(self) -> None:
         if not self.enabled:
             return
-        from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
 
         self._bar = RichProgress(
             TextColumn("[bold]carpool run"),

@@ -13,7 +13,15 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_task, parse_json_line
+from carpool.jobs.tasks import (
+    BadLine,
+    Task,
+    TaskDefaults,
+    Template,
+    build_from_row,
+    build_task,
+    parse_json_line,
+)
 
 FORMATS = ("jsonl", "batch", "csv", "parquet")
 

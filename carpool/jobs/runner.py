@@ -74,7 +74,7 @@ class RunOptions:
     report: str | None = None
     max_pending: int = 2048
     dry_run: bool = False  # answer every task locally without a backend (memory / overhead runs)
-    latency_signal: str = "tpot"
+    latency_signal: str = "per_token"
     argv: list[str] | None = None
     quiet: bool = False
 
@@ -164,7 +164,7 @@ class Runner:
             loc = getattr(self._store, "path", None)
             if loc:
                 self.stats.cache_backend += f" ({loc})"
-        except Exception as e:  # a bad URL or an unreachable Redis: say so, run uncached
+        except Exception as e:  # noqa: BLE001  (a bad URL, an unreachable Redis: say so, run uncached)
             self.messages.append(f"cache disabled: {e}")
             self._store = None
             self.stats.cache_backend = "off (error)"
@@ -172,7 +172,7 @@ class Runner:
             try:
                 sem_dir = _cache.default_semantic_dir(self._store)
                 self._sem = _cache.SemanticCache(sem_dir, threshold=o.semantic_cache)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  (no embedder or FAISS: run without it)
                 self.messages.append(f"semantic cache disabled: {e}")
                 self._sem = None
 
@@ -270,8 +270,8 @@ class Runner:
                 if c is not None and hasattr(c, "close"):
                     try:
                         c.close()
-                    except Exception:
-                        pass
+                    except Exception as e:  # noqa: BLE001  (closing must not hide the job's result)
+                        self._cache_failed(e)
 
     async def _tick(self, writer: ResultWriter, progress: Progress) -> None:
         last_sample = 0.0
@@ -352,8 +352,8 @@ class Runner:
         if _cache is not None:
             try:
                 return _cache.is_cacheable(req.body, cache_sampled=self.opts.cache_sampled)
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001  (the cache room's code must not fail the job)
+                self._cache_failed(e)
         return _fallback_cacheable(req.body, req.kind)
 
     def _key(self, req: Request) -> str:
@@ -363,8 +363,8 @@ class Runner:
                                    or self._sem is not None):
             try:
                 return _cache.cache_key(model=self._model_of(req), endpoint=self._endpoint_identity(), body=req.body)
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001  (the cache room's code must not fail the job)
+                self._cache_failed(e)
         return _body_key(req)
 
     def _store_get(self, key: str) -> dict | None:
@@ -372,7 +372,7 @@ class Runner:
             return None
         try:
             return self._store.get(key)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (any backend error: run on uncached)
             self._cache_failed(e)
             return None
 
@@ -381,7 +381,7 @@ class Runner:
             return
         try:
             self._store.put(key, body, ttl_s=self.opts.cache_ttl)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (any backend error: run on uncached)
             self._cache_failed(e)
 
     def _cache_failed(self, e: Exception) -> None:
@@ -457,7 +457,7 @@ class Runner:
                 if sem_text is not None:
                     try:
                         await asyncio.to_thread(self._sem.add, sem_scope, sem_text, res.body)
-                    except Exception as e:
+                    except Exception as e:  # noqa: BLE001  (the result is written regardless)
                         self._cache_failed(e)
             self._finish_leader(key, fut, res)
             fut = None

@@ -53,7 +53,7 @@ class Appender:
         self.path = Path(path)
         if self.path.parent and not self.path.parent.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab", buffering=1 << 20)
+        self._f = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115  (open for the whole job)
         self.flush_lines, self.flush_s, self.fsync_s = flush_lines, flush_s, fsync_s
         self._pending = 0
         self._last_flush = self._last_fsync = time.monotonic()

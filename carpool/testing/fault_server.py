@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Self
 
 from aiohttp import web
 
@@ -68,7 +69,7 @@ class FaultConfig:
     zero_latency: bool = False  # smallest possible answers, no sleeps: for client overhead
 
     @classmethod
-    def zero(cls) -> "FaultConfig":
+    def zero(cls) -> FaultConfig:
         return cls(zero_latency=True)
 
 
@@ -126,7 +127,7 @@ class FaultServer:
             await self._runner.cleanup()
             self._runner = None
 
-    async def __aenter__(self) -> "FaultServer":
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -340,7 +341,7 @@ class ThreadedFaultServer:
     def url(self) -> str:
         return self.server.url
 
-    def __enter__(self) -> "ThreadedFaultServer":
+    def __enter__(self) -> Self:
         self.start()
         return self
 

@@ -66,6 +66,7 @@ class Served:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     new_connection: bool = False
+    body: dict = field(default_factory=dict)
 
 
 class ScriptedServer:
@@ -218,7 +219,7 @@ class ScriptedServer:
                 # Before the request "arrives", as a TLS handshake would be.
                 await asyncio.sleep(self.script.new_connection_delay_s)
         arrival = time.perf_counter()
-        rec = Served(index=len(self.served), arrival=arrival, new_connection=new_connection)
+        rec = Served(index=len(self.served), arrival=arrival, new_connection=new_connection, body=body)
         self.served.append(rec)
         wait = self._take_token()
         if wait is not None:
@@ -294,6 +295,7 @@ class ScriptedServer:
             delay = target - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            rec.chunk_times.append(time.perf_counter())  # stamped before the bytes leave
             text = "tok " * per
             await send(
                 [
@@ -301,7 +303,6 @@ class ScriptedServer:
                     | ({"delta": {"content": text}} if chat else {"text": text})
                 ]
             )
-            rec.chunk_times.append(time.perf_counter())
         await send([{"index": 0, "finish_reason": "length"} | ({"delta": {}} if chat else {"text": ""})])
         if (body.get("stream_options") or {}).get("include_usage"):
             await send([], {"usage": usage})

@@ -93,7 +93,9 @@ def test_adaptive_finds_capacity_with_few_429s(fault_server):
     assert all(o.result.ok for o in outs)
     rejected = srv.server.status_counts[429]
     assert rejected < 60, rejected  # no 429 storm: under 10% of the requests
-    assert capacity - 2 <= lim.limit <= capacity + 1
+    # It found the edge (a 429 at or past capacity) and does not sit above it.
+    assert lim.ceiling is not None and lim.ceiling >= capacity
+    assert lim.limit <= capacity + 2
 
 
 def test_budget_bucket_waits_past_its_burst():

@@ -24,9 +24,8 @@ def read(path):
 def test_engine_run_writes_openai_batch_output(engine, tmp_path):
     src = tmp_path / "in.jsonl"
     with open(src, "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"custom_id": f"c{i}", "temperature": 0, "max_tokens": 5,
-                                "messages": [{"role": "user", "content": f"Is review {i} positive?"}]}) + "\n")
+        f.writelines(json.dumps({"custom_id": f"c{i}", "temperature": 0, "max_tokens": 5,
+                                "messages": [{"role": "user", "content": f"Is review {i} positive?"}]}) + "\n" for i in range(12))
         f.write(json.dumps({"custom_id": "p", "prompt": "Once upon a time", "max_tokens": 3}) + "\n")
     out = tmp_path / "out.jsonl"
     s = run_batch(src, out, engine=engine, cache="off")
@@ -62,9 +61,8 @@ def test_prompt_past_context_is_a_bad_line(engine, tmp_path):
 def test_engine_with_sqlite_cache_and_dedup(engine, tmp_path):
     src = tmp_path / "in.jsonl"
     with open(src, "w") as f:
-        for i in range(6):
-            f.write(json.dumps({"custom_id": f"x{i}", "temperature": 0, "max_tokens": 3,
-                                "messages": [{"role": "user", "content": f"q{i % 2}"}]}) + "\n")
+        f.writelines(json.dumps({"custom_id": f"x{i}", "temperature": 0, "max_tokens": 3,
+                                "messages": [{"role": "user", "content": f"q{i % 2}"}]}) + "\n" for i in range(6))
     cache = f"sqlite:///{tmp_path / 'c.sqlite'}"
     s1 = run_batch(src, tmp_path / "a.jsonl", engine=engine, cache=cache)
     assert s1["sent"] == 2 and s1["dedup_fanouts"] + s1["cache_hits"] == 4
@@ -76,8 +74,7 @@ def test_embedding_tasks_on_the_embedder(engine, tmp_path):
     pytest.importorskip("carpool.engine.embedder")
     src = tmp_path / "emb.jsonl"
     with open(src, "w") as f:
-        for i in range(5):
-            f.write(json.dumps({"custom_id": f"e{i}", "input": f"sentence number {i}"}) + "\n")
+        f.writelines(json.dumps({"custom_id": f"e{i}", "input": f"sentence number {i}"}) + "\n" for i in range(5))
     out = tmp_path / "out.jsonl"
     s = run_batch(src, out, engine=engine, cache="off")
     rows = read(out)
