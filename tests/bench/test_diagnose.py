@@ -19,7 +19,7 @@ def _diagnose(srv, concurrency=8, tasks=16):
 
 def test_client_bound_server_with_spare_capacity(scripted):
     # Unlimited capacity, fixed 100 ms per request: more requests in flight never slow it down.
-    d = _diagnose(scripted(Script(ttft_s=0.03, itl_s=0.01)), concurrency=4)
+    d = _diagnose(scripted(Script(ttft_s=0.05, itl_s=0.02)), concurrency=4)
     assert d.verdict == "client-bound", d.format()
     assert "raise client concurrency from 4 to 16" in d.change
     assert [p.concurrency for p in d.phases] == [1, 1, 4, 16]
@@ -53,7 +53,7 @@ def test_rate_limited_server(scripted):
     paced = d.phases[-1]
     assert paced.name.startswith("paced")
     accepted = paced.metrics["completed"] / paced.duration
-    assert 3.0 < accepted < 8.0  # the bucket refills at 5/s
+    assert 2.5 < accepted < 8.0  # the bucket refills at 5/s
     assert "req/s" in d.change and "requests/min" in d.change
 
 
@@ -74,7 +74,7 @@ def test_connection_cost(scripted):
 def test_cli_writes_json(scripted, tmp_path, capsys):
     from carpool.cli import main
 
-    srv = scripted(Script(ttft_s=0.02, itl_s=0.01, capacity=1))
+    srv = scripted(Script(ttft_s=0.05, itl_s=0.02, capacity=1))
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(
         "\n".join(
@@ -92,7 +92,7 @@ def test_cli_writes_json(scripted, tmp_path, capsys):
             "--concurrency",
             "4",
             "--serial-tasks",
-            "4",
+            "6",
             "--json",
             str(out),
         ]
