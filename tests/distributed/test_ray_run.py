@@ -187,3 +187,23 @@ def test_killed_driver_then_resume_sends_nothing_twice(ray_cluster, tmp_path):
         expected = [json.loads(x).get("custom_id") or f"line-{i}"
                     for i, x in enumerate(tasks.read_text().splitlines(), 1) if x.strip()]
         assert ids == expected  # every task once, in input order
+
+
+def test_carpool_map_adds_results_to_a_ray_dataset(ray_cluster, zero_server):
+    from carpool.distributed.ray_data import carpool_map
+
+    rows = [{"custom_id": f"r{i}" if i % 2 else None, "review": f"review {i}", "stars": i % 5} for i in range(30)]
+    ds = ray_cluster.data.from_items(rows)
+    out = carpool_map(ds, workers=1, batch_size=8, template="Stars {stars}: {review}", endpoints=[zero_server.url],
+                      defaults=TaskDefaults(model="m", max_tokens=2), cache="off").take_all()
+    assert len(out) == 30
+    by_review = {r["review"]: r for r in out}
+    for i in range(30):
+        r = by_review[f"review {i}"]
+        assert r["stars"] == i % 5  # the row's own columns are kept
+        assert r["error"] is None
+        assert json.loads(r["response"])["choices"][0]["message"]["content"]
+        if i % 2:
+            assert r["custom_id"] == f"r{i}"
+        else:
+            assert r["custom_id"].startswith("row-")
