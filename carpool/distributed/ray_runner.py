@@ -163,6 +163,14 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
         pending = [s for s in shards if not shard_paths(workdir, s, errors is not None)[2].exists()]
         job_opts = dataclasses.replace(opts, input=str(input_path), output=str(output),
                                        errors=str(errors) if errors else None, progress=False, quiet=True)
+        notes = []
+        if (opts.rpm or opts.tpm) and not ray_opts.redis:
+            # Without a shared bucket each worker would spend the whole budget: split it.
+            n = min(workers, len(pending)) or 1
+            job_opts = dataclasses.replace(job_opts, rpm=opts.rpm / n if opts.rpm else None,
+                                           tpm=opts.tpm / n if opts.tpm else None)
+            notes.append(f"without --redis the --rpm/--tpm budget is split evenly over {n} workers; "
+                         "--redis URL shares one budget (faster when shards differ)")
         shared = SharedState(redis=ray_opts.redis, budget_name=ray_opts.budget_name or default_budget_name(opts),
                              window_s=ray_opts.rpm_window_s, burst_s=ray_opts.rpm_burst_s) if ray_opts.redis else None
         run_error = None
@@ -184,7 +192,7 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
                       complete=not missing, elapsed_s=round(time.monotonic() - started, 3),
                       backend=(f"ray x{workers}: " + (f"http {', '.join(opts.endpoints)}" if opts.endpoints
                                                       else f"engine {opts.engine_model}")))
-        result["messages"] = [m for s in summaries for m in s.get("messages", [])]
+        result["messages"] = notes + [m for s in summaries for m in s.get("messages", [])]
         if opts.report:
             result["messages"].append("--report is not written for --ray runs (use --summary-json)")
         result["shard_summaries"] = [{k: s.get(k) for k in ("shard", "host", "pid", "started", "finished")}

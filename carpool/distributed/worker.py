@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.distributed.shards import Shard, iter_shard_lines
+from carpool.jobs.journal import _line_id  # the journal's own cheap custom_id decoder
 from carpool.jobs.readers import Reader
 from carpool.jobs.runner import Runner, RunOptions
 from carpool.jobs.tasks import BadLine, Task, parse_json_line
@@ -147,8 +148,6 @@ def reorder_by_input(path: Path, reader: Reader) -> None:
     with open(path, "rb") as f:
         offset = 0
         for line in f:
-            from carpool.jobs.journal import _line_id  # the journal's own cheap custom_id decoder
-
             cid = _line_id(line)
             index.setdefault(cid or "", []).append((offset, len(line)))
             offset += len(line)
