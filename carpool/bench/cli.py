@@ -188,7 +188,12 @@ async def _run(args: argparse.Namespace) -> int:
         i = 0
         while i < len(plans):
             label, rate, conc = plans[i]
-            desc = "all at once" if math.isinf(rate) else f"{rate:.3g} req/s (burstiness {args.burstiness})"
+            if conc == 1:
+                desc = "one at a time"
+            elif math.isinf(rate):
+                desc = "all at once"
+            else:
+                desc = f"{rate:.3g} req/s (burstiness {args.burstiness})"
             print(
                 f"== {label or 'run'}: {desc}, max concurrency {conc}, {len(reqs)} requests", file=sys.stderr
             )

@@ -70,11 +70,15 @@ def plot_latency_cdfs(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path
 
 def plot_throughput_vs_concurrency(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path:
     pts = sorted(
-        (mean_concurrency(run), res["output_throughput"], res["request_throughput"]) for run, res in runs
+        (mean_concurrency(run), res["output_throughput"], res["request_throughput"], run_label(run, res))
+        for run, res in runs
     )
     fig, ax = plt.subplots(figsize=(6.5, 4))
     xs = [p[0] for p in pts]
     ax.plot(xs, [p[1] for p in pts], "o-", label="output tok/s")
+    for x, y, _, label in pts:
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.margins(x=0.15)  # room for the labels
     ax.set_xlabel("mean requests in flight (Little's law)")
     ax.set_ylabel("output tokens / s")
     ax2 = ax.twinx()
