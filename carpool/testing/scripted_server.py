@@ -46,6 +46,8 @@ class Script:
     # Batching cost: every gap (and the TTFT) is stretched by 1 + k * (requests in service - 1),
     # the way a decode step slows as the batch grows on a compute-bound engine.
     slowdown_per_running: float = 0.0
+    # The same for the TTFT only: prefill work that grows with the batch, decode unaffected.
+    prefill_slowdown_per_running: float = 0.0
     # Reported kv_cache_usage_perc when all ``capacity`` slots are busy; 1.0 makes the slots look
     # like KV-cache blocks running out (a memory-bound server), 0.5 like a max_num_seqs cap.
     kv_usage_at_capacity: float = 0.5
@@ -266,7 +268,10 @@ class ScriptedServer:
         def stretch(t: float) -> float:
             return t * (1.0 + k * (self.running - 1))
 
-        targets = [rec.service_start + stretch(ttft)]
+        busy = self.running - 1
+        targets = [
+            rec.service_start + stretch(ttft) * (1.0 + self.script.prefill_slowdown_per_running * busy)
+        ]
         for g in gaps:
             targets.append(targets[-1] + g)  # restretched live below when k > 0
         if not body.get("stream"):

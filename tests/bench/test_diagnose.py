@@ -132,3 +132,10 @@ def test_queue_bound_by_kv_memory_says_so(scripted):
     d = _diagnose(srv, concurrency=8)
     assert d.verdict == "server-queueing", d.format()
     assert "KV-cache memory" in d.change and "peak 100%" in d.change
+
+
+def test_prefill_bound_server(scripted):
+    # TTFT stretches with the requests in service, decode does not, and nothing queues.
+    d = _diagnose(scripted(Script(ttft_s=0.05, itl_s=0.005, prefill_slowdown_per_running=1.0)), concurrency=8)
+    assert d.verdict == "prefill-bound", d.format()
+    assert "prefix cache" in d.change
