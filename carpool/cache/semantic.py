@@ -133,8 +133,11 @@ class SemanticCache:
 
     @property
     def embedder(self):
+        """The embedder, loaded on first use (``carpool cache stats`` never needs it)."""
         if self._embedder is None:
-            self._embedder = _default_embedder()
+            with self._lock:
+                if self._embedder is None:
+                    self._embedder = _default_embedder()
         return self._embedder
 
     def _embed(self, texts: Sequence[str]) -> np.ndarray:
