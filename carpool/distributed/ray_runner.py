@@ -235,8 +235,11 @@ def _run_pending(ray, pending: list[Shard], job: dict, workers: int, ray_opts: R
         num_gpus=ray_opts.gpus_per_worker or None,
     )
     for row in out.iter_rows():
+        s = json.loads(row["summary"])
+        for msg in s.get("messages", []):
+            if msg.startswith(f"shard {s['shard']}:"):
+                print(f"carpool run --ray: {msg}", file=sys.stderr, flush=True)
         if not quiet:
-            s = json.loads(row["summary"])
             st = s["stats"]
             print(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
                   f"({st['done']} written, {st['skipped_done_before']} resumed)", file=sys.stderr, flush=True)

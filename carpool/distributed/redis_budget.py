@@ -29,6 +29,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Self
 
+from redis.exceptions import RedisError
+
 # KEYS[1]: the budget's hash.  ARGV: mode ("acquire" | "adjust"), request amount,
 # request rate/s, request capacity, token amount, token rate/s, token capacity, ttl ms.
 # A capacity <= 0 means that limit is off.  Returns {granted 0/1, wait seconds as string}:
@@ -104,6 +106,10 @@ class BudgetClosed(RuntimeError):
     pass
 
 
+class BudgetUnavailable(RuntimeError):
+    pass
+
+
 class RedisBudget:
     """Requests-per-minute and tokens-per-minute budget shared through Redis.
 
@@ -128,6 +134,7 @@ class RedisBudget:
         burst_s: float = 1.0,
         prefix: str = "carpool",
         max_sleep_s: float = 1.0,
+        unavailable_timeout_s: float = 30.0,
     ) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0 seconds, got {window_s}")
@@ -155,6 +162,7 @@ class RedisBudget:
         self._script = redis.register_script(_SCRIPT)
         # Why sleeps are capped: another worker may give tokens back (adjust) meanwhile.
         self._max_sleep_s = max_sleep_s
+        self.unavailable_timeout_s = unavailable_timeout_s
         self._closed = False
         self._pending: set[asyncio.Task] = set()
         self.waited_s = 0.0  # total time this client spent waiting for the budget
@@ -186,10 +194,24 @@ class RedisBudget:
             return 0.0
         loop = asyncio.get_running_loop()
         start = loop.time()
+        failing_since: float | None = None
         while True:
             if self._closed:
                 raise BudgetClosed("the budget was closed while waiting")
-            wait = await self.try_acquire(requests, tokens)
+            try:
+                wait = await self.try_acquire(requests, tokens)
+                failing_since = None
+            except (RedisError, OSError) as e:
+                # Redis restarting or a network blip: wait rather than send past the shared
+                # limit; give up with a readable error if it lasts.
+                now = loop.time()
+                failing_since = failing_since if failing_since is not None else now
+                if now - failing_since > self.unavailable_timeout_s:
+                    raise BudgetUnavailable(
+                        f"the shared RPM/TPM budget in Redis ({self.key}) has been unreachable for "
+                        f"{now - failing_since:.0f} s: {e}. Check Redis, or run without --redis") from e
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** min(5, int(now - failing_since))))
+                continue
             if wait == 0.0:
                 waited = loop.time() - start
                 self.waited_s += waited

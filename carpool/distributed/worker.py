@@ -53,13 +53,19 @@ class ShardReader(Reader):
                  defaults=None):
         super().__init__(path, fmt, template, defaults)
         self.shard = shard
+        self.yielded = 0  # tasks (and bad lines) handed to the pipeline: each must get a line
+
+    def _counted(self, items: Iterator[Task | BadLine]) -> Iterator[Task | BadLine]:
+        for item in items:
+            self.yielded += 1
+            yield item
 
     def __iter__(self) -> Iterator[Task | BadLine]:
         if self.fmt == "parquet":
-            return self._rows(self._parquet_range())
+            return self._counted(self._rows(self._parquet_range()))
         if self.fmt == "csv":
-            return super().__iter__()  # CSV is planned as a single shard (quoted newlines)
-        return self._jsonl_range()
+            return self._counted(super().__iter__())  # CSV is planned as one shard (quoted newlines)
+        return self._counted(self._jsonl_range())
 
     def count(self) -> int | None:
         return self.shard.lines
@@ -116,8 +122,16 @@ class ShardRunner(Runner):
                                  window_s=self.shared.window_s, burst_s=self.shared.burst_s)
             self.executor.budget = budget
             self._redis_parts.append(budget)
-        shard_reader = ShardReader(o.input, self.shard, o.fmt, o.template, o.defaults)
-        await super()._produce(shard_reader, done, writer)
+        self.shard_reader = ShardReader(o.input, self.shard, o.fmt, o.template, o.defaults)
+        await super()._produce(self.shard_reader, done, writer)
+
+    @property
+    def unwritten(self) -> int:
+        """Tasks read but without a line in the output (a task that crashed): not finished."""
+        reader = getattr(self, "shard_reader", None)
+        if reader is None:
+            return 0
+        return max(0, reader.yielded - self.stats.done - self.stats.skipped)
 
     async def _close(self) -> None:
         try:
@@ -209,7 +223,10 @@ class ShardWorker:
                     reorder_by_input(path, ShardReader(opts.input, shard, opts.fmt, opts.template, opts.defaults))
         summary = {"shard": shard.index, "stats": stats.to_dict(), "messages": runner.messages,
                    "pid": os.getpid(), "host": os.uname().nodename, "started": started, "finished": time.time()}
-        if not stats.interrupted:
+        if runner.unwritten:
+            summary["messages"].append(f"shard {shard.index}: {runner.unwritten} tasks got no output line; "
+                                       "the shard is not marked finished (run again to resume)")
+        if not stats.interrupted and not runner.unwritten:
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps(summary))
             os.replace(tmp, marker)

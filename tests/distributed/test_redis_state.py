@@ -205,3 +205,21 @@ def test_shared_balancer_skips_an_endpoint_another_worker_saw_fail(redis_url, re
                 await bal.cooldown.close()
 
     asyncio.run(main())
+
+
+def test_unreachable_redis_is_a_readable_error_not_a_free_pass():
+    import socket
+
+    from carpool.distributed.redis_budget import BudgetUnavailable
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        b = RedisBudget(f"redis://127.0.0.1:{port}/0", rpm=60, unavailable_timeout_s=0.5)
+        with pytest.raises(BudgetUnavailable, match="unreachable.*run without --redis"):
+            await b.acquire()
+        await b.close()
+
+    asyncio.run(main())
