@@ -340,8 +340,9 @@ def main(args: argparse.Namespace) -> int:
 
 def run_batch_on_ray(input: str, output: str, *, address: str | None = None, workers: int | None = None,
                      redis: str | None = None, ray_options: RayOptions | None = None, **options) -> dict:
-    """Python API: ``run_batch`` spread over Ray; ``options`` are RunOptions fields."""
-    from carpool.jobs.runner import RunOptions
+    """Python API: ``run_batch`` spread over Ray; ``options`` are those of ``carpool.run_batch``
+    (RunOptions fields, plus the ``model``/``max_tokens``/``temperature`` shortcuts)."""
+    from carpool.jobs.api import make_options
 
     ray_options = ray_options or RayOptions(address=address, workers=workers, redis=redis)
-    return run_on_ray(RunOptions(input=str(input), output=str(output), **options), ray_options)
+    return run_on_ray(make_options(input, output, **options), ray_options)
