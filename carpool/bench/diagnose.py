@@ -196,7 +196,10 @@ class Diagnosis:
                 f"{m['median_tpot_ms']:>10.1f}{m['median_e2el_ms']:>10.1f}{p.rate_limited:>6}"
                 f"{p.mean_connect_ms:>9.1f}"
             )
-        lines.append("(times in ms; conn ms = mean time to open a TCP connection per request)")
+        note = "times in ms"
+        if any(p.fresh_connections for p in self.phases):
+            note += "; conn ms = mean time to open a TCP connection per request"
+        lines.append(f"({note})")
         lines.append("")
         if not self.server_metrics:
             lines.append(
@@ -391,7 +394,8 @@ class Diagnoser:
 
             (rec_reuse, rec_fresh), dur, view = await self._observe(probe, serial_pair())
             share = dur / 2 if rec_fresh else dur
-            phases.append(_phase("serial, reused connection", 1, False, rec_reuse, share, view))
+            name = "serial, reused connection" if rec_fresh else "serial, one at a time"
+            phases.append(_phase(name, 1, False, rec_reuse, share, view))
             if rec_fresh:
                 phases.append(_phase("serial, new connection per request", 1, True, rec_fresh, share, view))
 
@@ -516,7 +520,8 @@ def explain(phases: Sequence[Phase], server_metrics: bool) -> tuple[list[str], s
             parts.append(f"prefix cache hits {100 * view.prefix_hit_rate:.0f}%")
         if view.preemptions:
             parts.append(f"{view.preemptions:.0f} preemptions")
-        findings.append(f"server /metrics at concurrency {conc.concurrency}: " + ", ".join(parts))
+        source = "server /metrics" if fresh is not None else "server counters"
+        findings.append(f"{source} at concurrency {conc.concurrency}: " + ", ".join(parts))
 
     if conn_verdict_ms > 0.25 * s["median_e2el_ms"]:
         return (
