@@ -126,10 +126,16 @@ def _write_atomically(final: Path, build) -> Path:
 
 
 def _load_tokenizer(folder: Path, **kwargs):
-    from transformers import AutoTokenizer
+    """The folder's fast tokenizer.
 
+    With a tokenizer.json the fast tokenizer is built from it directly: AutoTokenizer would
+    first import the model's config classes, which costs seconds at every start.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cls = PreTrainedTokenizerFast if (folder / "tokenizer.json").exists() else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **kwargs)
+        return cls.from_pretrained(str(folder), local_files_only=True, **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"{folder}: cannot load a tokenizer ({exc}); the folder needs "
                              "tokenizer.json or tokenizer_config.json + vocab files") from exc
