@@ -46,16 +46,28 @@ class Executor:
             return res.tpot_s
         return res.e2e_s / max(1, res.completion_tokens)
 
-    async def execute(self, req: Request) -> Outcome:
+    async def execute(self, req: Request, precheck=None, after=None) -> Outcome:
+        """``precheck``: an async callable run once the first slot is held, just before sending;
+        a CallResult from it is the answer (e.g. a semantic-cache hit of a task that finished
+        while this one waited for its slot) and nothing is sent."""
         attempt = 0
         retried: list[str] = []
         while True:
-            attempt += 1
+            attempt += 1  # ``after``: an async callable(result) run on success before the slot is freed
             await self.budget.acquire(1, req.est_tokens)
             await self.limiter.acquire()
             if self.stopping:
                 self.limiter.release()
                 raise Stopped(req.custom_id)
+            if precheck is not None and attempt == 1:
+                try:
+                    early = await precheck()
+                except BaseException:
+                    self.limiter.release()
+                    raise
+                if early is not None:
+                    self.limiter.release()
+                    return Outcome(req, early, 0, retried)
             self.attempts += 1
             try:
                 res = await self.backend.call(req)
@@ -65,6 +77,12 @@ class Executor:
             except Exception as e:  # noqa: BLE001  (a bug or an unexpected library error: a value, not a crash)
                 res = CallResult(ok=False, error_kind=R.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
             dropped = res.error_kind in _DROP_KINDS
+            if res.ok and after is not None:
+                try:
+                    await after(res)
+                except BaseException:
+                    self.limiter.release()
+                    raise
             self.limiter.release(self._latency(res) if res.ok else None, dropped=dropped, e2e=res.e2e_s)
             if res.ok:
                 used = res.prompt_tokens + res.completion_tokens

@@ -136,8 +136,9 @@ class Runner:
         if engine is None:
             from carpool.engine import AsyncEngine, EngineConfig
 
+            # Built on first use (the first generation task): a job of embeddings only never
+            # loads the generation model.
             engine = AsyncEngine(EngineConfig(model=o.engine_model, **o.engine_config))
-            await engine.start()
             self._owned_engine = engine
         return EngineBackend(engine, o.embedder_factory or default_embedder_factory)
 
@@ -426,39 +427,49 @@ class Runner:
                 self._inflight[key] = fut
         try:
             sem_text = sem_scope = None
+            precheck = None
             if self._sem is not None and key is not None:
                 sem_text = _cache.semantic_text(req.body)
                 if sem_text is not None:
                     sem_scope = _cache.scope_key(model=self._model_of(req), endpoint=self._endpoint_identity(),
                                                  body=req.body)
-                    found = await asyncio.to_thread(self._sem.lookup, sem_scope, sem_text)
-                    if found is not None:
+
+                    async def precheck() -> CallResult | None:
+                        # Looked up once this task holds a slot, so near-duplicates that finished
+                        # while it waited are found.
+                        found = await asyncio.to_thread(self._sem.lookup, sem_scope, sem_text)
+                        if found is None:
+                            return None
                         body, sim = found
-                        st.semantic_hits += 1
-                        st.saved_tokens += _usage_tokens(body)
-                        if len(st.semantic_similarities) < 1000:
-                            st.semantic_similarities.append((req.custom_id, round(float(sim), 4)))
-                        res = CallResult(ok=True, status_code=200, body=body, request_id=f"cache:semantic:{sim:.3f}")
-                        self._finish_leader(key, fut, res)
-                        fut = None
-                        writer.emit(seq, success_line(req.custom_id, 200, res.request_id, body), False,
-                                    self._written)
-                        return
+                        return CallResult(ok=True, status_code=200, body=body, request_id=f"cache:semantic:{sim:.3f}")
+            async def after(res: CallResult) -> None:
+                # Stored while the slot is still held: a near-duplicate waiting for this slot
+                # finds it.  Errors of the store never fail the task.
+                try:
+                    await asyncio.to_thread(self._sem.add, sem_scope, sem_text, res.body)
+                except Exception as e:  # noqa: BLE001
+                    self._cache_failed(e)
+
             try:
-                outcome = await self.executor.execute(req)
+                outcome = await self.executor.execute(req, precheck, after if sem_text is not None else None)
             except Stopped:
                 self._slots.release()
                 return  # not written: it is done on resume
+            res = outcome.result
+            if outcome.attempts == 0:  # answered by the semantic cache
+                st.semantic_hits += 1
+                st.saved_tokens += _usage_tokens(res.body)
+                if len(st.semantic_similarities) < 1000:
+                    st.semantic_similarities.append((req.custom_id, float(res.request_id.rsplit(":", 1)[1])))
+                self._finish_leader(key, fut, res)
+                fut = None
+                writer.emit(seq, success_line(req.custom_id, 200, res.request_id, res.body), False, self._written)
+                return
             st.sent += 1
             res = outcome.result
             self._account(res)
             if res.ok and key is not None:
                 self._store_put(key, res.body)
-                if sem_text is not None:
-                    try:
-                        await asyncio.to_thread(self._sem.add, sem_scope, sem_text, res.body)
-                    except Exception as e:  # noqa: BLE001  (the result is written regardless)
-                        self._cache_failed(e)
             self._finish_leader(key, fut, res)
             fut = None
             self._emit_result(seq, task, res, outcome.attempts, writer)

@@ -196,3 +196,29 @@ def test_report_html_has_plots(fault_server, tmp_path):
     assert len(pngs) >= 2
     assert all(base64.b64decode(p)[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "rate_limited" in page
+
+
+def test_semantic_cache_hits_a_paraphrase(fault_server, tmp_path):
+    import pytest
+
+    pytest.importorskip("carpool.engine.embedder")
+    srv = fault_server(FaultConfig())
+    texts = ["The battery lasts all day and I love this phone.",
+             "I love this phone and the battery lasts all day.",
+             "Arrived broken, the box was crushed, I want a refund."]
+    src = tmp_path / "in.jsonl"
+    with open(src, "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"custom_id": f"r{i}", "temperature": 0, "max_tokens": 3,
+                                "messages": [{"role": "system", "content": "Label the sentiment."},
+                                             {"role": "user", "content": t}]}) + "\n")
+    cache = f"sqlite:///{tmp_path / 'c' / 'results.sqlite'}"
+    rep = tmp_path / "report.html"
+    s = run_batch(src, tmp_path / "out.jsonl", endpoints=[srv.url], model="m", cache=cache, concurrency=1,
+                  semantic_cache=0.85, report=str(rep))
+    assert s["semantic_hits"] == 1, s
+    assert srv.server.total_requests == 2 and "r1" not in srv.server.seen
+    rows = {d["custom_id"]: d for d in read(tmp_path / "out.jsonl")}
+    assert rows["r1"]["response"]["request_id"].startswith("cache:semantic:")
+    assert rows["r1"]["response"]["body"] == rows["r0"]["response"]["body"]
+    assert "Semantic cache hits" in rep.read_text()
