@@ -197,6 +197,7 @@ class HttpBackend:
         rec = RequestRecord(request_id=req.request_id, prompt_len=req.prompt_len)
         trace_ctx: dict[str, float] = {}
         text_parts: list[str] = []
+        finished = False
         st = time.perf_counter()
         rec.start_time = st
         last = st
@@ -220,6 +221,7 @@ class HttpBackend:
                             continue  # blank separators, SSE comments/pings, event names
                         payload = line[5:].strip()
                         if payload == b"[DONE]":
+                            finished = True
                             break
                         ts = time.perf_counter()
                         data = json.loads(payload)
@@ -228,6 +230,7 @@ class HttpBackend:
                             break
                         last = ts
                         for choice in data.get("choices") or []:
+                            finished = finished or bool(choice.get("finish_reason"))
                             text = _chunk_text(choice)
                             if text:
                                 if not rec.chunk_times:
@@ -245,7 +248,13 @@ class HttpBackend:
                             details = usage.get("prompt_tokens_details") or {}
                             rec.cached_tokens = int(details.get("cached_tokens") or 0)
                     if not rec.error:
-                        if rec.chunk_times:
+                        if not finished:
+                            # A cut stream is not a result, even with text in it (vLLM would count it).
+                            rec.error = (
+                                f"the stream ended before [DONE] or a finish_reason, "
+                                f"after {len(rec.chunk_times)} text chunks"
+                            )
+                        elif rec.chunk_times:
                             rec.success = True
                         else:
                             rec.error = "the stream ended without any text chunk"

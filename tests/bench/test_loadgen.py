@@ -146,3 +146,31 @@ def test_url_helpers():
     assert normalize_base_url("localhost:8000") == "http://localhost:8000/v1"
     assert normalize_base_url("http://h:1/v1/") == "http://h:1/v1"
     assert metrics_url("http://h:1/v1") == "http://h:1/metrics"
+
+
+def test_faults_are_failures_with_readable_errors():
+    from carpool.testing.fault_server import Fault, FaultConfig, FaultServer
+
+    cfg = FaultConfig(
+        completion_tokens=6,
+        faults=[
+            Fault("truncate", match="r1"),
+            Fault("500", match="r2"),
+            Fault("reset_after_body", match="r3"),
+        ],
+    )
+
+    async def go():
+        async with FaultServer(cfg) as srv, HttpBackend(srv.url, model="m") as be:
+            return await run_benchmark(be, [_chat(i) for i in range(5)], max_concurrency=1)
+
+    run = _run(go())
+    by_id = {r.request_id: r for r in run.records}
+    assert by_id["r0"].success and by_id["r4"].success
+    cut = by_id["r1"]  # cut mid-stream after some text: a failure, though text arrived
+    assert not cut.success and cut.chunk_times
+    assert "before [DONE]" in cut.error or "payload is not completed" in cut.error
+    assert not by_id["r2"].success and by_id["r2"].status == 500 and "HTTP 500" in by_id["r2"].error
+    assert not by_id["r3"].success and by_id["r3"].error
+    m = compute_metrics(run.records, run.duration)
+    assert m["completed"] == 2 and m["failed"] == 3
