@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.distributed.ray_runner import RayOptions, add_ray_arguments, run_on_ray
+from carpool.distributed.ray_runner import RayOptions, add_ray_arguments, run_batch_on_ray, run_on_ray
 from carpool.distributed.ray_runner import main as ray_main
 from carpool.jobs import cli as jobs_cli
 from carpool.jobs.api import run_batch
@@ -113,8 +113,9 @@ def test_each_worker_runs_an_engine_of_its_own(ray_cluster, tmp_path):
     single = tmp_path / "single.jsonl"
     run_batch(str(tasks), str(single), engine_model="tiny-random", cache="off", ordered=True)
     out = tmp_path / "ray.jsonl"
-    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), engine_model="tiny-random", cache="off",
-                                   ordered=True, quiet=True), RayOptions(workers=2, shards=2))
+    # Through the Python API, with run_batch's shortcuts (model= means the engine's model here).
+    result = run_batch_on_ray(tasks, out, model="tiny-random", cache="off", ordered=True, quiet=True,
+                              ray_options=RayOptions(workers=2, shards=2))
     assert result["complete"] and result["ok"] == 16
     assert texts(out) == texts(single)
     assert all(t[2] == 4 for t in texts(out))
