@@ -33,9 +33,10 @@ def write_tasks(path: str, n: int, max_tokens: int) -> None:
                     + "\n" for i in range(n))
 
 
-def job(url: str, src: str, out: str, concurrency: int | None, max_concurrency: int | None = None) -> dict:
+def job(url: str, src: str, out: str, concurrency: int | None, max_concurrency: int | None = None,
+        model: str = "m") -> dict:
     t = time.perf_counter()
-    s = run_batch(src, out, endpoints=[url], model="m", concurrency=concurrency, max_concurrency=max_concurrency,
+    s = run_batch(src, out, endpoints=[url], model=model, concurrency=concurrency, max_concurrency=max_concurrency,
                   cache="off", dedup=False, fresh=True, max_attempts=20)
     wall = time.perf_counter() - t
     return {"concurrency": concurrency or "adaptive", "wall_s": round(wall, 3), "ok": s["ok"],
@@ -43,12 +44,13 @@ def job(url: str, src: str, out: str, concurrency: int | None, max_concurrency: 
             "n_503": s["retries"].get("overloaded", 0), "errors": s["errors"]}
 
 
-def sweep(url: str, src: str, tmp: str, fixed: list[int], max_concurrency: int, repeats: int) -> dict:
+def sweep(url: str, src: str, tmp: str, fixed: list[int], max_concurrency: int, repeats: int,
+          model: str = "m") -> dict:
     runs: list[dict] = []
     for _ in range(repeats):  # interleave fixed and adaptive so machine noise hits both
         for c in fixed:
-            runs.append(job(url, src, os.path.join(tmp, "out.jsonl"), c))
-        runs.append(job(url, src, os.path.join(tmp, "out.jsonl"), None, max_concurrency))
+            runs.append(job(url, src, os.path.join(tmp, "out.jsonl"), c, model=model))
+        runs.append(job(url, src, os.path.join(tmp, "out.jsonl"), None, max_concurrency, model=model))
 
     def best_of(label):
         rs = [r for r in runs if r["concurrency"] == label]
@@ -102,11 +104,13 @@ def main() -> None:
                 args = ["--model", "tiny-random", "--port", "0", "--max-num-seqs", str(n)]
                 with start_server_process(args) as srv:
                     url = srv.base_url + "/v1"
-                    job(url, src2, os.path.join(tmp, "warm.jsonl"), n)  # warm-up
+                    warm = job(url, src2, os.path.join(tmp, "warm.jsonl"), n, model="tiny-random")
+                    if not warm["ok"]:
+                        raise RuntimeError(f"carpool serve answered no request: {warm}")
                     fixed = [n // 4, n // 2, n, 2 * n, 4 * n]
                     out["carpool_serve"] = {"model": "tiny-random", "max_num_seqs": n,
                                             "requests": a.serve_requests,
-                                            **sweep(url, src2, tmp, fixed, 256, a.repeats)}
+                                            **sweep(url, src2, tmp, fixed, 256, a.repeats, "tiny-random")}
     print(json.dumps(out))
 
 

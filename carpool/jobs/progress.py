@@ -16,6 +16,8 @@ class Progress:
     def __init__(self, stats: JobStats, enabled: bool | None = None, log_every_s: float = 30.0):
         self.stats = stats
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        # Not a terminal and not switched off: a plain status line now and then, for logs.
+        self.log_lines = enabled is None and not self.enabled
         self.log_every_s = log_every_s
         self._last_log = time.monotonic()
         self._bar = None
@@ -62,7 +64,7 @@ class Progress:
             self._bar.update(self._task, completed=completed, total=s.total,
                              total_s=f"{s.total:,}" if s.total is not None else "?",
                              rates=f"{rps:,.1f} req/s {tps:,.0f} tok/s{extra}", errors=s.n_errors, hits=hits)
-        elif time.monotonic() - self._last_log >= self.log_every_s:
+        elif self.log_lines and time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
             total = "?" if s.total is None else f"{s.total:,}"
             print(f"carpool run: {completed:,}/{total} done, {rps:,.1f} req/s, {tps:,.0f} tok/s, "
