@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.cache import cache_key, is_cacheable, normalize_text, scope_key, semantic_text
@@ -193,12 +193,14 @@ def test_endpoint_identity_folds_host_case_and_trailing_slash():
     )
 
 
+@settings(deadline=None)  # no timing in tests: the machine may be busy
 @given(st.text(max_size=60))
 def test_normalisation_is_idempotent(text):
     once = normalize_text(text)
     assert normalize_text(once) == once
 
 
+@settings(deadline=None)
 @given(st.lists(st.sampled_from(["word", "Two", "3", "!", "é"]), min_size=1, max_size=8),
        st.lists(st.sampled_from([" ", "  ", "\t", " \u200b", "\u00a0"]), min_size=8, max_size=8))
 def test_any_spacing_of_the_same_words_collides(words, gaps):
