@@ -190,13 +190,17 @@ def test_killed_driver_then_resume_sends_nothing_twice(ray_cluster, tmp_path):
         assert ids == expected  # every task once, in input order
 
 
-def test_carpool_map_adds_results_to_a_ray_dataset(ray_cluster, zero_server):
+def test_carpool_map_adds_results_to_a_ray_dataset(ray_cluster, zero_server, redis_url, redis_name):
     from carpool.distributed.ray_data import carpool_map
 
     rows = [{"custom_id": f"r{i}" if i % 2 else None, "review": f"review {i}", "stars": i % 5} for i in range(30)]
     ds = ray_cluster.data.from_items(rows)
-    out = carpool_map(ds, workers=1, batch_size=8, template="Stars {stars}: {review}", endpoints=[zero_server.url],
-                      defaults=TaskDefaults(model="m", max_tokens=2), cache="off").take_all()
+    cache = f"{redis_url}?prefix={redis_name}:"  # the cache room's Redis store, shared by every worker
+    options = {"template": "Stars {stars}: {review}", "endpoints": [zero_server.url], "cache": cache,
+               "defaults": TaskDefaults(model="m", max_tokens=2, temperature=0)}
+    zero_server.server.reset_counts()
+    out = carpool_map(ds, workers=1, batch_size=8, **options).take_all()
+    assert zero_server.server.total_requests == 30
     assert len(out) == 30
     by_review = {r["review"]: r for r in out}
     for i in range(30):
@@ -208,3 +212,8 @@ def test_carpool_map_adds_results_to_a_ray_dataset(ray_cluster, zero_server):
             assert r["custom_id"] == f"r{i}"
         else:
             assert r["custom_id"].startswith("row-")
+    # A second pipeline (new actors) gets every answer from the shared cache: nothing is sent.
+    again = carpool_map(ray_cluster.data.from_items(rows), workers=1, batch_size=8, **options).take_all()
+    assert zero_server.server.total_requests == 30
+    assert sorted(json.loads(r["response"])["choices"][0]["message"]["content"] for r in again) == \
+        sorted(json.loads(r["response"])["choices"][0]["message"]["content"] for r in out)
