@@ -1,0 +1,29 @@
+"""`carpool run` as a user calls it: exit codes, summary JSON, readable errors."""
+
+import json
+import subprocess
+import sys
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "carpool.cli", "run", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_missing_input_is_a_readable_error(tmp_path):
+    p = run_cli(str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o.jsonl"))
+    assert p.returncode == 2 and "does not exist" in p.stderr
+
+
+def test_dry_run_summary_json_and_resume(tmp_path):
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"a{i}", "prompt": f"p{i}"}) + "\n" for i in range(5)))
+    out = tmp_path / "o.jsonl"
+    p = run_cli(str(src), "-o", str(out), "--dry-run", "--cache", "off", "--summary-json", "-", "--quiet")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["done"] == 5 and s["total"] == 5
+    again = run_cli(str(src), "-o", str(out), "--dry-run", "--cache", "off", "--summary-json", "-", "--quiet")
+    s2 = json.loads(again.stdout.strip().splitlines()[-1])
+    assert s2["done"] == 0 and s2["skipped_done_before"] == 5
+    assert len(out.read_text().splitlines()) == 5
