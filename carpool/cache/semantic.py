@@ -289,10 +289,11 @@ class SemanticCache:
                         f"semantic cache in {self.dir}: stored vectors have {index.d} dimensions, "
                         f"the embedder gives {vector.shape[1]}; clear the cache or use the same embedder"
                     )
-                if index.ntotal:
-                    sims, _ = index.search(vector, 1)
-                    if float(sims[0][0]) >= 0.99999:  # the same text is already there
-                        continue
+                known = self._conn.execute(
+                    "SELECT 1 FROM entries WHERE scope = ? AND text = ? LIMIT 1", (scope, texts[i])
+                ).fetchone()
+                if known is not None:  # the same text is already there
+                    continue
                 cur = self._conn.execute(
                     "INSERT INTO entries(scope, text, vector, response, created) VALUES (?, ?, ?, ?, ?)",
                     (scope, texts[i], vector.tobytes(), json.dumps(response, ensure_ascii=False), now),

@@ -160,3 +160,23 @@ def test_texts_longer_than_the_embedder_reads_are_never_matched(tmp_path, embedd
     stats = sem.stats()
     assert (stats["entries"], stats["skipped_too_long"]) == (1, 1)
     sem.close()
+
+
+def test_concurrent_threads_share_one_cache(tmp_path, embedder):
+    # The batch runner calls lookup/add from worker threads (asyncio.to_thread).
+    from concurrent.futures import ThreadPoolExecutor
+
+    sem = SemanticCache(tmp_path / "sem", embedder=embedder)
+    scope = scope_key(model="m", endpoint="e", body=chat("x"))
+    texts = [f"Ticket {i}: the parcel was late." for i in range(12)]
+
+    def work(i: int):
+        sem.add(scope, texts[i], {"label": i})
+        return sem.lookup(scope, texts[i] + "!")
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        found = list(pool.map(work, range(len(texts))))
+    assert len(sem) == len(texts)
+    # The number guard keeps every ticket on its own entry.
+    assert [f[0]["label"] if f else None for f in found] == list(range(len(texts)))
+    sem.close()
