@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS entries (
     created  REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS entries_scope ON entries(scope, id);
+CREATE INDEX IF NOT EXISTS entries_scope_text ON entries(scope, text);
 """
 
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
