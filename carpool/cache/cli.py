@@ -21,15 +21,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--semantic-dir",
         metavar="DIR",
         default=None,
-        help="semantic cache directory (default: 'semantic' beside the SQLite file); "
-        "included when it exists",
+        help="semantic cache directory (default: 'semantic' beside the SQLite file; "
+        "with Redis only when given); included when it exists",
     )
 
 
 def _semantic_dir(args: argparse.Namespace, store) -> Path | None:
     from carpool.cache import default_semantic_dir
 
-    path = Path(args.semantic_dir) if args.semantic_dir else default_semantic_dir(store)
+    if args.semantic_dir:
+        path = Path(args.semantic_dir)
+    elif getattr(store, "path", None) is not None:  # SQLite: the semantic cache lives beside it
+        path = default_semantic_dir(store)
+    else:  # Redis / off: only when named, so clearing Redis never empties a local folder
+        return None
     return path if (path / "semantic.sqlite").exists() else None
 
 
