@@ -52,15 +52,24 @@ class Embedder:
 
     def __init__(self, model: str = "all-MiniLM-L6-v2", dtype: torch.dtype = torch.float32,
                  max_length: int = 256, batch_size: int = 64):
-        from transformers import AutoModel, AutoTokenizer
+        import json
+
+        from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerFast
 
         folder, self.name = resolve_model_path(model)
         self.path = folder
         self.max_length = max_length
         self.batch_size = batch_size
         self.dtype = dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        self.model = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=dtype).eval()
+        # The concrete classes skip the Auto* config lookups, which import a lot at start-up.
+        tok_cls = PreTrainedTokenizerFast if (folder / "tokenizer.json").exists() else AutoTokenizer
+        self.tokenizer = tok_cls.from_pretrained(str(folder), local_files_only=True)
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        self.model = None
+        if model_type == "bert" and (folder / "model.safetensors").exists():
+            self.model = _load_bert_directly(folder, dtype)
+        if self.model is None:
+            self.model = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=dtype).eval()
         self.dim = int(self.model.config.hidden_size)
         # A fast tokenizer is not safe to call from two threads at once ("Already borrowed"):
         # the batcher counts tokens on the event loop while its worker thread embeds.
@@ -113,3 +122,28 @@ class Embedder:
         m = mask.unsqueeze(-1).to(hidden.dtype)
         mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
         return torch.nn.functional.normalize(mean, p=2, dim=1)
+
+
+def _load_bert_directly(folder: Path, dtype: torch.dtype):
+    """BertModel with the folder's weights, or None when the names do not line up.
+
+    transformers' from_pretrained spends seconds compiling checkpoint-conversion rules;
+    a plain BERT safetensors file needs none of that.
+    """
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertModel
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from contextlib import nullcontext as no_init_weights
+    with no_init_weights():
+        model = BertModel(BertConfig.from_json_file(str(folder / "config.json")), add_pooling_layer=False)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights = {k: v for k, v in weights.items() if not k.startswith("pooler.")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # position_ids is a buffer some checkpoints carry and others do not
+    if [k for k in missing if not k.endswith("position_ids")] or [
+            k for k in unexpected if not k.endswith("position_ids")]:
+        return None
+    return model.to(dtype).eval()
