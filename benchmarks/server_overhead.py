@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -105,26 +106,26 @@ def vllm_server(max_num_seqs: int, timeout_s: float = 600):
     cmd = [str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
            "--dtype", "bfloat16", "--max-model-len", "4096", "--enable-prefix-caching"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"carpool-bench-vllm-{port}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {proc.returncode}")
+                raise RuntimeError(f"vLLM server exited with code {proc.returncode}; see {log_path}")
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    import urllib.request
-
-                    if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
-                        break
+                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                    break
             except OSError:
-                time.sleep(2)
+                pass
+            time.sleep(2)
         else:
-            raise TimeoutError("vLLM server did not become healthy")
+            raise TimeoutError(f"vLLM server not healthy after {timeout_s:.0f} s; see {log_path}")
         yield url, model
     finally:
+        log.close()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -141,7 +142,12 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--vllm-url", default=None, help="use this running vLLM server instead of starting one")
+    p.add_argument("--vllm-model", default=str(PEERS / "smollm2-hf"), help="its served model name")
+    p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds to wait for vLLM to start")
+    p.add_argument("--modes", default="in_process,http,vllm_http")
     a = p.parse_args()
+    modes = set(a.modes.split(","))
     rows = load_rows(a.workload, a.limit)
     ignore_eos = not a.no_ignore_eos
     cfg = EngineConfig(model=a.model, max_num_seqs=a.max_num_seqs)
@@ -149,21 +155,29 @@ def main() -> int:
                  "model": a.model, "max_num_seqs": a.max_num_seqs, "ignore_eos": ignore_eos,
                  "cpus": os.cpu_count()}
 
-    out["in_process"] = asyncio.run(run_in_process(rows, cfg, ignore_eos))
-    serve_args = ["--model", a.model, "--port", "0", "--max-num-seqs", str(a.max_num_seqs),
-                  "--embedding-model", "none", "--max-queue-size", "0"]
-    with start_server_process(serve_args) as srv:
-        out["http"] = asyncio.run(run_http("http", srv.base_url, a.model, rows, a.max_num_seqs, ignore_eos))
-    out["http_over_in_process"] = round(out["http"]["total_tok_s"] / out["in_process"]["total_tok_s"], 3)
-
-    if not a.skip_vllm and (PEERS / "vllm/bin/python").exists() and (PEERS / "smollm2-hf").exists():
+    if "in_process" in modes:
+        out["in_process"] = asyncio.run(run_in_process(rows, cfg, ignore_eos))
+    if "http" in modes:
+        serve_args = ["--model", a.model, "--port", "0", "--max-num-seqs", str(a.max_num_seqs),
+                      "--embedding-model", "none", "--max-queue-size", "0"]
+        with start_server_process(serve_args) as srv:
+            out["http"] = asyncio.run(run_http("http", srv.base_url, a.model, rows, a.max_num_seqs, ignore_eos))
+    if "vllm_http" in modes and not a.skip_vllm:
         try:
-            with vllm_server(a.max_num_seqs) as (url, model):
-                out["vllm_http"] = asyncio.run(run_http("vllm_http", url, model, rows, a.max_num_seqs, ignore_eos))
-            out["carpool_http_over_vllm_http"] = round(
-                out["http"]["total_tok_s"] / out["vllm_http"]["total_tok_s"], 3)
+            if a.vllm_url:
+                out["vllm_http"] = asyncio.run(
+                    run_http("vllm_http", a.vllm_url, a.vllm_model, rows, a.max_num_seqs, ignore_eos))
+            elif (PEERS / "vllm/bin/python").exists() and (PEERS / "smollm2-hf").exists():
+                with vllm_server(a.max_num_seqs, a.vllm_timeout) as (url, model):
+                    out["vllm_http"] = asyncio.run(
+                        run_http("vllm_http", url, model, rows, a.max_num_seqs, ignore_eos))
         except (RuntimeError, TimeoutError, OSError) as e:
             out["vllm_http"] = {"error": str(e)}
+    tps = {k: out[k]["total_tok_s"] for k in ("in_process", "http", "vllm_http") if "total_tok_s" in out.get(k, {})}
+    if "http" in tps and "in_process" in tps:
+        out["http_over_in_process"] = round(tps["http"] / tps["in_process"], 3)
+    if "http" in tps and "vllm_http" in tps:
+        out["carpool_http_over_vllm_http"] = round(tps["http"] / tps["vllm_http"], 3)
     print(json.dumps(out))
     return 0
 
