@@ -128,3 +128,17 @@ def test_readable_errors(tmp_path, tokenizer):
         load_model(str(path))
     with pytest.raises(ModelLoadError, match="seed"):
         load_model("tiny-random:abc")
+
+
+def test_mistral_folder(tmp_path, tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(3)
+    cfg = MistralConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1, sliding_window=None,
+                        max_position_embeddings=256, eos_token_id=2)
+    model = MistralForCausalLM(cfg).eval()
+    loaded = load_model(str(_save(model, tokenizer, tmp_path / "mistral")), dtype=torch.float32)
+    assert loaded.model_type == "mistral" and loaded.config.num_key_value_heads == 1
+    ids = tokenizer("Bonjour tout le monde")["input_ids"]
+    assert torch.allclose(_logits(hf_reference_model(loaded), ids), _logits(model, ids), atol=1e-5)
