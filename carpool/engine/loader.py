@@ -101,24 +101,30 @@ def _source_key(path: Path) -> str:
 
 
 def _write_atomically(final: Path, build) -> Path:
-    """Run ``build(tmpdir)`` and rename tmpdir to ``final``; a concurrent winner is kept.
+    """Run ``build(tmpdir)`` and rename tmpdir to ``final``, once across processes.
 
-    Readers only ever see a complete folder because rename is atomic on one filesystem.
+    Readers only ever see a complete folder because rename is atomic on one filesystem;
+    an exclusive lock file makes a second process wait for the first one's result
+    instead of converting the same model again (the kernel drops the lock if a writer dies).
     """
+    import fcntl
+
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
-    try:
-        build(tmp)
-        (tmp / "COMPLETE").write_text("ok\n")
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "COMPLETE").exists():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
         try:
+            build(tmp)
+            (tmp / "COMPLETE").write_text("ok\n")
+            if final.exists():  # a half-written folder from an older, unlocked writer
+                shutil.rmtree(final)
             os.rename(tmp, final)
-        except OSError:
-            if not (final / "COMPLETE").exists():  # not a concurrent winner: a real failure
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -102,14 +102,14 @@ def test_bf16_copy_equals_cast_of_float32(smollm2_f32):
 
 
 
-def test_concurrent_cache_writers_keep_one_complete_folder(tmp_path):
+def test_concurrent_cache_writers_build_once(tmp_path):
     final = tmp_path / "models" / "m-1"
-    barrier = threading.Barrier(2)
+    builds = []
     errors = []
 
     def build(tmp):
+        builds.append(threading.current_thread().name)
         (tmp / "data.bin").write_bytes(threading.current_thread().name.encode())
-        barrier.wait()  # both writers finish building before either renames
 
     def writer():
         try:
@@ -117,12 +117,26 @@ def test_concurrent_cache_writers_keep_one_complete_folder(tmp_path):
         except OSError as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=writer, name=f"w{i}") for i in range(2)]
+    threads = [threading.Thread(target=writer, name=f"w{i}") for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors
+    assert len(builds) == 1  # the others waited on the lock and found the folder complete
     assert (final / "COMPLETE").exists()
-    assert (final / "data.bin").read_bytes() in (b"w0", b"w1")
-    assert sorted(p.name for p in final.parent.iterdir()) == ["m-1"]
+    assert (final / "data.bin").read_bytes() == builds[0].encode()
+    assert not [p for p in final.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_failed_build_leaves_no_folder(tmp_path):
+    final = tmp_path / "models" / "m-2"
+
+    def build(tmp):
+        (tmp / "partial.bin").write_bytes(b"x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        loader._write_atomically(final, build)
+    assert not final.exists()
+    assert not [p for p in final.parent.iterdir() if ".tmp-" in p.name]
