@@ -18,3 +18,15 @@ def fault_server():
     yield start
     for srv in started:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """One tiny-random engine for the room (loading it once keeps the tests fast)."""
+    import asyncio
+
+    from carpool.engine import AsyncEngine, EngineConfig
+
+    eng = AsyncEngine(EngineConfig(model="tiny-random", max_num_seqs=16, max_model_len=256)).start_sync()
+    yield eng
+    asyncio.run(eng.shutdown())

@@ -30,14 +30,14 @@ def peak_rss_kb(src, out, n):
 
 
 @pytest.mark.slow
-def test_peak_rss_flat_from_20k_to_150k_lines(tmp_path):
+def test_peak_rss_flat_from_10k_to_100k_lines(tmp_path):
     small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
-    write(small, 20_000)
-    write(big, 150_000)
-    rss_small = peak_rss_kb(small, tmp_path / "o1.jsonl", 20_000)
-    rss_big = peak_rss_kb(big, tmp_path / "o2.jsonl", 150_000)
+    write(small, 10_000)
+    write(big, 100_000)
+    rss_small = peak_rss_kb(small, tmp_path / "o1.jsonl", 10_000)
+    rss_big = peak_rss_kb(big, tmp_path / "o2.jsonl", 100_000)
     with open(tmp_path / "o2.jsonl") as f:
-        assert sum(1 for _ in f) == 150_000
-    # 7.5x the lines (~30 MB of input, ~45 MB of output) and about the same memory.
+        assert sum(1 for _ in f) == 100_000
+    # 10x the lines (~20 MB of input, ~30 MB of output) and about the same memory.
     assert rss_big < rss_small * 1.3 + 20_000, (rss_small, rss_big)
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 400_000

@@ -1,20 +1,10 @@
 """End to end on the real in-process engine (tiny-random: random weights, real tokenizer)."""
 
-import asyncio
 import json
 
 import pytest
 
 from carpool.jobs.api import run_batch
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from carpool.engine import AsyncEngine, EngineConfig
-
-    eng = AsyncEngine(EngineConfig(model="tiny-random", max_num_seqs=16, max_model_len=256)).start_sync()
-    yield eng
-    asyncio.run(eng.shutdown())
 
 
 def read(path):

@@ -208,10 +208,9 @@ def test_semantic_cache_hits_a_paraphrase(fault_server, tmp_path):
              "Arrived broken, the box was crushed, I want a refund."]
     src = tmp_path / "in.jsonl"
     with open(src, "w") as f:
-        for i, t in enumerate(texts):
-            f.write(json.dumps({"custom_id": f"r{i}", "temperature": 0, "max_tokens": 3,
+        f.writelines(json.dumps({"custom_id": f"r{i}", "temperature": 0, "max_tokens": 3,
                                 "messages": [{"role": "system", "content": "Label the sentiment."},
-                                             {"role": "user", "content": t}]}) + "\n")
+                                             {"role": "user", "content": t}]}) + "\n" for i, t in enumerate(texts))
     cache = f"sqlite:///{tmp_path / 'c' / 'results.sqlite'}"
     rep = tmp_path / "report.html"
     s = run_batch(src, tmp_path / "out.jsonl", endpoints=[srv.url], model="m", cache=cache, concurrency=1,

@@ -1,6 +1,5 @@
 """Against the real `carpool serve` (in a thread, over the tiny engine): HTTP and in-process agree."""
 
-import asyncio
 import json
 
 import pytest
@@ -10,25 +9,15 @@ from carpool.jobs.api import run_batch
 server_mod = pytest.importorskip("carpool.server")
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from carpool.engine import AsyncEngine, EngineConfig
-
-    eng = AsyncEngine(EngineConfig(model="tiny-random", max_num_seqs=8, max_model_len=512)).start_sync()
-    yield eng
-    asyncio.run(eng.shutdown())
-
-
 def write(path, n):
     with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"custom_id": f"s{i}", "temperature": 0, "max_tokens": 6,
-                                "messages": [{"role": "user", "content": f"Summarise item {i}"}]}) + "\n")
+        f.writelines(json.dumps({"custom_id": f"s{i}", "temperature": 0, "max_tokens": 6,
+                                "messages": [{"role": "user", "content": f"Summarise item {i}"}]}) + "\n" for i in range(n))
 
 
 def texts(path):
     out = {}
-    for line in open(path):
+    for line in path.read_text().splitlines():
         d = json.loads(line)
         out[d["custom_id"]] = d["response"]["body"]["choices"][0]["message"]["content"]
     return out
