@@ -94,11 +94,20 @@ class ShardReader(Reader):
 
 
 class ShardRunner(Runner):
-    def __init__(self, opts: RunOptions, shard: Shard, shared: SharedState | None = None):
+    """``opts.input`` is the shard's small stand-in file (see ``ShardWorker``); the tasks
+    come from ``source`` = (the real input, its format) through ``ShardReader``."""
+
+    def __init__(self, opts: RunOptions, shard: Shard, source: tuple[str, str | None],
+                 shared: SharedState | None = None):
         super().__init__(opts)
         self.shard = shard
+        self.source = source
         self.shared = shared
         self._redis_parts: list = []
+
+    def make_shard_reader(self) -> ShardReader:
+        o = self.opts
+        return ShardReader(self.source[0], self.shard, self.source[1], o.template, o.defaults)
 
     async def _make_backend(self):
         backend = await super()._make_backend()
@@ -122,7 +131,7 @@ class ShardRunner(Runner):
                                  window_s=self.shared.window_s, burst_s=self.shared.burst_s)
             self.executor.budget = budget
             self._redis_parts.append(budget)
-        self.shard_reader = ShardReader(o.input, self.shard, o.fmt, o.template, o.defaults)
+        self.shard_reader = self.make_shard_reader()
         await super()._produce(self.shard_reader, done, writer)
 
     @property
@@ -212,15 +221,21 @@ class ShardWorker:
         out, err, marker = shard_paths(self.workdir, shard, bool(self.opts.errors))
         if marker.exists():
             return json.loads(marker.read_text())
-        opts = dataclasses.replace(self.opts, output=str(out), errors=str(err) if err else None, progress=False,
-                                   quiet=True, report=None, fresh=False, engine=self._engine())
-        runner = ShardRunner(opts, shard, self.shared)
+        # The runner opens (and counts, for its progress bar) ``opts.input`` itself; a one-line
+        # stand-in describing the shard keeps it from scanning the whole input once per shard.
+        stand_in = self.workdir / f"{shard.name}.input.jsonl"
+        if not stand_in.exists():
+            stand_in.write_text(json.dumps({"input": self.opts.input, **dataclasses.asdict(shard)}) + "\n")
+        opts = dataclasses.replace(self.opts, input=str(stand_in), fmt="jsonl", output=str(out),
+                                   errors=str(err) if err else None, progress=False, quiet=True, report=None,
+                                   fresh=False, engine=self._engine())
+        runner = ShardRunner(opts, shard, (self.opts.input, self.opts.fmt), self.shared)
         started = time.time()
         stats = self.loop.run_until_complete(runner.run())
         if opts.ordered and stats.skipped:
             for path in (out, err):
                 if path is not None:
-                    reorder_by_input(path, ShardReader(opts.input, shard, opts.fmt, opts.template, opts.defaults))
+                    reorder_by_input(path, runner.make_shard_reader())
         summary = {"shard": shard.index, "stats": stats.to_dict(), "messages": runner.messages,
                    "pid": os.getpid(), "host": os.uname().nodename, "started": started, "finished": time.time()}
         if runner.unwritten:
