@@ -213,10 +213,14 @@ async def _run(args: argparse.Namespace) -> int:
             print(format_result(res, metric_names))
             if args.sweep and i == 1:
                 sync_rps, max_rps = runs[0][1]["request_throughput"], runs[1][1]["request_throughput"]
-                plans += [
-                    (f"rate {r:.3g}", r, args.max_concurrency)
-                    for r in sweep_plan(sync_rps, max_rps, args.sweep_steps)
-                ]
+                rates = sweep_plan(sync_rps, max_rps, args.sweep_steps)
+                if not rates:
+                    print(
+                        f"sweep: saturation ({max_rps:.2f} req/s) is no faster than one at a time "
+                        f"({sync_rps:.2f} req/s): the server runs one request at a time; no rates between",
+                        file=sys.stderr,
+                    )
+                plans += [(f"rate {r:.3g}", r, args.max_concurrency) for r in rates]
             i += 1
 
     if args.save_result or args.result_file:

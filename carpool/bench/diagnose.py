@@ -600,16 +600,16 @@ def explain(phases: Sequence[Phase], server_metrics: bool) -> tuple[list[str], s
                 f"at {big.concurrency} in flight: {big.throughput:.2f} req/s (x{gain:.2f}), "
                 f"median E2EL {_Typical.of(big).e2el:.0f} ms"
             )
-        if gain is None or gain >= 1.1:
+        # Little's law: the in-flight count that reaches the 4C throughput at unloaded latency.
+        knee = round(big.throughput * s.e2el / 1000.0) if big is not None else 0
+        if gain is None or gain >= 1.5 or (gain >= 1.1 and knee > conc.concurrency):
             if gain is None:
                 target, detail = conc.concurrency * 4, "the server kept up at every level tried"
             elif gain >= 1.5:
                 target = big.concurrency
                 detail = f"{conc.throughput:.2f} -> {big.throughput:.2f} req/s measured at {big.concurrency}"
             else:
-                # Little's law: the in-flight count that reaches the 4C throughput at unloaded latency.
-                knee = round(big.throughput * s.e2el / 1000.0)
-                target = min(big.concurrency, max(conc.concurrency + 1, knee))
+                target = min(big.concurrency, knee)
                 detail = (
                     f"the server levels off near {big.throughput:.2f} req/s, reached with ~{knee} in flight"
                 )
@@ -623,8 +623,8 @@ def explain(phases: Sequence[Phase], server_metrics: bool) -> tuple[list[str], s
                     f"{conc.concurrency}x one request"
                 ),
             )
-        # More in flight gained nothing: the server is saturated after all; explain it from the
-        # heavier phase, where its limit shows.
+        # More in flight gained (almost) nothing, or the gain is reached with no more than C in
+        # flight: the server is saturated after all; explain it from the heavier phase.
         loaded = big
         line = _server_line(big, source)
         if line:

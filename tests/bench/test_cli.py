@@ -48,7 +48,8 @@ def test_single_run_writes_vllm_result(scripted, tmp_path, capsys):
 
 
 def test_sweep_runs_sync_then_saturation_then_rates_and_reports(scripted, tmp_path):
-    srv = scripted(Script(ttft_s=0.02, itl_s=0.01, capacity=4))
+    # 250 ms requests, 4 slots: saturation is clearly faster than one at a time, even on a busy box.
+    srv = scripted(Script(ttft_s=0.1, itl_s=0.05, capacity=4))
     out = tmp_path / "sweep.jsonl"
     report = tmp_path / "report.html"
     rc = main(
