@@ -158,12 +158,21 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
         ray.init(address=address, **kwargs)
     try:
         cpus = float(ray.cluster_resources().get("CPU", 1.0))
-        workers = ray_opts.workers or max(1, int(cpus // max(ray_opts.cpus_per_worker, 0.01)))
+        fit = int(cpus // max(ray_opts.cpus_per_worker, 0.01))
+        if ray_opts.gpus_per_worker:
+            fit = min(fit, int(ray.cluster_resources().get("GPU", 0.0) // ray_opts.gpus_per_worker))
+        if fit < 1:
+            raise RayRunError(f"the Ray cluster has no room for one worker of {ray_opts.cpus_per_worker:g} CPU "
+                              f"and {ray_opts.gpus_per_worker:g} GPU ({ray.cluster_resources()})")
+        workers = min(ray_opts.workers or fit, fit)
+        notes = []
+        if ray_opts.workers and ray_opts.workers > fit:
+            notes.append(f"--ray-workers {ray_opts.workers}: the cluster has room for {fit} workers of "
+                         f"{ray_opts.cpus_per_worker:g} CPU / {ray_opts.gpus_per_worker:g} GPU; running {fit}")
         shards = _plan(input_path, fmt, workdir, ray_opts.shards or 4 * workers)
         pending = [s for s in shards if not shard_paths(workdir, s, errors is not None)[2].exists()]
         job_opts = dataclasses.replace(opts, input=str(input_path), output=str(output),
                                        errors=str(errors) if errors else None, progress=False, quiet=True)
-        notes = []
         if (opts.rpm or opts.tpm) and not ray_opts.redis:
             # Without a shared bucket each worker would spend the whole budget: split it.
             n = min(workers, len(pending)) or 1
@@ -222,6 +231,9 @@ def _run_pending(ray, pending: list[Shard], job: dict, workers: int, ray_opts: R
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+    # Start every actor before handing out shards: otherwise the first actor up takes the
+    # first shards while the others are still importing, and the pool runs lopsided.
+    ctx.wait_for_min_actors_s = 600
     items = [dataclasses.asdict(s) for s in pending]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     out = ds.map_batches(
