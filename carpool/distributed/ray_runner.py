@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from carpool.distributed.shards import Shard, load_or_make_plan, merge_files
+from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
 
 
 @dataclass
@@ -73,6 +73,9 @@ def _parquet_plan(path: Path, workdir: Path, n_shards: int) -> list[Shard]:
         saved = json.loads(plan_file.read_text())
         if {k: saved.get(k) for k in fp} == fp:
             return [Shard(**s) for s in saved["shards"]]
+        if any(workdir.glob("shard-*")):
+            raise PlanMismatch(f"{workdir} holds a partial run of another version of the input; "
+                               "remove it to start over")
     meta = pq.ParquetFile(path).metadata
     rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     total = sum(rows)
@@ -207,7 +210,8 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
         result["shard_summaries"] = [{k: s.get(k) for k in ("shard", "host", "pid", "started", "finished")}
                                      for s in summaries]
         if missing:
-            why = f" ({type(run_error).__name__}: {run_error})" if run_error else ""
+            first = str(run_error).strip().splitlines()[0][:300] if run_error and str(run_error).strip() else ""
+            why = f" ({type(run_error).__name__}: {first})" if run_error else ""
             result["messages"].append(
                 f"{len(missing)} of {len(shards)} shards did not finish{why}; finished work is kept in "
                 f"{workdir}. Run the same command again to resume.")
@@ -326,7 +330,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         opts = options_from_args(args)
         result = run_on_ray(opts, ray_options_from_args(args))
-    except (FileNotFoundError, ValueError, RayRunError) as e:
+    except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
         print(f"carpool run --ray: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
