@@ -67,3 +67,19 @@ def test_merge_keeps_order_and_adds_missing_newline(tmp_path):
     dest = tmp_path / "out" / "merged.jsonl"
     merge_files([a, b, tmp_path / "missing", c], dest)
     assert dest.read_text() == "1\n2\n3\n4\n"
+
+
+def test_reorder_puts_a_resumed_shard_back_in_input_order(tmp_path):
+    from carpool.distributed.worker import ShardReader, reorder_by_input
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(
+        (f'{{"custom_id": "c{i}", "prompt": "p{i}"}}\n' if i % 2 else f'{{"prompt": "p{i}"}}\n') for i in range(1, 11)))
+    shard = plan_shards(src, 2)[1]  # lines 6..10
+    # A resume appended lines 9 and 6 after the earlier run's 7, 10 and 8 (line-N default ids).
+    out = tmp_path / "shard.jsonl"
+    order = ["c7", "line-10", "line-8", "c9", "line-6"]
+    out.write_text("".join(f'{{"custom_id":"{cid}","n":{k}}}\n' for k, cid in enumerate(order)))
+    reorder_by_input(out, ShardReader(src, shard))
+    assert [line.split('"')[3] for line in out.read_text().splitlines()] == ["line-6", "c7", "line-8", "c9",
+                                                                             "line-10"]
