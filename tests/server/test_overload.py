@@ -12,13 +12,25 @@ import pytest
 from carpool.engine.config import EngineConfig
 from carpool.server import ServerConfig, start_server
 
+ONE_SEAT = EngineConfig(model="tiny-random", max_num_seqs=1, num_kv_blocks=64)
+# Long enough that the first request holds the only seat while the whole burst arrives.
+LONG = 200
+
 
 @pytest.fixture(scope="module")
-def one_seat_server():
+def one_seat_engine():
+    from carpool.engine import AsyncEngine
+
+    engine = AsyncEngine(ONE_SEAT).start_sync()
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+@pytest.fixture(scope="module")
+def one_seat_server(one_seat_engine):
     """One running sequence at a time and one waiting seat: a burst must overflow."""
-    cfg = ServerConfig(engine=EngineConfig(model="tiny-random", max_num_seqs=1, num_kv_blocks=64),
-                       port=0, max_queue_size=1, embedding_model=None)
-    with start_server(cfg) as srv:
+    cfg = ServerConfig(engine=ONE_SEAT, port=0, max_queue_size=1, embedding_model=None)
+    with start_server(cfg, engine=one_seat_engine) as srv:
         yield srv
 
 
@@ -32,7 +44,7 @@ async def _burst(url: str, n: int, body: dict) -> list[tuple[int, dict, dict]]:
 
 def test_burst_gets_429_with_retry_after_and_server_recovers(one_seat_server):
     url = one_seat_server.base_url + "/v1/completions"
-    body = {"prompt": "count to a hundred", "max_tokens": 48, "ignore_eos": True}
+    body = {"prompt": "count to a hundred", "max_tokens": LONG, "ignore_eos": True}
     results = asyncio.run(_burst(url, 12, body))
     statuses = [r[0] for r in results]
     assert 200 in statuses and 429 in statuses, statuses
@@ -43,7 +55,7 @@ def test_burst_gets_429_with_retry_after_and_server_recovers(one_seat_server):
             assert payload["error"]["code"] == "queue_full"
             assert "max-queue-size" in payload["error"]["message"]
         else:
-            assert payload["usage"]["completion_tokens"] == 48
+            assert payload["usage"]["completion_tokens"] == LONG
     metrics = asyncio.run(_get(one_seat_server.base_url + "/metrics"))
     assert 'carpool:requests_rejected_total{reason="queue_full"}' in metrics
     # the waiting room drained: a lone request is admitted again
@@ -51,10 +63,10 @@ def test_burst_gets_429_with_retry_after_and_server_recovers(one_seat_server):
     assert again[0][0] == 200
 
 
-def test_queued_tokens_limit(tiny_engine, tiny_config):
-    cfg = ServerConfig(engine=tiny_config, port=0, max_queue_size=100, max_queued_tokens=40, embedding_model=None)
-    with start_server(cfg, engine=tiny_engine) as srv:
-        body = {"prompt": "word " * 30, "max_tokens": 8, "ignore_eos": True}
+def test_queued_tokens_limit(one_seat_engine):
+    cfg = ServerConfig(engine=ONE_SEAT, port=0, max_queue_size=100, max_queued_tokens=40, embedding_model=None)
+    with start_server(cfg, engine=one_seat_engine) as srv:
+        body = {"prompt": "word " * 30, "max_tokens": LONG, "ignore_eos": True}
         results = asyncio.run(_burst(srv.base_url + "/v1/completions", 10, body))
         statuses = [r[0] for r in results]
         assert 200 in statuses and 429 in statuses, statuses
