@@ -8,6 +8,12 @@ Exports (imported lazily, so ``import carpool.engine`` stays cheap):
 from __future__ import annotations
 
 import importlib
+import os
+
+# OpenMP threads that spin at barriers stall for a whole time slice when the cores are
+# shared (other processes, a busy server); sleeping waiters cost microseconds instead.
+# This must be set before torch loads its OpenMP runtime; export it to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {
     "AsyncEngine": ".async_engine",

@@ -38,6 +38,23 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed memory instead of returning it to the OS.
+
+    Every layer allocates and frees multi-MB temporaries; by default glibc serves them
+    with fresh mmaps, and the page faults on first touch cost more than the math.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # the largest value glibc accepts on 64-bit
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -66,6 +83,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: Any = None):
         self.config = config = config or EngineConfig()
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype)
         if loaded is None:
             from .loader import load_model
@@ -88,7 +106,17 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed)
+        # extra["attention"]: "auto" (C++ paged kernel once built, torch until then), "kernel"
+        # (wait for the build), "torch" (never build).
+        mode = config.extra.get("attention", "auto")
+        if mode not in ("auto", "kernel", "torch"):
+            raise EngineError(f"extra.attention must be auto, kernel or torch, got {mode!r}")
+        if mode == "kernel":
+            from . import paged_attention
+
+            paged_attention.load()
+        self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed,
+                                  use_kernel=mode != "torch")
         self.requests: dict[str, Sequence] = {}
         self.listeners: list[Callable[[dict], None]] = []
         self.prompt_tokens = 0

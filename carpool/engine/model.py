@@ -8,8 +8,8 @@ reads every sequence's context back through its block table.
 CPU efficiency choices (the model is tiny, so overheads dominate):
 - q/k/v and gate/up are fused into one matmul each at load time;
 - RoPE is applied to q and k in one op, from a precomputed cos/sin table;
-- attention runs as at most two ``scaled_dot_product_attention`` calls per layer:
-  one for all single-token queries (decodes), one for the padded prefill chunks.
+- attention runs as at most two batched softmax(q k^T) v per layer: one for all
+  single-token queries (decodes), one for the padded prefill chunks.
   The GQA group is folded into the query-length axis, so K/V are never repeated;
 - logits are computed only for the rows that sample this step.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import paged_attention as pa
 from .config import ModelConfig
 
 
@@ -30,14 +31,19 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     num_decode: int  # the first num_decode tokens are single-token queries, one per sequence
-    decode_block_tables: torch.Tensor | None  # [Bd, nb] block ids (padded with 0)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nb*bs] bool: key is inside the context
+    decode_slots: torch.Tensor | None  # [Bd, L] cache slots of each context (padded with slot 0)
+    decode_mask: torch.Tensor | None  # [1, Bd, 1, L] additive (0 / -inf): key is inside the context
     prefill_token_index: torch.Tensor | None  # [P*Lq] index into the prefill tokens (padding -> 0)
     prefill_valid: torch.Tensor | None  # [P*Lq] bool: row is a real token (None: all real)
     prefill_shape: tuple[int, int]  # (P, Lq)
-    prefill_block_tables: torch.Tensor | None  # [P, nb]
-    prefill_mask: torch.Tensor | None  # [P, 1, G*Lq, nb*bs] bool (causal + context length)
+    prefill_slots: torch.Tensor | None  # [P, L]
+    prefill_mask: torch.Tensor | None  # [1, P, G*Lq, L] additive (causal + context length)
     logits_index: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
+    # The C++ kernel path (set when the kernel is loaded; then the torch-path fields are None):
+    use_kernel: bool = False
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] of the scheduled sequences
+    seq_of_row: torch.Tensor | None = None  # [T] which scheduled sequence each token belongs to
+    ctx_len: torch.Tensor | None = None  # [T] keys each token sees (its position + 1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,6 +146,18 @@ class LlamaModel:
         x = _rms_norm(x, self.norm, self.eps)
         return F.linear(x, self.lm_head).float()
 
+    def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T * scale + mask) v with fp32 softmax (as HF's eager attention).
+
+        Plain batched matmuls: on CPU they beat the fused SDPA kernel at these small
+        head dims and query counts.  ``mask`` is additive (0 / -inf), broadcast over heads.
+        """
+        scores = torch.matmul(q * self.scale, k.transpose(-1, -2))
+        scores.add_(mask)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        return torch.matmul(probs.to(q.dtype), v)
+
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = q.shape[0]
@@ -149,28 +167,35 @@ class LlamaModel:
         v_flat = v_cache.view(nb_total * bs, hkv, d)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        if meta.use_kernel:
+            out = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_of_row, meta.ctx_len,
+                                     self.scale)
+            return out.view(t, -1)
+        def gather(cache_flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            """[B, L] slots -> [Hkv, B, L, d] (row gather, then a head-major view)."""
+            b, length = slots.shape
+            return cache_flat.index_select(0, slots.reshape(-1)).view(b, length, hkv, d).permute(2, 0, 1, 3)
+
         outs = []
         nd = meta.num_decode
         if nd:
-            # [Bd, Hq, d] -> [Bd, Hkv, G, d]: the G query heads sharing a KV head become G "rows".
-            qd = q[:nd].reshape(nd, hkv, g, d)
-            bt = meta.decode_block_tables
-            kd = k_cache.index_select(0, bt.view(-1)).view(nd, -1, hkv, d).transpose(1, 2)
-            vd = v_cache.index_select(0, bt.view(-1)).view(nd, -1, hkv, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
-            outs.append(od.reshape(nd, hkv * g * d))
+            # [Bd, Hq, d] -> [Hkv, Bd, G, d]: the G query heads sharing a KV head become G "rows".
+            qd = q[:nd].reshape(nd, hkv, g, d).transpose(0, 1)
+            kd = gather(k_flat, meta.decode_slots)
+            vd = gather(v_flat, meta.decode_slots)
+            od = self._softmax_attention(qd, kd, vd, meta.decode_mask)  # [Hkv, Bd, G, d]
+            outs.append(od.transpose(0, 1).reshape(nd, hkv * g * d))
         if t > nd:
             p, lq = meta.prefill_shape
             qp = q[nd:]
             if meta.prefill_token_index is not None:
                 qp = qp.index_select(0, meta.prefill_token_index)
-            # [P*Lq, Hkv*G, d] -> [P, Hkv, G*Lq, d]
-            qp = qp.reshape(p, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p, hkv, g * lq, d)
-            bt = meta.prefill_block_tables
-            kp = k_cache.index_select(0, bt.view(-1)).view(p, -1, hkv, d).transpose(1, 2)
-            vp = v_cache.index_select(0, bt.view(-1)).view(p, -1, hkv, d).transpose(1, 2)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=self.scale)
-            op = op.reshape(p, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(p * lq, hkv * g * d)
+            # [P*Lq, Hkv*G, d] -> [Hkv, P, G*Lq, d]
+            qp = qp.reshape(p, lq, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv, p, g * lq, d)
+            kp = gather(k_flat, meta.prefill_slots)
+            vp = gather(v_flat, meta.prefill_slots)
+            op = self._softmax_attention(qp, kp, vp, meta.prefill_mask)
+            op = op.reshape(hkv, p, g, lq, d).permute(1, 3, 0, 2, 4).reshape(p * lq, hkv * g * d)
             if meta.prefill_valid is not None:
                 op = op[meta.prefill_valid]
             outs.append(op)

@@ -8,28 +8,56 @@ from __future__ import annotations
 
 import torch
 
+from . import paged_attention as pa
 from .model import AttentionMetadata, LlamaModel
 from .sampler import Sampler
 from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
+                 use_kernel: bool = True):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(seed)
+        self.use_kernel = use_kernel and model.head_dim in pa.SUPPORTED_HEAD_DIMS
+        if self.use_kernel:
+            pa.load_in_background()
 
-    def _block_tables(self, seqs: list[Sequence], num_ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded block tables [B, nb] covering each context, and the key-valid mask [B, nb*bs]."""
+    def _context_slots(self, seqs: list[Sequence], num_ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache slots [B, L] of each context (through the block tables, padded to the longest
+        with slot 0) and the key-valid mask [B, L]."""
         bs = self.block_size
         nb = max(-(-c // bs) for c in num_ctx)
         rows = [s.block_table[:nb] + [0] * (nb - min(nb, len(s.block_table))) for s in seqs]
         bt = torch.tensor(rows, dtype=torch.long)
+        length = max(num_ctx)
+        slots = (bt.unsqueeze(2) * bs + torch.arange(bs)).view(len(seqs), nb * bs)[:, :length]
         ctx = torch.tensor(num_ctx, dtype=torch.long)
-        valid = torch.arange(nb * bs).unsqueeze(0) < ctx.unsqueeze(1)
-        return bt, valid
+        valid = torch.arange(length).unsqueeze(0) < ctx.unsqueeze(1)
+        return slots, valid
+
+    def _kernel_meta(self, scheduled, slots: list[int], sample_rows: list[int]) -> AttentionMetadata:
+        nb = max(len(s.block_table) for s, _ in scheduled)
+        tables = torch.tensor([s.block_table + [0] * (nb - len(s.block_table)) for s, _ in scheduled],
+                              dtype=torch.long)
+        seq_of_row: list[int] = []
+        ctx_len: list[int] = []
+        for i, (seq, n) in enumerate(scheduled):
+            seq_of_row.extend([i] * n)
+            start = seq.num_computed_tokens
+            ctx_len.extend(range(start + 1, start + n + 1))
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=0, decode_slots=None, decode_mask=None,
+            prefill_token_index=None, prefill_valid=None, prefill_shape=(0, 0), prefill_slots=None,
+            prefill_mask=None, logits_index=torch.tensor(sample_rows, dtype=torch.long), use_kernel=True,
+            block_tables=tables, seq_of_row=torch.tensor(seq_of_row, dtype=torch.long),
+            ctx_len=torch.tensor(ctx_len, dtype=torch.long))
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill_(~allowed, float("-inf"))
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         bs = self.block_size
@@ -51,13 +79,17 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
+        if self.use_kernel and pa.available():
+            meta = self._kernel_meta(scheduled, slots, sample_rows)
+            return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_seqs
         decode = scheduled[:num_decode]
         prefill = scheduled[num_decode:]
-        dec_bt = dec_mask = None
+        dec_slots = dec_mask = None
         if decode:
-            dec_bt, valid = self._block_tables([s for s, _ in decode], [s.num_computed_tokens + 1 for s, _ in decode])
-            dec_mask = valid.view(len(decode), 1, 1, -1)
-        pf_index = pf_valid = pf_bt = pf_mask = None
+            dec_slots, valid = self._context_slots([s for s, _ in decode],
+                                                   [s.num_computed_tokens + 1 for s, _ in decode])
+            dec_mask = self._additive(valid.view(1, len(decode), 1, -1))
+        pf_index = pf_valid = pf_slots = pf_mask = None
         pf_shape = (0, 0)
         if prefill:
             g = self.model.group
@@ -65,7 +97,8 @@ class ModelRunner:
             lq = max(lens)
             p = len(prefill)
             pf_shape = (p, lq)
-            pf_bt, valid = self._block_tables([s for s, _ in prefill], [s.num_computed_tokens + n for s, n in prefill])
+            pf_slots, valid = self._context_slots([s for s, _ in prefill],
+                                                  [s.num_computed_tokens + n for s, n in prefill])
             starts = torch.tensor([s.num_computed_tokens for s, _ in prefill]).unsqueeze(1)
             lens_t = torch.tensor(lens).unsqueeze(1)
             ar = torch.arange(lq).unsqueeze(0)
@@ -73,7 +106,7 @@ class ModelRunner:
             qpos = torch.where(real, starts + ar, 0)  # padding rows look at key 0 only (no NaN)
             kpos = torch.arange(valid.shape[1]).view(1, 1, -1)
             mask = (kpos <= qpos.unsqueeze(2)) & valid.unsqueeze(1)  # [P, Lq, Lk]
-            pf_mask = mask.unsqueeze(1).expand(p, g, lq, mask.shape[-1]).reshape(p, 1, g * lq, -1)
+            pf_mask = self._additive(mask.unsqueeze(1).expand(p, g, lq, mask.shape[-1]).reshape(1, p, g * lq, -1))
             if not bool(real.all()):
                 offsets = torch.tensor([0] + lens[:-1]).cumsum(0).unsqueeze(1)
                 pf_index = torch.where(real, offsets + ar, 0).view(-1)
@@ -81,12 +114,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_decode=num_decode,
-            decode_block_tables=dec_bt,
+            decode_slots=dec_slots,
             decode_mask=dec_mask,
             prefill_token_index=pf_index,
             prefill_valid=pf_valid,
             prefill_shape=pf_shape,
-            prefill_block_tables=pf_bt,
+            prefill_slots=pf_slots,
             prefill_mask=pf_mask,
             logits_index=torch.tensor(sample_rows, dtype=torch.long),
         )

@@ -1,0 +1,155 @@
+"""Paged attention as one small C++ kernel (built on first use, cached by torch).
+
+Each query row (a decode token or a prefill-chunk token) attends to the first
+``ctx_len`` keys of its sequence, read straight from the paged cache through the
+block table: no gathered copies, no padding, no masks.  Rows x KV heads run in
+parallel; the G query heads that share a KV head are computed together so each
+key/value vector is loaded once.  When no C++ compiler is available the engine
+falls back to the pure-torch path in ``model.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+template <typename T, int D>
+static void attend(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* seq_of_row,
+                   const int64_t* ctx_len, T* out, int64_t rows, int64_t hq, int64_t hkv, int64_t bs,
+                   int64_t max_blocks, float scale) {
+  const int64_t g = hq / hkv;
+  at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> qf(g * D), acc(g * D);
+    float kf[D];
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / hkv, h = w % hkv;
+      const int64_t len = ctx_len[t];
+      const int64_t* table = tables + seq_of_row[t] * max_blocks;
+      scores.resize(g * len);
+      for (int64_t j = 0; j < g; ++j)
+        for (int d = 0; d < D; ++d) qf[j * D + d] = static_cast<float>(q[(t * hq + h * g + j) * D + d]) * scale;
+      for (int64_t l = 0; l < len; ++l) {
+        const T* kp = kc + ((table[l / bs] * bs + l % bs) * hkv + h) * D;
+        for (int d = 0; d < D; ++d) kf[d] = static_cast<float>(kp[d]);
+        for (int64_t j = 0; j < g; ++j) {
+          float s = 0.f;
+          const float* qj = &qf[j * D];
+          for (int d = 0; d < D; ++d) s += qj[d] * kf[d];
+          scores[j * len + l] = s;
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        float* sj = &scores[j * len];
+        float m = -INFINITY;
+        for (int64_t l = 0; l < len; ++l) m = sj[l] > m ? sj[l] : m;
+        float sum = 0.f;
+        for (int64_t l = 0; l < len; ++l) { sj[l] = std::exp(sj[l] - m); sum += sj[l]; }
+        const float inv = 1.f / sum;
+        for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l = 0; l < len; ++l) {
+        const T* vp = vc + ((table[l / bs] * bs + l % bs) * hkv + h) * D;
+        for (int d = 0; d < D; ++d) kf[d] = static_cast<float>(vp[d]);
+        for (int64_t j = 0; j < g; ++j) {
+          const float p = scores[j * len + l];
+          float* aj = &acc[j * D];
+          for (int d = 0; d < D; ++d) aj[d] += p * kf[d];
+        }
+      }
+      for (int64_t j = 0; j < g; ++j)
+        for (int d = 0; d < D; ++d) out[(t * hq + h * g + j) * D + d] = static_cast<T>(acc[j * D + d]);
+    }
+  });
+}
+
+template <typename T>
+static void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                         const at::Tensor& seq_of_row, const at::Tensor& ctx_len, at::Tensor& out, double scale) {
+  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), bs = k.size(1), hkv = k.size(2);
+  auto args = std::make_tuple(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), tables.data_ptr<int64_t>(),
+                              seq_of_row.data_ptr<int64_t>(), ctx_len.data_ptr<int64_t>(), out.data_ptr<T>());
+  const float s = static_cast<float>(scale);
+  const int64_t mb = tables.size(1);
+  switch (d) {
+    case 64: attend<T, 64>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
+                           std::get<4>(args), std::get<5>(args), std::get<6>(args), rows, hq, hkv, bs, mb, s); break;
+    case 128: attend<T, 128>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
+                             std::get<4>(args), std::get<5>(args), std::get<6>(args), rows, hq, hkv, bs, mb, s); break;
+    case 32: attend<T, 32>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
+                           std::get<4>(args), std::get<5>(args), std::get<6>(args), rows, hq, hkv, bs, mb, s); break;
+    case 16: attend<T, 16>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
+                           std::get<4>(args), std::get<5>(args), std::get<6>(args), rows, hq, hkv, bs, mb, s); break;
+    default: TORCH_CHECK(false, "paged_attention: head_dim ", d, " is not compiled in");
+  }
+}
+
+// q [T, Hq, D]; k/v cache [NB, BS, Hkv, D]; tables [S, max_blocks] int64; seq_of_row, ctx_len [T] int64.
+at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, at::Tensor seq_of_row,
+                           at::Tensor ctx_len, double scale) {
+  q = q.contiguous();
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kBFloat16) dispatch_dim<at::BFloat16>(q, k, v, tables, seq_of_row, ctx_len, out, scale);
+  else if (q.scalar_type() == at::kFloat) dispatch_dim<float>(q, k, v, tables, seq_of_row, ctx_len, out, scale);
+  else if (q.scalar_type() == at::kHalf) dispatch_dim<at::Half>(q, k, v, tables, seq_of_row, ctx_len, out, scale);
+  else TORCH_CHECK(false, "paged_attention: unsupported dtype");
+  return out;
+}
+"""
+
+_lock = threading.Lock()
+_module = None
+_failed = False
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def load() -> object | None:
+    """The compiled extension, or None when it cannot be built (the caller falls back)."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            if os.environ.get("CARPOOL_PAGED_ATTENTION", "1") == "0":
+                _failed = True
+                return None
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _module = load_inline(
+                    name="carpool_paged_attention_v1", cpp_sources=[_SOURCE], functions=["paged_attention"],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
+            except Exception as e:  # noqa: BLE001 -- no compiler, headers, ...: use the torch path
+                log.warning("paged attention kernel unavailable (%s); using the torch attention path", e)
+                _failed = True
+    return _module
+
+
+def load_in_background() -> None:
+    """Start building (or loading the cached build of) the kernel without blocking.
+
+    A fresh machine compiles for about a minute; until then the torch path runs.
+    """
+    if _module is None and not _failed and not _lock.locked():
+        threading.Thread(target=load, name="carpool-build-attention", daemon=True).start()
+
+
+def available() -> bool:
+    return _module is not None
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_of_row: torch.Tensor, ctx_len: torch.Tensor, scale: float) -> torch.Tensor:
+    return _module.paged_attention(q, k_cache, v_cache, block_tables, seq_of_row, ctx_len, scale)
