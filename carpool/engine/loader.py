@@ -137,9 +137,10 @@ def _load_tokenizer(folder: Path, **kwargs):
     With a tokenizer.json the fast tokenizer is built from it directly: AutoTokenizer would
     first import the model's config classes, which costs seconds at every start.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    cls = PreTrainedTokenizerFast if (folder / "tokenizer.json").exists() else AutoTokenizer
+    if (folder / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast as cls
+    else:  # importing transformers' Auto classes alone costs seconds: only when needed
+        from transformers import AutoTokenizer as cls
     try:
         return cls.from_pretrained(str(folder), local_files_only=True, **kwargs)
     except Exception as exc:
