@@ -166,6 +166,7 @@ class ProfiledCost:
         x = np.array([[_features(s)[c] for c in cols] for s, _ in samples], dtype=float)
         y = np.array([d for _, d in samples], dtype=float)
         w = np.ones_like(y)
+        level = 1.0
         beta = nnls(x, y)
         if robust:
             for _ in range(10):  # iteratively reweighted least squares, Huber weights
@@ -183,6 +184,7 @@ class ProfiledCost:
             "median_abs_rel_error": float(np.median(rel)),
             "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-18)),
             "downweighted_samples": int((w < 1).sum()),
+            "level": level,  # mean measured / mean robust-fit step time
         }
         return cls({f: float(b) for f, b in zip(features, beta)}, kv_tokens, name, info)
 

@@ -315,6 +315,12 @@ class Simulator:
 
     _padded_in_system = 0
 
+    def _idle_until(self, t: float) -> None:
+        """Advance the clock with the engine idle; queued requests still count as in the system."""
+        if t > self.now:
+            self.area_in_system += (len(self.waiting) + len(self.running)) * (t - self.now)
+            self.now = t
+
     def _finish(self, s: _Seq) -> None:
         s.finish = self.now
         self.in_flight -= 1
@@ -359,25 +365,28 @@ class Simulator:
         key = self._key()
         sched: list[tuple[_Seq, int]] = []
         self.running.sort(key=key)
-        queue = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        queue += [s for s in self.running if s.num_tokens - s.num_computed != 1]
+        queue = deque(s for s in self.running if s.num_tokens - s.num_computed == 1)
+        queue.extend(s for s in self.running if s.num_tokens - s.num_computed != 1)
         kept: list[_Seq] = []
         preempted = False
+        free, bs, chunked = self.pool.free, cfg.block_size, cfg.enable_chunked_prefill
         while queue:
-            s = queue.pop(0)
+            s = queue.popleft()
             left = s.num_tokens - s.num_computed
-            n = min(left, budget)
-            if n <= 0 or (not cfg.enable_chunked_prefill and n < left):
+            n = min(budget, left)
+            if n <= 0 or (not chunked and n < left):
                 kept.append(s)  # no budget this step; it stays running
                 continue
-            while self._blocks_needed(s, n) > self.pool.num_free and queue:
+            need = -(-(s.num_computed + n) // bs) - len(s.blocks)
+            while need > len(free) and queue:
                 self._preempt(queue.pop())
                 preempted = True
-            if self._blocks_needed(s, n) > self.pool.num_free:
+            if need > len(free):
                 self._preempt(s)
                 preempted = True
                 continue
-            s.blocks += self.pool.allocate(self._blocks_needed(s, n))
+            if need > 0:
+                s.blocks += self.pool.allocate(need)
             kept.append(s)
             sched.append((s, n))
             budget -= n
@@ -487,7 +496,7 @@ class Simulator:
                     b = min(len(self.waiting), cfg.max_num_seqs)
                 else:
                     t_next = self._next_event_time()
-                    self.now = max(self.now, min(math.inf if t_next is None else t_next, deadline))
+                    self._idle_until(min(math.inf if t_next is None else t_next, deadline))
                     continue
             batch = self.waiting[:b]
             del self.waiting[:b]

@@ -1,0 +1,143 @@
+"""The tuner: Brent root-find on the SLO margin, finding a known optimum, vLLM flags."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from carpool.tune.measure import SLO, Measurement, margin
+from carpool.tune.tuner import (
+    Setting,
+    SimEvaluator,
+    brent_root,
+    find_max_concurrency,
+    find_max_rate,
+    grid,
+    tune,
+    vllm_command,
+)
+from carpool.tune.workload import synthetic
+
+
+def queue_measurement(rate: float, mu: float = 10.0, base_s: float = 0.1) -> Measurement:
+    """M/M/1-like: p99 latency = base / (1 - rate/mu), infinite at or past mu."""
+    p99 = base_s / (1 - rate / mu) if rate < mu else 1e9
+    return Measurement(rate, None, 1, 1, 1.0, rate, 0.0, {"p99": p99, "mean": p99}, {}, {}, 0.0, [])
+
+
+def test_brent_converges_to_where_p99_equals_the_slo():
+    slo = SLO.parse("p99_e2e_ms=1000")  # p99 = 1 s at rate 9
+    calls = []
+
+    def ev(rate):
+        calls.append(rate)
+        return queue_measurement(rate)
+
+    r = find_max_rate(ev, [slo], start=1.0, rtol=0.005)
+    assert r.feasible
+    assert r.rate == pytest.approx(9.0, rel=0.01)
+    assert r.rate <= 9.0  # the answer is a rate known to pass
+    assert r.measurement.e2e_s["p99"] == pytest.approx(1.0, rel=0.05)
+    # A linear step-down of 1% from the bracket top would need ~50 runs.
+    assert len(calls) <= 14
+
+
+def test_root_find_from_above_and_infeasible():
+    slo = SLO.parse("p99_e2e_ms=1000")
+    r = find_max_rate(queue_measurement, [slo], start=100.0, rtol=0.01)
+    assert r.rate == pytest.approx(9.0, rel=0.02) and r.rate <= 9.0
+    tight = SLO.parse("p99_e2e_ms=50")  # below the 100 ms floor: never met
+    r = find_max_rate(queue_measurement, [tight], start=1.0, rtol=0.01)
+    assert not r.feasible and r.rate == 0 and r.goodput_rps == 0
+
+
+def test_brent_root_on_a_plain_function():
+    seen = []
+
+    def f(x):
+        seen.append(x)
+        return 2.0 - x * x  # root at sqrt(2)
+
+    brent_root(f, 0.0, 3.0, 2.0, -7.0, lambda a, b: 1e-6)
+    best = max(x for x in list(seen) if 2.0 - x * x >= 0)
+    assert best == pytest.approx(2 ** 0.5, abs=1e-5)
+    with pytest.raises(ValueError):
+        brent_root(f, 0.0, 1.0, 2.0, 1.0, lambda a, b: 1e-6)
+
+
+def test_root_find_on_the_simulator_lands_on_the_slo(linear_cost):
+    reqs = synthetic(1000, 1.0, "uniform:20,200", "uniform:8,48", seed=0)
+    ev = SimEvaluator(linear_cost, reqs, duration_s=15.0)
+    slo = SLO.parse("p99_e2e_ms=3000")
+    s = Setting(16, 512)
+    r = find_max_rate(lambda x: ev.measure(s, x), [slo], start=1.0, rtol=0.02)
+    assert r.feasible
+    assert margin([slo], ev.measure(s, r.rate)) >= 0
+    assert margin([slo], ev.measure(s, r.rate * 1.06)) < 0  # just past it, the SLO breaks
+    assert r.measurement.e2e_s["p99"] == pytest.approx(3.0, rel=0.2)
+
+
+def brute_force_best(ev, settings, slo, rates):
+    """Scan the rates upwards per setting until the SLO first breaks."""
+    best = {}
+    for s in settings:
+        best[s] = 0.0
+        for x in rates:
+            if margin([slo], ev.measure(s, x)) < 0:
+                break
+            best[s] = x
+    return best
+
+
+def test_tuner_finds_the_known_optimum_of_a_simulated_engine(knee_cost):
+    # The "endpoint" is the simulator over an engine whose step time grows sharply past 24
+    # sequences: the best max_num_seqs is 24, neither the smallest nor the largest tried.
+    reqs = synthetic(1000, 1.0, "uniform:10,60", "uniform:20,60", seed=1)
+    settings = grid(max_num_seqs=(8, 16, 24, 48, 96), max_num_batched_tokens=(256,))
+    slo = SLO.parse("p99_e2e_ms=3000")
+    endpoint = SimEvaluator(knee_cost, reqs, duration_s=10.0)
+    answer = brute_force_best(endpoint, settings, slo, [0.5 * i for i in range(1, 80)])
+    optimum = max(answer, key=answer.get)
+    assert optimum.max_num_seqs == 24  # the fixture does what it says
+
+    pruner = SimEvaluator(knee_cost, reqs, duration_s=6.0)  # a cheaper, shorter run ranks the grid
+    res = tune(settings, endpoint, [slo], start_rate=2.0, pruner=pruner, top_k=2, rtol=0.02)
+    assert res.best.setting == optimum
+    assert res.best.rate == pytest.approx(answer[optimum], abs=0.6)
+    assert len(res.measured) == 2  # only the top 2 of 5 were "measured"
+    assert res.recommended_concurrency >= 1
+
+
+def test_concurrency_search_finds_the_largest_passing_concurrency(linear_cost):
+    reqs = synthetic(300, float("inf"), "fixed:100", "fixed:30", seed=2)
+    ev = SimEvaluator(linear_cost, reqs)
+    slo = SLO.parse("p99_e2e_ms=2500")
+    s = Setting(64, 2048)
+    c, m, probes = find_max_concurrency(lambda k: ev.measure(s, float("inf"), k), [slo], hi=128)
+    assert 1 <= c < 128 and m is not None
+    assert margin([slo], ev.measure(s, float("inf"), c)) >= 0
+    assert margin([slo], ev.measure(s, float("inf"), c + 1)) < 0
+    assert len(probes) <= 10  # bisection, not a scan of 128
+
+
+def test_slo_parsing_errors_are_readable():
+    assert SLO.parse("p99_ttft_ms=500").metric == "p99_ttft_ms"
+    for bad, msg in [("p99_e2e_ms", "METRIC=LIMIT"), ("p99_e2e_ms=abc", "not a number"),
+                     ("p99_latency_ms=5", "e2e"), ("p42_e2e_ms=5", "stat")]:
+        with pytest.raises(ValueError, match=msg):
+            SLO.parse(bad)
+
+
+def test_vllm_command_has_the_chosen_flags():
+    cmd = vllm_command(Setting(48, 4096, "priority", False), "Qwen/Qwen2.5-7B-Instruct", tensor_parallel=4)
+    argv = shlex.split(cmd)
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct"]
+    assert argv[argv.index("--max-num-seqs") + 1] == "48"
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "4096"
+    assert argv[argv.index("--scheduling-policy") + 1] == "priority"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
+    assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
+    on = shlex.split(vllm_command(Setting(8, 512, "lof", True)))
+    assert "--enable-prefix-caching" in on and "--tensor-parallel-size" not in on
+    assert on[on.index("--scheduling-policy") + 1] in ("fcfs", "priority")  # vLLM has no lof
