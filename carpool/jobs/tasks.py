@@ -103,8 +103,11 @@ def _check_params(body: dict) -> tuple[str, str] | None:
     if s is not None and not isinstance(s, str) and not (isinstance(s, list) and all(isinstance(x, str) for x in s)):
         return "stop", "must be a string or a list of strings"
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        return "seed", f"must be an integer, got {seed!r}"
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        return "seed", f"must be a 64-bit integer, got {seed!r}"
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < -1):
+        return "top_k", f"must be an integer >= -1 (0 or -1: off), got {top_k!r}"
     return None
 
 
@@ -183,6 +186,8 @@ def parse_json_line(text: str | bytes, line_no: int, defaults: TaskDefaults) -> 
         obj = json.loads(text)
     except ValueError as e:
         return _bad(line_no, None, "", f"not valid JSON ({e})")
+    except RecursionError:  # json's decoder recurses per nesting level
+        return _bad(line_no, None, "", "not valid JSON: nested too deeply")
     return build_task(obj, line_no, defaults)
 
 
