@@ -393,11 +393,17 @@ class Diagnoser:
                 return a, b
 
             (rec_reuse, rec_fresh), dur, view = await self._observe(probe, serial_pair())
-            share = dur / 2 if rec_fresh else dur
+
+            # The two serial sets were interleaved: each one's duration is its own requests' time.
+            def busy(recs: list[RequestRecord]) -> float:
+                return sum(r.latency for r in recs) or dur
+
             name = "serial, reused connection" if rec_fresh else "serial, one at a time"
-            phases.append(_phase(name, 1, False, rec_reuse, share, view))
+            phases.append(_phase(name, 1, False, rec_reuse, busy(rec_reuse) if rec_fresh else dur, view))
             if rec_fresh:
-                phases.append(_phase("serial, new connection per request", 1, True, rec_fresh, share, view))
+                phases.append(
+                    _phase("serial, new connection per request", 1, True, rec_fresh, busy(rec_fresh), view)
+                )
 
             async def concurrent(c: int) -> Phase:
                 tasks = self._tasks(max(len(self.tasks), 2 * c))
@@ -645,8 +651,8 @@ def explain(phases: Sequence[Phase], server_metrics: bool) -> tuple[list[str], s
     else:
         capacity, cap_src = loaded.throughput * s.e2el / 1000.0, "throughput x serial latency"
     findings.append(
-        f"extra latency at {loaded.concurrency} in flight (medians): TTFT +{d_ttft:.0f} ms, decoding "
-        f"+{d_decode:.0f} ms per request; the server serves ~{capacity:.1f} requests at once ({cap_src})"
+        f"extra latency at {loaded.concurrency} in flight (medians): TTFT {d_ttft:+.0f} ms, decoding "
+        f"{d_decode:+.0f} ms per request; the server serves ~{capacity:.1f} requests at once ({cap_src})"
     )
     kv_full = view is not None and (view.peak_kv_usage >= 0.95 or view.preemptions > 0)
     if kv_full:
