@@ -76,7 +76,8 @@ class EngineBackend:
         limit = self.engine.max_model_len
         want = greq.params.max_tokens
         if n + want > limit:
-            fld = "messages" if req.kind == "chat" else "prompt"
+            # The prompt alone fits: max_tokens is the field to change.
+            fld = "max_tokens" if n < limit else "messages" if req.kind == "chat" else "prompt"
             reason = (f"the prompt is {n} tokens and max_tokens is {want}: {n + want} is past the model's "
                       f"context of {limit} tokens; shorten the prompt or lower max_tokens")
             return (fld, reason)
