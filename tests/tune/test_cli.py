@@ -1,0 +1,60 @@
+"""carpool simulate / carpool tune from the command line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from carpool.cli import main
+
+
+def test_simulate_compare_json(capsys):
+    rc = main(["simulate", "--gpu", "a10", "--gpus", "2", "--model", "7b", "--qps", "4", "--num-requests", "80",
+               "--compare", "batching=static", "--compare", "max_num_seqs=8,policy=priority", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    labels = [r["label"] for r in out["results"]]
+    assert len(labels) == 3 and "static" in labels[1] and "seqs=8" in labels[2]
+    for r in out["results"]:
+        assert r["num_finished"] == 80
+    assert out["meta"]["cost_model"]["accelerator"] == "A10"
+
+
+def test_simulate_table_and_html_report(tmp_path, capsys):
+    report = tmp_path / "sim.html"
+    rc = main(["simulate", "--gpu", "h100", "--model", "8b", "--qps", "10", "--num-requests", "60",
+               "--compare", "gpu=l4", "--report", str(report)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "throughput req/s" in text and "P99" not in text.split("\n")[0]
+    html = report.read_text()
+    assert html.count("data:image/png;base64,") >= 3 and "<table>" in html
+
+
+def test_simulate_errors_name_the_flag(capsys):
+    assert main(["simulate", "--compare", "nonsense=1"]) == 2
+    assert "unknown setting 'nonsense'" in capsys.readouterr().err
+    assert main(["simulate", "--gpu", "a10", "--gpus", "3"]) == 2
+    assert "divisible" in capsys.readouterr().err
+    assert main(["simulate", "--prompt-len", "weird:1"]) == 2
+    assert "bad length spec" in capsys.readouterr().err
+
+
+def test_tune_simulated_engine_emits_vllm(capsys):
+    rc = main(["tune", "--simulate", "--gpu", "h100", "--model", "8b", "--slo", "p99_e2e_ms=4000",
+               "--seqs", "16,64", "--tokens", "2048", "--qps", "5", "--duration-s", "10",
+               "--prompt-len", "uniform:50,300", "--output-len", "uniform:10,60", "--emit", "vllm"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("SLO: p99_e2e_ms<=4000")
+    best = next(line for line in lines if line.startswith("best:"))
+    argv = shlex.split(lines[-1])
+    assert argv[:3] == ["vllm", "serve", "MODEL"]
+    seqs = argv[argv.index("--max-num-seqs") + 1]
+    assert f"seqs={seqs} " in best
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
+
+
+def test_tune_rejects_a_bad_slo(capsys):
+    assert main(["tune", "--simulate", "--slo", "p99_e2e=5"]) == 2
+    assert "p99_e2e_ms" in capsys.readouterr().err
