@@ -1,0 +1,96 @@
+"""`carpool run` against a server that misbehaves on 30% of requests.
+
+Every kind of fault of the fault server is on at once (429 and 503 with Retry-After,
+500/502, resets before and after the body, stalls past the read timeout before and
+during the stream, truncated streams, invalid JSON).  The server logs, per task, what it
+did with each request, and the test checks the runner against that log:
+
+- greedy (temperature 0, idempotent) tasks are retried through anything and all succeed;
+- a sampled (temperature 0.7) task is sent again only after a refusal the client can
+  recognise (429, 503); after any fault where the work may have run (for the client a
+  reset before the body was read looks like one after), it is never sent again and its
+  line is an error of kind ``maybe_executed``;
+- the summary JSON counts every retry by kind and every final error by kind, exactly as
+  the server log says.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from reliability_helpers import (
+    CLIENT_KIND,
+    MAY_HAVE_RUN,
+    REFUSALS,
+    Fault,
+    FaultConfig,
+    chat_task,
+    read_jsonl,
+    run_cli,
+    write_jsonl,
+)
+
+KINDS = ["429", "503", "500", "502", "reset_before_body", "reset_after_body", "stall", "stall_mid_stream",
+         "truncate", "invalid_json"]
+# Each kind is drawn independently: 1 - (1 - r) ** 10 = 0.30.
+RATE = 1 - 0.7 ** (1 / len(KINDS))
+MAX_ATTEMPTS = 12
+
+
+@pytest.mark.slow
+def test_thirty_percent_faults_job_completes_and_counts_each_kind(logging_fault_server, tmp_path):
+    faults = [Fault(k, rate=RATE, retry_after=0.05 if k in ("429", "503") else None, stall_s=2.5) for k in KINDS]
+    srv = logging_fault_server(FaultConfig(faults=faults, seed=7, completion_tokens=4))
+    n = 240
+    rows = [chat_task(f"{'g' if i % 2 else 's'}{i}", f"question {i}", temperature=0.0 if i % 2 else 0.7)
+            for i in range(n)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out, summary_path = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    res = run_cli([str(src), "-o", str(out), "--endpoint", srv.url, "--model", "m", "--cache", "off",
+                   "--concurrency", "16", "--read-timeout", "1.0", "--max-attempts", str(MAX_ATTEMPTS),
+                   "--summary-json", str(summary_path), "--quiet"])
+    assert res.returncode == 0, res.stderr.decode()[-3000:]
+    summary = json.loads(summary_path.read_text())
+    lines = {d["custom_id"]: d for d in read_jsonl(out)}
+    assert len(lines) == n and summary["done"] == n
+    events = srv.server.snapshot()
+
+    expected_retries: Counter = Counter()
+    expected_errors: Counter = Counter()
+    for i, row in enumerate(rows):
+        cid = row["custom_id"]
+        ev = events[cid]
+        line = lines[cid]
+        # Everything but the last event was a failure the runner retried.
+        expected_retries.update(CLIENT_KIND[e] for e in ev[:-1])
+        assert "ok" not in ev[:-1], (cid, ev)  # an answered request is never sent again
+        if cid.startswith("g"):
+            assert ev[-1] == "ok" and line["error"] is None, (cid, ev, line["error"])
+            continue
+        # Sampled: nothing may follow a fault where the work may have run.
+        assert not MAY_HAVE_RUN & set(ev[:-1]), (cid, ev)
+        if ev[-1] == "ok":
+            assert line["error"] is None, (cid, ev, line["error"])
+        elif ev[-1] in MAY_HAVE_RUN or ev[-1] == "reset_before_body":
+            # A reset before the body was read is a refusal on the server's side, but the
+            # client cannot tell it from a reset after: it must treat it as "may have run".
+            err = line["error"]
+            assert err["code"] == "maybe_executed" and err["line"] == i + 1, (cid, ev, err)
+            assert "may already have run" in err["message"] and f"line {i + 1}" in err["message"]
+            expected_errors["maybe_executed"] += 1
+        else:  # refused MAX_ATTEMPTS times in a row
+            assert ev[-1] in REFUSALS and len(ev) == MAX_ATTEMPTS
+            assert line["error"]["code"] == CLIENT_KIND[ev[-1]]
+            expected_errors[CLIENT_KIND[ev[-1]]] += 1
+
+    injected = sum(len(ev) for ev in events.values()) - sum(ev.count("ok") for ev in events.values())
+    attempts = sum(len(ev) for ev in events.values())
+    assert 0.2 < injected / attempts < 0.4, (injected, attempts)  # the rate asked for, seeded
+    assert summary["errors"] == dict(expected_errors)
+    assert summary["retries"] == dict(expected_retries)
+    assert summary["ok"] == n - sum(expected_errors.values())
+    assert expected_errors["maybe_executed"] > 0  # the non-idempotent path was exercised
+    # Every fault kind happened and was seen by the runner as its own kind.
+    assert {CLIENT_KIND[k] for k in KINDS} <= set(summary["retries"]), summary["retries"]
