@@ -4,8 +4,9 @@ Phases (same tasks, same client code):
   1. serial, over a reused connection and over a new connection per request, alternating
      which goes first per task so a server-side cache cannot favour one of them;
   2. concurrent at the client's concurrency C (reused pool);
-  3. concurrent at 4*C, only when phase 2 scaled almost perfectly (the server had headroom),
-     to put a number on "raise concurrency".
+  3. concurrent at 4*C, only when phase 2 showed headroom (throughput scaled or latency stayed
+     flat), to put a number on "raise concurrency";
+  4. after any 429, one at a time waiting out each 429, to measure the rate the server sustains.
 While phases run, the server's Prometheus /metrics is polled when it has one (vLLM names:
 num_requests_running/waiting, kv_cache_usage_perc, request_queue_time_seconds, prefix cache
 queries/hits); for the embedded engine its ``stats()`` plays that part.
@@ -13,8 +14,8 @@ queries/hits); for the embedded engine its ``stats()`` plays that part.
 The verdict is the first of these that holds, and comes with the one change to try first:
   rate-limited     some requests got HTTP 429
   connection-cost  a new connection costs more than a quarter of a serial request
-  client-bound     C requests in flight ran ~C times as fast as one: the server had spare
-                   capacity and the client did not use it
+  client-bound     C requests in flight ran ~C times as fast as one (or as fast per request)
+                   and 4C gained more: the server had spare capacity the client did not use
   server-queueing  concurrency did not scale and the extra latency is waiting before the
                    first token (server queue), confirmed by /metrics when present
   decode-bound     concurrency did not scale and the extra latency is in decoding (TPOT grew)
@@ -375,7 +376,7 @@ class Diagnoser:
                 probe = ServerProbe.none()
 
             phases: list[Phase] = []
-            serial = self._tasks(min(self.serial_tasks, max(len(self.tasks), self.serial_tasks)))
+            serial = self._tasks(self.serial_tasks)
 
             async def serial_pair() -> tuple[list[RequestRecord], list[RequestRecord]]:
                 a: list[RequestRecord] = []
@@ -410,10 +411,11 @@ class Diagnoser:
                 run, _, view = await self._observe(probe, run_benchmark(reuse, tasks, math.inf, 1.0, c))
                 return _phase(f"concurrent, {c} in flight", c, False, run.records, run.duration, view)
 
-            phases.append(await concurrent(self.concurrency))
+            first = await concurrent(self.concurrency)
+            phases.append(first)
             if any(p.rate_limited for p in phases):
                 phases.append(await self._paced(reuse))
-            if self.scale_up > 1 and _has_headroom(phases[0], phases[-1]) and not phases[-1].rate_limited:
+            elif self.scale_up > 1 and _has_headroom(phases[0], first):
                 phases.append(await concurrent(self.concurrency * self.scale_up))
         findings, verdict, change = explain(phases, probe_ok)
         return Diagnosis(
