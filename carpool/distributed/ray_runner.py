@@ -202,8 +202,8 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
         result = _combine(summaries)
         result.update(shards=len(shards), shards_done=len(summaries), workers=workers, workdir=str(workdir),
                       complete=not missing, elapsed_s=round(time.monotonic() - started, 3),
-                      backend=(f"ray x{workers}: " + (f"http {', '.join(opts.endpoints)}" if opts.endpoints
-                                                      else f"engine {opts.engine_model}")))
+                      backend=f"ray x{workers}: " + (f"http {', '.join(opts.endpoints)}" if opts.endpoints
+                                                     else "dry-run" if opts.dry_run else f"engine {opts.engine_model}"))
         result["messages"] = notes + [m for s in summaries for m in s.get("messages", [])]
         if opts.report:
             result["messages"].append("--report is not written for --ray runs (use --summary-json)")
