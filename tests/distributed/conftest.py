@@ -61,7 +61,6 @@ def redis_name(request) -> str:
 def ray_cluster():
     """One local 2-CPU Ray cluster for the session (Ray startup takes seconds)."""
     ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
