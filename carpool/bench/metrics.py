@@ -217,6 +217,8 @@ def result_json(
     res.update(compute_metrics(run.records, run.duration, percentiles, goodput, percentile_metrics))
     statuses = [r.status for r in run.records if not r.success and r.status is not None]
     res["num_rate_limited"] = sum(1 for s in statuses if s == 429)
+    # carpool extra: prompt tokens the server says came from its prefix cache (usage details).
+    res["total_cached_tokens"] = sum(r.cached_tokens for r in run.records if r.success)
     if detailed:
         res["input_lens"] = [r.prompt_len for r in run.records]
         res["output_lens"] = [r.output_tokens if r.success else 0 for r in run.records]

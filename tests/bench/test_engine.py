@@ -21,14 +21,20 @@ def test_bench_cli_on_embedded_engine(tmp_path):
             "bench",
             "--model",
             "tiny-random",
+            "--dataset",
+            "shared-prefix",
             "--num-prompts",
             "6",
-            "--random-input-len",
-            "24",
+            "--num-prefixes",
+            "2",
+            "--prefix-len",
+            "64",
+            "--suffix-len",
+            "8",
             "--random-output-len",
             "6",
             "--max-concurrency",
-            "3",
+            "2",
             "--result-file",
             str(out),
         ]
@@ -37,7 +43,8 @@ def test_bench_cli_on_embedded_engine(tmp_path):
     res = json.loads(out.read_text())
     assert res["backend"] == "carpool-engine" and res["completed"] == 6
     assert res["total_output_tokens"] == 36  # EOS ignored: 6 tokens each
-    assert res["total_input_tokens"] >= 6 * 20  # the engine's own prompt token count
+    assert res["total_input_tokens"] >= 6 * 64  # the engine's own prompt token count
+    assert res["total_cached_tokens"] > 0  # later prompts of a group hit the prefix cache
     assert res["mean_ttft_ms"] > 0 and res["mean_tpot_ms"] > 0
 
 
