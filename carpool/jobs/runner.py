@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import json
 import shlex
@@ -105,6 +106,8 @@ def _fallback_cacheable(body: dict, kind: str) -> bool:
 
 class Runner:
     def __init__(self, opts: RunOptions):
+        if opts.endpoints and not opts.dry_run and not opts.defaults.require_model:
+            opts.defaults = dataclasses.replace(opts.defaults, require_model=True)
         self.opts = opts
         self.stats = JobStats()
         self._stop = False

@@ -59,6 +59,7 @@ class TaskDefaults:
     max_tokens: int | None = None
     temperature: float | None = None
     idempotent: str = "auto"  # auto | on | off
+    require_model: bool = False  # an HTTP endpoint needs a model name in every request
     extra: dict = field(default_factory=dict)
 
 
@@ -166,6 +167,9 @@ def build_task(obj: object, line_no: int, defaults: TaskDefaults) -> Task | BadL
         return _bad(line_no, cid, prefix + err[0], err[1])
     if defaults.model and "model" not in body:
         body["model"] = defaults.model
+    if defaults.require_model and not isinstance(body.get("model"), str):
+        return _bad(line_no, cid, prefix + "model", "missing: the endpoint needs a model name; set it in the "
+                                                    "task or pass --model NAME")
     if kind != "embedding":
         if defaults.max_tokens is not None and "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = defaults.max_tokens

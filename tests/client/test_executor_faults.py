@@ -88,7 +88,7 @@ def test_idempotent_tasks_survive_resets_and_bad_bodies(fault_server, kind):
 
 
 def test_stall_past_read_timeout(fault_server):
-    srv = fault_server(FaultConfig(faults=[Fault("stall", times=1, stall_s=3.0)]))
+    srv = fault_server(FaultConfig(faults=[Fault("stall", times=1, stall_s=1.2)]))
     t = Timeouts(connect_s=2, read_s=0.3, total_s=10)
     (greedy, sampled), _ = run([srv.url], [chat("g", 0.0), chat("s", 1.0)], timeouts=t, limit=1)
     # The first request (greedy) hit the stall: timed out and retried; the second went through.
@@ -97,7 +97,7 @@ def test_stall_past_read_timeout(fault_server):
 
 
 def test_stall_on_sampled_is_reported_not_resent(fault_server):
-    srv = fault_server(FaultConfig(faults=[Fault("stall_mid_stream", times=1, stall_s=3.0)]))
+    srv = fault_server(FaultConfig(faults=[Fault("stall_mid_stream", times=1, stall_s=1.2)]))
     t = Timeouts(connect_s=2, read_s=0.3, total_s=10)
     (out,), _ = run([srv.url], [chat("s", 1.0, max_tokens=6)], timeouts=t)
     assert out.result.error_kind == R.MAYBE_EXECUTED

@@ -76,6 +76,16 @@ def test_exact_cache_across_runs(fault_server, tmp_path):
     assert srv.server.total_requests == 16
 
 
+def test_endpoint_tasks_need_a_model(fault_server, tmp_path):
+    srv = fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    write_tasks(src, 2)
+    out = tmp_path / "out.jsonl"
+    s = run_batch(src, out, endpoints=[srv.url], cache="off")
+    assert s["bad_lines"] == 2 and srv.server.total_requests == 0
+    assert all(d["error"]["field"] == "model" and "--model" in d["error"]["message"] for d in read(out))
+
+
 def test_errors_file_and_maybe_executed(fault_server, tmp_path):
     srv = fault_server(FaultConfig(faults=[Fault("reset_after_body", match="t1", times=0)]))
     src = tmp_path / "in.jsonl"
