@@ -82,7 +82,8 @@ class Reader:
                     yield item
 
     def _csv_rows(self) -> Iterator[tuple[int, dict]]:
-        with open(self.path, newline="", encoding="utf-8") as f:
+        # Undecodable bytes become U+FFFD rather than stopping the job mid-file.
+        with open(self.path, newline="", encoding="utf-8", errors="replace") as f:
             dialect = "excel-tab" if self.path.suffix.lower() == ".tsv" else "excel"
             reader = csv.DictReader(f, dialect=dialect)
             for row in reader:

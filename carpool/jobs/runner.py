@@ -204,6 +204,9 @@ class Runner:
             return
         for t in list(self._pending):
             t.cancel()
+        slots = getattr(self, "_slots", None)
+        if slots is not None:
+            slots.release()  # the reader may wait for a slot no cancelled task will free
 
     def resume_command(self) -> str:
         argv = self.opts.argv if self.opts.argv is not None else sys.argv[1:]

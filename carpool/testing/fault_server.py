@@ -176,6 +176,8 @@ class FaultServer:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             return await self._answer(request, raw, key)
+        except ConnectionResetError:  # the client went away mid-answer: nothing to report
+            return web.Response(status=499)
         finally:
             self.in_flight -= 1
 
