@@ -89,6 +89,8 @@ async def read_json(request: web.Request) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # json's decoder recurses per nesting level
+        raise ApiError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body

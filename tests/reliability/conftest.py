@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from reliability_helpers import ThreadedLoggingServer
 
+from carpool.engine.config import EngineConfig
 from carpool.testing.fault_server import FaultConfig
 
 
@@ -30,14 +31,21 @@ def logging_fault_server():
         srv.stop()
 
 
+# max_model_len 256 so "past the context" is cheap to reach.
+TINY = EngineConfig(model="tiny-random", max_num_seqs=8, max_model_len=256, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> EngineConfig:
+    return TINY
+
+
 @pytest.fixture(scope="session")
 def tiny_engine():
-    """One tiny-random engine for the room (loading costs seconds on a busy machine).
-    max_model_len 256 so "past the context" is cheap to reach."""
-    from carpool.engine import AsyncEngine, EngineConfig
+    """One tiny-random engine for the room (loading costs seconds on a busy machine)."""
+    from carpool.engine import AsyncEngine
 
-    engine = AsyncEngine(EngineConfig(model="tiny-random", max_num_seqs=8, max_model_len=256,
-                                      num_kv_blocks=128)).start_sync()
+    engine = AsyncEngine(TINY).start_sync()
     yield engine
     asyncio.run(engine.shutdown())
 
