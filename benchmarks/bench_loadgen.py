@@ -42,7 +42,11 @@ def main() -> None:
     a = p.parse_args()
     with ScriptedServer(Script(ttft_s=0.0, itl_s=0.0)) as srv:
         rows = [asyncio.run(measure(srv.url, a.requests, a.chunks, c)) for c in (1, 8, 64)]
-    print(json.dumps({"benchmark": "loadgen_overhead", "requests": a.requests, "chunks": a.chunks, "runs": rows}))
+    print(
+        json.dumps(
+            {"benchmark": "loadgen_overhead", "requests": a.requests, "chunks": a.chunks, "runs": rows}
+        )
+    )
 
 
 if __name__ == "__main__":

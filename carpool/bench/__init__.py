@@ -1,9 +1,9 @@
 """Load generation, serving metrics (vLLM ``bench serve`` definitions), diagnose and reports.
 
-  datasets   request sets: workload JSONL, random lengths, shared-prefix groups
-  arrivals   Poisson / gamma (burstiness) arrival schedules
-  loadgen    HttpBackend (OpenAI-compatible SSE) and EngineBackend (in-process), run_benchmark
-  metrics    compute_metrics / result_json with vLLM's field names
-  report     HTML report with PNG plots
-  diagnose   Diagnoser: serial vs concurrent vs fresh connections, /metrics, verdict
+datasets   request sets: workload JSONL, random lengths, shared-prefix groups
+arrivals   Poisson / gamma (burstiness) arrival schedules
+loadgen    HttpBackend (OpenAI-compatible SSE) and EngineBackend (in-process), run_benchmark
+metrics    compute_metrics / result_json with vLLM's field names
+report     HTML report with PNG plots
+diagnose   Diagnoser: serial vs concurrent vs fresh connections, /metrics, verdict
 """
