@@ -82,6 +82,10 @@ def normalize_base_url(url: str) -> str:
         url = "http://" + url
     parts = urlsplit(url)
     path = parts.path.rstrip("/")
+    for suffix in ("/chat/completions", "/completions"):  # a full route pasted in by mistake
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+            break
     if not path:
         path = "/v1"
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))

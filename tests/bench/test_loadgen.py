@@ -145,6 +145,7 @@ def test_unreachable_server_is_a_readable_failure():
 def test_url_helpers():
     assert normalize_base_url("localhost:8000") == "http://localhost:8000/v1"
     assert normalize_base_url("http://h:1/v1/") == "http://h:1/v1"
+    assert normalize_base_url("http://h:1/v1/chat/completions") == "http://h:1/v1"
     assert metrics_url("http://h:1/v1") == "http://h:1/metrics"
 
 
