@@ -59,6 +59,7 @@ class RunOptions:
     max_concurrency: int | None = None
     rpm: float | None = None
     tpm: float | None = None
+    budget: object | None = None  # a Budget (e.g. the shared Redis one); None: local buckets from rpm/tpm
     stream: bool = True
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_attempts: int = 6
@@ -234,7 +235,8 @@ class Runner:
         self.stats.backend = (f"http {', '.join(o.endpoints)}" if o.endpoints else
                               "dry-run" if o.dry_run else f"engine {getattr(self.backend, 'model_name', '')}")
         self.limiter = self._make_limiter()
-        self.executor = Executor(self.backend, self.limiter, make_budget(o.rpm, o.tpm),
+        budget = o.budget if o.budget is not None else make_budget(o.rpm, o.tpm)
+        self.executor = Executor(self.backend, self.limiter, budget,
                                  R.RetryPolicy(max_attempts=o.max_attempts), latency_signal=o.latency_signal)
         self._open_caches()
         progress = Progress(self.stats, o.progress if not o.quiet else False)
