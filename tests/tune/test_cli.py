@@ -22,7 +22,7 @@ def test_simulate_compare_json(capsys):
 
 def test_simulate_table_and_html_report(tmp_path, capsys):
     report = tmp_path / "sim.html"
-    rc = main(["simulate", "--gpu", "h100", "--model", "8b", "--qps", "10", "--num-requests", "60",
+    rc = main(["simulate", "--gpu", "h100", "--model", "8b", "--qps", "10", "--num-requests", "30",
                "--compare", "gpu=l4", "--report", str(report)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -41,8 +41,8 @@ def test_simulate_errors_name_the_flag(capsys):
 
 
 def test_tune_simulated_engine_emits_vllm(capsys):
-    rc = main(["tune", "--simulate", "--gpu", "h100", "--model", "8b", "--slo", "p99_e2e_ms=4000",
-               "--seqs", "16,64", "--tokens", "2048", "--qps", "5", "--duration-s", "10",
+    rc = main(["tune", "--simulate", "--gpu", "a10", "--model", "7b", "--slo", "p99_e2e_ms=4000",
+               "--seqs", "4,32", "--tokens", "2048", "--qps", "2", "--duration-s", "6",
                "--prompt-len", "uniform:50,300", "--output-len", "uniform:10,60", "--emit", "vllm"])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -58,3 +58,20 @@ def test_tune_simulated_engine_emits_vllm(capsys):
 def test_tune_rejects_a_bad_slo(capsys):
     assert main(["tune", "--simulate", "--slo", "p99_e2e=5"]) == 2
     assert "p99_e2e_ms" in capsys.readouterr().err
+
+
+def test_tune_against_carpools_engine_restarts_it_per_setting(capsys):
+    """The real engine (tiny-random, in-process): fit, prune with the simulator, measure 2 settings."""
+    rc = main(["tune", "--engine", "--engine-model", "tiny-random", "--slo", "p99_e2e_ms=1500",
+               "--seqs", "4,16", "--tokens", "256", "--qps", "4", "--duration-s", "2.5", "--top-k", "2",
+               "--max-probes", "5", "--rtol", "0.2", "--prompt-len", "uniform:20,80", "--output-len", "fixed:8",
+               "--json"])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["target"] == "engine"
+    assert out["cost_model"]["kind"] == "profiled"
+    assert len(out["simulated"]) == 2 and len(out["measured"]) == 2
+    assert captured.err.count("engine restarted with") >= 2
+    if rc == 0:
+        assert out["best"]["goodput_rps"] > 0
+        assert out["best"]["at_max_rate"]["num_finished"] == out["best"]["at_max_rate"]["num_requests"]
