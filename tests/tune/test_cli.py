@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 
+import pytest
+
 from carpool.cli import main
 
 
@@ -60,6 +62,7 @@ def test_tune_rejects_a_bad_slo(capsys):
     assert "p99_e2e_ms" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tune_against_carpools_engine_restarts_it_per_setting(capsys):
     """The real engine (tiny-random, in-process): fit, prune with the simulator, measure 2 settings."""
     rc = main(["tune", "--engine", "--engine-model", "tiny-random", "--slo", "p99_e2e_ms=1500",
