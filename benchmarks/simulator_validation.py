@@ -25,7 +25,6 @@ from dataclasses import replace
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from carpool.engine import AsyncEngine, EngineConfig
-from carpool.tune.cost import ProfiledCost
 from carpool.tune.engine_load import run_load
 from carpool.tune.measure import Measurement
 from carpool.tune.profile import fit_engine
@@ -53,18 +52,6 @@ def held_out(quick: bool) -> list[dict]:
         {"name": "stream-chat-80pct", "prompt": "uniform:100,300", "output": "uniform:16,40", "n": n,
          "rate_frac": 0.8},
     ]
-
-
-SPEED_PROBE = synthetic(6, float("inf"), "fixed:120", "fixed:12", seed=999)
-
-
-def machine_speed(engine, profile, scfg, tag: str) -> float:
-    """measured / predicted time of a fixed small probe (never a test workload): how much
-    slower than during the fit this shared machine is right now."""
-    reqs = [replace(r, request_id=f"speed-{tag}-{r.request_id}") for r in SPEED_PROBE]
-    meas = Measurement.from_records(asyncio.run(run_load(engine, reqs)), math.inf)
-    pred = Measurement.from_sim(Simulator(profile, scfg).run(reqs), math.inf)
-    return meas.duration_s / pred.duration_s
 
 
 def rel_err(pred: float, meas: float) -> float:
@@ -104,10 +91,7 @@ def main() -> int:
                 rate = w["rate_frac"] * cap
             reqs = [replace(r, arrival=0.0 if math.isinf(rate) else r.arrival / rate,
                             request_id=f"{w['name']}-{r.request_id}") for r in base]
-            speed = machine_speed(engine, profile, scfg, str(i))
             pred = Measurement.from_sim(Simulator(profile, scfg).run(reqs), rate)
-            adj_profile = ProfiledCost({k: v * speed for k, v in profile.coef.items()}, profile.kv_tokens)
-            pred_adj = Measurement.from_sim(Simulator(adj_profile, scfg).run(reqs), rate)
             meas = Measurement.from_records(asyncio.run(run_load(engine, reqs)), rate)
             rows.append({
                 "workload": w["name"], "prompt_len": w["prompt"], "output_len": w["output"],
@@ -118,11 +102,6 @@ def main() -> int:
                               "output_tok_s": round(pred.output_tok_s, 1)},
                 "throughput_error": round(rel_err(pred.throughput_rps, meas.throughput_rps), 4),
                 "p99_e2e_error": round(rel_err(pred.e2e_s["p99"], meas.e2e_s["p99"]), 4),
-                "machine_speed_factor": round(speed, 3),
-                "predicted_speed_adjusted": {"throughput_rps": round(pred_adj.throughput_rps, 3),
-                                             "p99_e2e_s": round(pred_adj.e2e_s["p99"], 3)},
-                "adjusted_throughput_error": round(rel_err(pred_adj.throughput_rps, meas.throughput_rps), 4),
-                "adjusted_p99_e2e_error": round(rel_err(pred_adj.e2e_s["p99"], meas.e2e_s["p99"]), 4),
             })
             print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
@@ -138,8 +117,6 @@ def main() -> int:
         "mean_throughput_error": round(sum(r["throughput_error"] for r in rows) / len(rows), 4),
         "mean_p99_e2e_error": round(sum(r["p99_e2e_error"] for r in rows) / len(rows), 4),
         "within_15pct": worst_thr <= 0.15 and worst_p99 <= 0.15,
-        "max_adjusted_throughput_error": max(r["adjusted_throughput_error"] for r in rows),
-        "max_adjusted_p99_e2e_error": max(r["adjusted_p99_e2e_error"] for r in rows),
         "load_average_1m": round(os.getloadavg()[0], 1),
         "total_seconds": round(time.time() - t_start, 1),
     }))

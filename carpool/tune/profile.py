@@ -21,7 +21,7 @@ def calibration_workloads(seed: int = 100) -> list[list[SimRequest]]:
     return [
         synthetic(8, float("inf"), "uniform:16,64", "fixed:24", seed),  # small-batch decode
         synthetic(24, float("inf"), "uniform:32,96", "fixed:24", seed + 1),  # larger-batch decode
-        synthetic(12, float("inf"), "uniform:300,700", "fixed:8", seed + 2),  # long prompts: prefill and KV
+        synthetic(12, float("inf"), "uniform:300,700", "fixed:24", seed + 2),  # long prompts: prefill, KV reads
         synthetic(24, 6.0, "uniform:16,400", "uniform:4,40", seed + 3),  # mixed stream
     ]
 
