@@ -142,9 +142,15 @@ def from_jsonl(path: str, rate: float, seed: int = 0, chars_per_token: float = 4
                     raise ValueError(f"{path}:{n}: no prompt_tokens, prompt or messages field")
                 plen = max(1, round(len(text) / chars_per_token))
             olen = int(d.get("output_tokens", body.get("max_tokens", 16)))
+            # A system message shared by many tasks is a shared prefix (prefix caching).
+            msgs = body.get("messages") or []
+            group, plen_prefix = None, 0
+            if msgs and msgs[0].get("role") == "system" and "prompt_tokens" not in d:
+                sys_text = str(msgs[0].get("content", ""))
+                group, plen_prefix = f"sys{hash(sys_text)}", min(round(len(sys_text) / chars_per_token), plen)
             if not math.isinf(rate):
                 t += rng.exponential(1.0 / rate)
-            out.append(SimRequest(str(d.get("custom_id", f"line{n}")), t, plen, olen))
+            out.append(SimRequest(str(d.get("custom_id", f"line{n}")), t, plen, olen, 0, group, plen_prefix))
     if not out:
         raise ValueError(f"{path}: no requests")
     return out
