@@ -91,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="another configuration: the base with these flags changed, e.g. batching=static "
                         "or 'max_num_seqs=64,policy=priority' or gpu=h100; repeatable")
     g.add_argument("--report", help="write an HTML report with plots here")
+    g.add_argument("--plots-dir", help="also write the plots as PNG files into this folder")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -137,7 +138,7 @@ def apply_overrides(a: argparse.Namespace, spec: str) -> argparse.Namespace:
         k = ALIAS.get(k, k)
         if k == "preferred_batch_sizes":
             v = v.replace(";", ",")
-        if not hasattr(b, k) or k in ("compare", "report", "json"):
+        if not hasattr(b, k) or k in ("compare", "report", "json", "plots_dir"):
             raise ValueError(f"--compare {spec!r}: unknown setting {k!r}")
         try:
             if v.lower() in ("none", "") and k in ("concurrency", "num_kv_blocks", "max_model_len", "overhead_ms"):
@@ -188,4 +189,14 @@ def main(args: argparse.Namespace) -> int:
         with open(args.report, "w") as f:
             f.write(html_report(results, "carpool simulate", meta))
         print(f"report: {args.report}", file=sys.stderr)
+    if args.plots_dir:
+        import os
+
+        from carpool.tune.report import plots
+
+        os.makedirs(args.plots_dir, exist_ok=True)
+        for name, png in plots(results).items():
+            with open(os.path.join(args.plots_dir, f"{name}.png"), "wb") as f:
+                f.write(png)
+        print(f"plots: {args.plots_dir}", file=sys.stderr)
     return 0

@@ -25,12 +25,14 @@ def test_simulate_compare_json(capsys):
 def test_simulate_table_and_html_report(tmp_path, capsys):
     report = tmp_path / "sim.html"
     rc = main(["simulate", "--gpu", "h100", "--model", "8b", "--qps", "10", "--num-requests", "30",
-               "--compare", "gpu=l4", "--report", str(report)])
+               "--compare", "gpu=l4", "--report", str(report), "--plots-dir", str(tmp_path / "png")])
     assert rc == 0
     text = capsys.readouterr().out
     assert "throughput req/s" in text and "P99" not in text.split("\n")[0]
     html = report.read_text()
     assert html.count("data:image/png;base64,") >= 3 and "<table>" in html
+    pngs = sorted(p.name for p in (tmp_path / "png").iterdir())
+    assert "e2e_cdf.png" in pngs and all((tmp_path / "png" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
 
 
 def test_simulate_errors_name_the_flag(capsys):
