@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,8 @@ def test_state_dict_equals_transformers_gguf_load(smollm2_f32, transformers_gguf
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32
         assert tensor.shape == ref[name].shape, name
-        assert torch.allclose(tensor, ref[name], atol=1e-6, rtol=0), name
+        # numpy: single-threaded, so the check stays quick on a busy machine
+        assert np.abs(tensor.numpy() - ref[name].numpy()).max() <= 1e-6, name
 
 
 def test_config_from_gguf_metadata(smollm2_f32):
