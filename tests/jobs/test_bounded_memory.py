@@ -1,7 +1,6 @@
 """A large file runs in bounded memory: peak RSS does not grow with the number of lines."""
 
 import json
-import resource
 import subprocess
 import sys
 
@@ -40,4 +39,6 @@ def test_peak_rss_flat_from_10k_to_100k_lines(tmp_path):
         assert sum(1 for _ in f) == 100_000
     # 10x the lines (~20 MB of input, ~30 MB of output) and about the same memory.
     assert rss_big < rss_small * 1.3 + 20_000, (rss_small, rss_big)
-    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 400_000
+    # RUSAGE_CHILDREN would be the peak of every child this pytest process ever ran
+    # (engines, Ray), so bound the figure the child measured of itself.
+    assert rss_big < 400_000, rss_big
