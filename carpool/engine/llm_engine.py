@@ -115,8 +115,12 @@ class LLMEngine:
             from . import paged_attention
 
             paged_attention.load()
+        # extra["prefill_attention"]: "kernel" or "matmul" (batched matmuls for prefill chunks).
+        prefill_mode = config.extra.get("prefill_attention", "kernel")
+        if prefill_mode not in ("kernel", "matmul"):
+            raise EngineError(f"extra.prefill_attention must be kernel or matmul, got {prefill_mode!r}")
         self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed,
-                                  use_kernel=mode != "torch")
+                                  use_kernel=mode != "torch", prefill_kernel=prefill_mode == "kernel")
         self.requests: dict[str, Sequence] = {}
         self.listeners: list[Callable[[dict], None]] = []
         self.prompt_tokens = 0

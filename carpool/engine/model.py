@@ -39,7 +39,8 @@ class AttentionMetadata:
     prefill_slots: torch.Tensor | None  # [P, L]
     prefill_mask: torch.Tensor | None  # [1, P, G*Lq, L] additive (causal + context length)
     logits_index: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
-    # The C++ kernel path (set when the kernel is loaded; then the torch-path fields are None):
+    # The C++ kernel path: decodes always use it when it is loaded; prefill rows too unless
+    # the torch prefill fields above are set.
     use_kernel: bool = False
     block_tables: torch.Tensor | None = None  # [S, max_blocks] of the scheduled sequences
     seq_of_row: torch.Tensor | None = None  # [T] which scheduled sequence each token belongs to
@@ -118,7 +119,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Returns float32 logits [S, vocab] for the rows in ``meta.logits_index``."""
+        """Returns logits [S, vocab] (model dtype) for the rows in ``meta.logits_index``."""
         x = self.embed.index_select(0, input_ids)
         half = self.head_dim // 2
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, d/2]
@@ -144,7 +145,7 @@ class LlamaModel:
             x = x + F.linear(F.silu(g) * u, layer["down"])
         x = x.index_select(0, meta.logits_index)
         x = _rms_norm(x, self.norm, self.eps)
-        return F.linear(x, self.lm_head).float()
+        return F.linear(x, self.lm_head)
 
     def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:
@@ -167,10 +168,12 @@ class LlamaModel:
         v_flat = v_cache.view(nb_total * bs, hkv, d)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        if meta.use_kernel:
-            out = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_of_row, meta.ctx_len,
-                                     self.scale)
-            return out.view(t, -1)
+
+        def kernel(rows: slice) -> torch.Tensor:
+            out = pa.paged_attention(q[rows], k_cache, v_cache, meta.block_tables, meta.seq_of_row[rows],
+                                     meta.ctx_len[rows], self.scale)
+            return out.view(out.shape[0], -1)
+
         def gather(cache_flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
             """[B, L] slots -> [Hkv, B, L, d] (row gather, then a head-major view)."""
             b, length = slots.shape
@@ -178,14 +181,18 @@ class LlamaModel:
 
         outs = []
         nd = meta.num_decode
-        if nd:
+        if nd and meta.use_kernel:
+            outs.append(kernel(slice(0, nd)))
+        elif nd:
             # [Bd, Hq, d] -> [Hkv, Bd, G, d]: the G query heads sharing a KV head become G "rows".
             qd = q[:nd].reshape(nd, hkv, g, d).transpose(0, 1)
             kd = gather(k_flat, meta.decode_slots)
             vd = gather(v_flat, meta.decode_slots)
             od = self._softmax_attention(qd, kd, vd, meta.decode_mask)  # [Hkv, Bd, G, d]
             outs.append(od.transpose(0, 1).reshape(nd, hkv * g * d))
-        if t > nd:
+        if t > nd and meta.use_kernel and meta.prefill_slots is None:
+            outs.append(kernel(slice(nd, t)))
+        elif t > nd:
             p, lq = meta.prefill_shape
             qp = q[nd:]
             if meta.prefill_token_index is not None:

@@ -16,13 +16,14 @@ from .sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
-                 use_kernel: bool = True):
+                 use_kernel: bool = True, prefill_kernel: bool = True):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(seed)
         self.use_kernel = use_kernel and model.head_dim in pa.SUPPORTED_HEAD_DIMS
+        self.prefill_kernel = prefill_kernel  # False: prefill chunks use batched matmuls
         if self.use_kernel:
             pa.load_in_background()
 
@@ -38,23 +39,6 @@ class ModelRunner:
         ctx = torch.tensor(num_ctx, dtype=torch.long)
         valid = torch.arange(length).unsqueeze(0) < ctx.unsqueeze(1)
         return slots, valid
-
-    def _kernel_meta(self, scheduled, slots: list[int], sample_rows: list[int]) -> AttentionMetadata:
-        nb = max(len(s.block_table) for s, _ in scheduled)
-        tables = torch.tensor([s.block_table + [0] * (nb - len(s.block_table)) for s, _ in scheduled],
-                              dtype=torch.long)
-        seq_of_row: list[int] = []
-        ctx_len: list[int] = []
-        for i, (seq, n) in enumerate(scheduled):
-            seq_of_row.extend([i] * n)
-            start = seq.num_computed_tokens
-            ctx_len.extend(range(start + 1, start + n + 1))
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=0, decode_slots=None, decode_mask=None,
-            prefill_token_index=None, prefill_valid=None, prefill_shape=(0, 0), prefill_slots=None,
-            prefill_mask=None, logits_index=torch.tensor(sample_rows, dtype=torch.long), use_kernel=True,
-            block_tables=tables, seq_of_row=torch.tensor(seq_of_row, dtype=torch.long),
-            ctx_len=torch.tensor(ctx_len, dtype=torch.long))
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill_(~allowed, float("-inf"))
@@ -79,13 +63,25 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        if self.use_kernel and pa.available():
-            meta = self._kernel_meta(scheduled, slots, sample_rows)
-            return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_seqs
+        kernel = self.use_kernel and pa.available()
+        tables = seq_of_row = ctx_len = None
+        if kernel:
+            nb = max(len(s.block_table) for s, _ in scheduled)
+            tables = torch.tensor([s.block_table + [0] * (nb - len(s.block_table)) for s, _ in scheduled],
+                                  dtype=torch.long)
+            rows_seq: list[int] = []
+            rows_ctx: list[int] = []
+            for i, (seq, n) in enumerate(scheduled):
+                rows_seq.extend([i] * n)
+                rows_ctx.extend(range(seq.num_computed_tokens + 1, seq.num_computed_tokens + n + 1))
+            seq_of_row = torch.tensor(rows_seq, dtype=torch.long)
+            ctx_len = torch.tensor(rows_ctx, dtype=torch.long)
         decode = scheduled[:num_decode]
         prefill = scheduled[num_decode:]
+        if kernel and self.prefill_kernel:
+            prefill = []
         dec_slots = dec_mask = None
-        if decode:
+        if decode and not kernel:
             dec_slots, valid = self._context_slots([s for s, _ in decode],
                                                    [s.num_computed_tokens + 1 for s, _ in decode])
             dec_mask = self._additive(valid.view(1, len(decode), 1, -1))
@@ -122,6 +118,10 @@ class ModelRunner:
             prefill_slots=pf_slots,
             prefill_mask=pf_mask,
             logits_index=torch.tensor(sample_rows, dtype=torch.long),
+            use_kernel=kernel,
+            block_tables=tables,
+            seq_of_row=seq_of_row,
+            ctx_len=ctx_len,
         )
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_seqs
 

@@ -21,7 +21,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
-        """``logits`` float32 [S, vocab]; returns one token id per row."""
+        """``logits`` [S, vocab] (any float dtype; argmax needs no upcast); one token id per row."""
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         if len(greedy) == len(params):
             return logits.argmax(dim=-1).tolist()
@@ -31,7 +31,7 @@ class Sampler:
             for i, t in zip(greedy, logits.index_select(0, idx).argmax(dim=-1).tolist()):
                 out[i] = t
         rows = [i for i in range(len(params)) if not _is_greedy(params[i])]
-        x = logits.index_select(0, torch.tensor(rows))
+        x = logits.index_select(0, torch.tensor(rows)).float()
         temps = torch.tensor([params[i].temperature for i in rows], dtype=x.dtype).unsqueeze(1)
         x = x / temps
         top_ks = [params[i].top_k for i in rows]
