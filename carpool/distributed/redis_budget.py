@@ -165,6 +165,7 @@ class RedisBudget:
         self.unavailable_timeout_s = unavailable_timeout_s
         self._closed = False
         self._pending: set[asyncio.Task] = set()
+        self._lock = asyncio.Lock()
         self.waited_s = 0.0  # total time this client spent waiting for the budget
 
     @property
@@ -192,6 +193,13 @@ class RedisBudget:
         """Wait until ``requests`` requests and ``tokens`` tokens fit; returns seconds waited."""
         if not self.enabled:
             return 0.0
+        # One waiter per process asks Redis at a time, first come first served (as the local
+        # budget does): thousands of queued requests polling at once would flood Redis each
+        # time a token frees, and a large request would starve behind small ones.
+        async with self._lock:
+            return await self._acquire_locked(requests, tokens)
+
+    async def _acquire_locked(self, requests: int, tokens: int) -> float:
         loop = asyncio.get_running_loop()
         start = loop.time()
         failing_since: float | None = None

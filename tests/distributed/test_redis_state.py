@@ -223,3 +223,25 @@ def test_unreachable_redis_is_a_readable_error_not_a_free_pass():
         await b.close()
 
     asyncio.run(main())
+
+
+def test_many_waiters_in_one_process_do_not_flood_redis(redis_url, redis_name):
+    import redis as sync_redis
+
+    def script_calls() -> int:
+        stats = sync_redis.Redis.from_url(redis_url).info("commandstats")
+        return sum(stats.get(k, {}).get("calls", 0) for k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+    async def main():
+        # 100 per second, half of it as the burst: 150 waiters need about 2 s.
+        b = RedisBudget(redis_url, rpm=6000, name=redis_name, window_s=1.0, burst_s=0.5)
+        before = script_calls()
+        await asyncio.gather(*(b.acquire() for _ in range(150)))
+        calls = script_calls() - before
+        await b.close()
+        return calls
+
+    calls = asyncio.run(main())
+    # Only the head of the local queue asks Redis: about one call per grant plus the polls
+    # of one waiter, not one poll per waiter per refill.
+    assert calls < 3 * 150, calls
