@@ -70,13 +70,13 @@ class StepRecorder:
         self.samples.append({"t": t, "shape": shape, "duration_s": info["duration_s"], "busy_after": busy,
                              "cycle_s": None})
 
-    def fit_samples(self) -> list[tuple[StepShape, float]]:
-        """(shape, seconds) pairs: the cycle time where known, else the step's own duration plus
-        the median gap between the two."""
+    def fit_samples(self, start: int = 0, end: int | None = None) -> list[tuple[StepShape, float]]:
+        """(shape, seconds) pairs of samples[start:end]: the cycle time where known, else the
+        step's own duration plus the median gap between the two."""
         gaps = sorted(s["cycle_s"] - s["duration_s"] for s in self.samples if s["cycle_s"] is not None)
         gap = gaps[len(gaps) // 2] if gaps else 0.0
         return [(s["shape"], s["cycle_s"] if s["cycle_s"] is not None else s["duration_s"] + gap)
-                for s in self.samples]
+                for s in self.samples[start:end]]
 
     def clear(self) -> None:
         self.samples.clear()
