@@ -115,6 +115,12 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"carpool run: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the output cannot be written (disk full, a path under a file, ...)
+        from carpool.jobs.runner import OutputError
+
+        what = str(e) if isinstance(e, OutputError) else f"cannot write the output: {e}"
+        print(f"carpool run: {what}", file=sys.stderr)
+        return 1
     if not args.quiet:
         render_summary(stats)
     for msg in runner.messages:

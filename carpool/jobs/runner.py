@@ -41,6 +41,13 @@ except (ImportError, AttributeError):
     _cache = None
 
 
+class OutputError(OSError):
+    """The output could not be written; the message says which file, why, and how to resume."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
 @dataclass
 class RunOptions:
     input: str
@@ -119,6 +126,7 @@ class Runner:
         self._sem = None
         self._owned_engine = None
         self._warned_cache = False
+        self._write_failed = False
         self.executor: Executor | None = None
         self.limiter: FixedLimiter | None = None
         self.backend = None
@@ -209,6 +217,20 @@ class Runner:
         if slots is not None:
             slots.release()  # the reader may wait for a slot no cancelled task will free
 
+    def _stop_on_write_error(self) -> None:
+        """The output cannot be written (disk full, I/O error): stop at once.  Nothing more can
+        be journaled, so requests in flight are abandoned; they run again on resume."""
+        self._write_failed = True
+        self.stats.interrupted = True
+        self._stop = True
+        if self.executor is not None:
+            self.executor.stopping = True
+        for t in list(self._pending):
+            t.cancel()
+        slots = getattr(self, "_slots", None)
+        if slots is not None:
+            slots.release()  # the reader may wait for a slot
+
     def resume_command(self) -> str:
         argv = self.opts.argv if self.opts.argv is not None else sys.argv[1:]
         argv = [a for a in argv if a != "--fresh"]
@@ -259,7 +281,15 @@ class Runner:
             self.stats.sample(self.limiter.snapshot())
             progress.stop()
             await self._close()
+            if writer.error is not None:
+                self.stats.interrupted = True
+                self.stats.done -= writer.dropped
             journal.write_state(o.input, finished=not self.stats.interrupted, argv=o.argv)
+        if writer.error is not None:
+            e = writer.error
+            raise OutputError(e.errno, f"cannot write {writer.error_path}: {e.strerror or e}. The complete "
+                              "lines already in it are kept; fix it (free space, another -o) and resume "
+                              f"with:\n  {self.resume_command()}")
         if self.stats.interrupted:
             self.messages.append(f"interrupted: {self.stats.done + self.stats.skipped:,} tasks are in {o.output}. "
                                  f"Resume with:\n  {self.resume_command()}")
@@ -287,6 +317,8 @@ class Runner:
         while True:
             await asyncio.sleep(0.25)
             writer.tick()
+            if writer.error is not None and not self._write_failed:
+                self._stop_on_write_error()
             lim = self.limiter.snapshot()
             progress.update(f" conc {lim['in_flight']}/{lim['limit']:g}" if self.opts.endpoints else "")
             now = time.monotonic()

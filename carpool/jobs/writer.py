@@ -82,8 +82,13 @@ class Appender:
 
     def close(self) -> None:
         if not self._f.closed:
-            self.flush(fsync=True)
-            self._f.close()
+            try:
+                self.flush(fsync=True)
+            finally:
+                try:
+                    self._f.close()
+                except OSError:  # the flush above failed already (disk full): that error counts
+                    pass
 
 
 class ResultWriter:
@@ -98,6 +103,12 @@ class ResultWriter:
         self.output, self.errors, self.ordered = output, errors, ordered
         self._held: dict[int, tuple[bytes, bool, Callable[[], None] | None]] = {}
         self._next = 0
+        # The first failed write (disk full, I/O error) and its file; the runner polls it and
+        # stops the job.  Lines after it are dropped (their tasks are redone on resume), but
+        # ``done`` is still called so no slot stays taken and nothing waits forever.
+        self.error: OSError | None = None
+        self.error_path: str | None = None
+        self.dropped = 0
 
     def emit(self, seq: int, line: bytes, is_error: bool = False, done: Callable[[], None] | None = None) -> None:
         if not self.ordered:
@@ -109,20 +120,38 @@ class ResultWriter:
             self._next += 1
 
     def _write(self, line: bytes, is_error: bool, done: Callable[[], None] | None) -> None:
-        (self.errors if is_error and self.errors is not None else self.output).write(line)
+        target = self.errors if is_error and self.errors is not None else self.output
+        if self.error is None:
+            try:
+                target.write(line)
+            except OSError as e:
+                self._failed(target, e)
+        if self.error is not None:
+            self.dropped += 1
         if done is not None:
             done()
+
+    def _failed(self, target: Appender, e: OSError) -> None:
+        if self.error is None:
+            self.error, self.error_path = e, str(target.path)
 
     @property
     def held(self) -> int:
         return len(self._held)
 
+    def _files(self) -> list[Appender]:
+        return [self.output] + ([self.errors] if self.errors is not None else [])
+
     def tick(self) -> None:
-        self.output.tick()
-        if self.errors is not None:
-            self.errors.tick()
+        for f in self._files():
+            try:
+                f.tick()
+            except OSError as e:
+                self._failed(f, e)
 
     def close(self) -> None:
-        self.output.close()
-        if self.errors is not None:
-            self.errors.close()
+        for f in self._files():
+            try:
+                f.close()
+            except OSError as e:
+                self._failed(f, e)
