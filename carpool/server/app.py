@@ -153,18 +153,29 @@ async def health(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
 
 
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    data = [
+def _model_cards(state: ServerState) -> list[dict]:
+    cards = [
         {"id": name, "object": "model", "created": state.created, "owned_by": "carpool",
          "root": state.config.engine.model, "max_model_len": state.max_model_len}
         for name in state.model_names
     ]
-    data += [
+    cards += [
         {"id": name, "object": "model", "created": state.created, "owned_by": "carpool", "root": name}
         for name in state.embedding_names
     ]
-    return json_response({"object": "list", "data": data})
+    return cards
+
+
+async def models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": _model_cards(request.app[STATE])})
+
+
+async def model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    for card in _model_cards(request.app[STATE]):
+        if card["id"] == name:
+            return json_response(card)
+    raise ApiError(404, f"The model '{name}' does not exist here", param="model", code="model_not_found")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -242,6 +253,7 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None, batcher:
     app.router.add_post("/v1/completions", generation.completions)
     app.router.add_post("/v1/embeddings", embeddings.create_embeddings)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -452,6 +452,16 @@ def openapi_document(
                               **(_errors(401) if auth else {})},
             }
         },
+        "/v1/models/{model}": {
+            "get": {
+                "operationId": "retrieveModel",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "one served model",
+                                      "content": _json(_MODELS_RESPONSE["properties"]["data"]["items"])},
+                              "404": {"description": "unknown model", "content": _json(_ERROR)},
+                              **(_errors(401) if auth else {})},
+            }
+        },
         "/health": {"get": {"operationId": "health", "responses": {"200": {"description": "serving"},
                                                                    "503": {"description": "not ready"}}}},
     }

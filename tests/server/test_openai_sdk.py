@@ -103,6 +103,7 @@ def test_stop_string_ends_generation(openai_client):
 def test_models_lists_served_names(openai_client, server):
     ids = [m.id for m in openai_client.models.list().data]
     assert "tiny-random" in ids
+    assert openai_client.models.retrieve("tiny-random").id == "tiny-random"
     if server.state.embedding_names:
         assert "all-MiniLM-L6-v2" in ids
 
