@@ -74,10 +74,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller workloads")
     ap.add_argument("--save-profile", help="also write the fitted profile JSON here")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="engine torch threads (default: all cores); 1 is steadier on a crowded machine")
     args = ap.parse_args()
 
     cfg = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads)
     t_start = time.time()
     engine = AsyncEngine(cfg).start_sync()
     cal = calibration_workloads()
@@ -159,7 +161,7 @@ def main() -> int:
     print(json.dumps({
         "benchmark": "simulator_validation", "engine_model": args.model,
         "engine_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                          "num_kv_blocks": num_blocks},
+                          "num_kv_blocks": num_blocks, "num_threads": cfg.num_threads},
         "cpu_count": os.cpu_count(), "fit": profile.describe(), "fit_seconds": round(fit_s, 1),
         "held_out": rows, "max_throughput_error": worst_thr, "max_p99_e2e_error": worst_p99,
         "mean_throughput_error": round(sum(r["throughput_error"] for r in rows) / len(rows), 4),
