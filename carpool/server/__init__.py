@@ -4,7 +4,8 @@
 with ``base_url``; ``start_server_process(argv)`` runs ``carpool serve`` as a subprocess.
 """
 
+from carpool.server.app import build_app
 from carpool.server.config import ServerConfig
 from carpool.server.launcher import ServerHandle, start_server, start_server_process
 
-__all__ = ["ServerConfig", "ServerHandle", "start_server", "start_server_process"]
+__all__ = ["ServerConfig", "ServerHandle", "build_app", "start_server", "start_server_process"]
