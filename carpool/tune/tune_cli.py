@@ -140,13 +140,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"SLO: {', '.join(str(s) for s in res.slos)}")
         rows = res.measured or res.pruned
         for r in rows:
-            print(f"  {r.setting.label():<45} max rate {r.rate:8.3f} req/s  "
+            label = "the endpoint, as configured" if args.endpoint else r.setting.label()
+            print(f"  {label:<45} max rate {r.rate:8.3f} req/s  "
                   f"{'ok' if r.feasible else 'SLO never met'}  ({len(r.probes)} runs)")
         if res.best is None:
             print("no setting meets the SLO at any rate tried: relax the SLO or shorten the workload")
         else:
             m = res.best.measurement
-            print(f"best: {res.best.setting.label()}: goodput {res.best.goodput_rps:.3f} req/s; at that rate "
+            label = "the endpoint" if args.endpoint else res.best.setting.label()
+            print(f"best: {label}: goodput {res.best.goodput_rps:.3f} req/s; at that rate "
                   f"p99 E2E {m.e2e_s['p99'] * 1e3:.0f} ms, p99 TTFT {m.ttft_s['p99'] * 1e3:.0f} ms; "
                   f"client concurrency {res.recommended_concurrency}")
     if args.emit == "vllm":
