@@ -152,6 +152,10 @@ def main(args: argparse.Namespace) -> int:
                   f"p99 E2E {m.e2e_s['p99'] * 1e3:.0f} ms, p99 TTFT {m.ttft_s['p99'] * 1e3:.0f} ms; "
                   f"client concurrency {res.recommended_concurrency}")
     if args.emit == "vllm":
+        if args.endpoint:
+            print("carpool tune: --emit vllm needs --engine or --simulate (an endpoint's settings are its own)",
+                  file=sys.stderr)
+            return 2
         if res.best is None:
             print("carpool tune: no setting met the SLO; nothing to emit", file=sys.stderr)
             return 1
