@@ -32,16 +32,18 @@ from reliability_helpers import (
     write_jsonl,
 )
 
-KINDS = ["429", "503", "500", "502", "reset_before_body", "reset_after_body", "stall", "stall_mid_stream",
-         "truncate", "invalid_json"]
-# Each kind is drawn independently: 1 - (1 - r) ** 10 = 0.30.
-RATE = 1 - 0.7 ** (1 / len(KINDS))
+ALL_KINDS = ["429", "503", "500", "502", "reset_before_body", "reset_after_body", "stall", "stall_mid_stream",
+             "truncate", "invalid_json"]
+STREAM_ONLY = {"stall_mid_stream", "truncate"}  # a plain JSON answer has no stream to cut
 MAX_ATTEMPTS = 12
 
 
 @pytest.mark.slow
-def test_thirty_percent_faults_job_completes_and_counts_each_kind(logging_fault_server, tmp_path):
-    faults = [Fault(k, rate=RATE, retry_after=0.05 if k in ("429", "503") else None, stall_s=2.5) for k in KINDS]
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
+def test_thirty_percent_faults_job_completes_and_counts_each_kind(logging_fault_server, tmp_path, stream):
+    kinds = [k for k in ALL_KINDS if stream or k not in STREAM_ONLY]
+    rate = 1 - 0.7 ** (1 / len(kinds))  # each kind drawn independently: 30% of requests fail
+    faults = [Fault(k, rate=rate, retry_after=0.05 if k in ("429", "503") else None, stall_s=2.5) for k in kinds]
     srv = logging_fault_server(FaultConfig(faults=faults, seed=7, completion_tokens=4))
     n = 240
     rows = [chat_task(f"{'g' if i % 2 else 's'}{i}", f"question {i}", temperature=0.0 if i % 2 else 0.7)
@@ -50,7 +52,7 @@ def test_thirty_percent_faults_job_completes_and_counts_each_kind(logging_fault_
     out, summary_path = tmp_path / "out.jsonl", tmp_path / "summary.json"
     res = run_cli([str(src), "-o", str(out), "--endpoint", srv.url, "--model", "m", "--cache", "off",
                    "--concurrency", "16", "--read-timeout", "1.0", "--max-attempts", str(MAX_ATTEMPTS),
-                   "--summary-json", str(summary_path), "--quiet"])
+                   "--summary-json", str(summary_path), "--quiet"] + ([] if stream else ["--no-stream"]))
     assert res.returncode == 0, res.stderr.decode()[-3000:]
     summary = json.loads(summary_path.read_text())
     lines = {d["custom_id"]: d for d in read_jsonl(out)}
@@ -93,4 +95,4 @@ def test_thirty_percent_faults_job_completes_and_counts_each_kind(logging_fault_
     assert summary["ok"] == n - sum(expected_errors.values())
     assert expected_errors["maybe_executed"] > 0  # the non-idempotent path was exercised
     # Every fault kind happened and was seen by the runner as its own kind.
-    assert {CLIENT_KIND[k] for k in KINDS} <= set(summary["retries"]), summary["retries"]
+    assert {CLIENT_KIND[k] for k in kinds} <= set(summary["retries"]), summary["retries"]
