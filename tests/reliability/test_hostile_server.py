@@ -147,3 +147,15 @@ def test_worst_case_bodies(fuzz_server, path, raw):
 
 def test_server_is_healthy_after_the_fuzzing(fuzz_server):
     assert_healthy(fuzz_server)
+
+
+def test_body_past_the_size_limit_is_a_413_error(fuzz_server):
+    raw = json.dumps({"prompt": "x" * (33 * 2**20), "max_tokens": 2}).encode()  # the limit is 32 MiB
+    try:
+        status, headers, body = post(fuzz_server.base_url + "/v1/completions", raw)
+    except (ConnectionError, urllib.error.URLError):  # the server may close before the upload ends
+        status = None
+    if status is not None:
+        assert status == 413, status
+        check_answer(status, headers, body)
+    assert_healthy(fuzz_server)
