@@ -552,7 +552,11 @@ class Runner:
         kind = res.error_kind or R.SERVER_ERROR
         self.stats.errors[kind] += 1
         msg = f"line {task.line_no}: {res.error_message}" if res.error_message else f"line {task.line_no}: {kind}"
-        writer.emit(seq, error_line(req.custom_id, kind, msg, task.line_no, None, res.status_code or None,
+        # An OpenAI-style refusal names the field at fault in error.param: keep it.
+        err = res.body.get("error") if isinstance(res.body, dict) else None
+        param = err.get("param") if isinstance(err, dict) else None
+        field = param if isinstance(param, str) and param else None
+        writer.emit(seq, error_line(req.custom_id, kind, msg, task.line_no, field, res.status_code or None,
                                     res.body, attempts), True, self._written)
 
 

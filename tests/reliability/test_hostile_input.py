@@ -150,7 +150,7 @@ def _check_file(engine, lines: list[tuple[bytes, object]]) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=30, deadline=None, database=None,
+@settings(max_examples=50, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture, HealthCheck.large_base_example])
 @given(lines=hostile_file())
@@ -190,3 +190,30 @@ def test_engine_parameters_out_of_range_are_invalid_input_naming_the_field(tiny_
     ``invalid_input`` naming the field, not an engine error or a generic 'body'."""
     rec = _valid("L1", "hi") | {field: value}
     _check_file(tiny_engine, [(json.dumps(rec).encode(), ("error", field, "L1"))])
+
+
+def test_over_http_the_servers_refusal_names_the_line_and_field(tiny_engine, tiny_config, tmp_path):
+    """Lines the runner cannot judge itself (the context is the server's) are refused by the
+    server with a 400 whose ``param`` names the field; the line's error carries it."""
+    from carpool.server import ServerConfig, start_server
+
+    rows = [
+        _valid("long", "word " * 5000),  # past the 256-token context
+        _valid("n", "hi") | {"n": "many"},
+        _valid("logprobs", "hi") | {"logprobs": True},
+        _valid("fine", "hi"),
+    ]
+    fields = {"long": "messages", "n": "n", "logprobs": "logprobs"}
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None)
+    with start_server(cfg, engine=tiny_engine) as srv:
+        s = run_batch(src, out, endpoints=[srv.base_url + "/v1"], model="tiny-random", cache="off")
+    got = {d["custom_id"]: d for d in (json.loads(x) for x in out.read_text().splitlines())}
+    assert got["fine"]["error"] is None and s["ok"] == 1
+    for no, (cid, field) in enumerate(fields.items(), 1):
+        err = got[cid]["error"]
+        assert err["code"] == "invalid_request" and err["line"] == no and f"line {no}" in err["message"], err
+        assert err.get("field") == field, err
+        assert err["attempts"] == 1  # a 400 is not retried
