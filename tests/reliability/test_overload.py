@@ -10,7 +10,8 @@ must hold:
   exactly the admitted requests' tokens (latencies are in benchmarks/overload.py);
 - the server's RSS stays bounded (generous: +300 MiB over the warmed-up figure);
 - /metrics counts exactly the 429s the clients saw;
-- afterwards /health is OK and a normal request succeeds.
+- afterwards /health is OK and a normal request succeeds;
+- SIGTERM with requests in flight lets them finish, then the server exits 0.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import threading
 import time
 
@@ -82,7 +84,7 @@ def _completion_tokens(res: dict) -> int:
 
 
 @pytest.mark.slow
-def test_ten_times_capacity_429s_bounded_memory_and_recovers():
+def test_ten_times_capacity_429s_bounded_memory_recovers_and_stops_gracefully():
     args = ["--model", "tiny-random", "--port", "0", "--max-num-seqs", "2", "--max-queue-size", "4",
             "--embedding-model", "none", "--kv-cache-memory-gb", "0.1"]
     with start_server_process(args) as srv:
@@ -133,6 +135,30 @@ def test_ten_times_capacity_429s_bounded_memory_and_recovers():
         assert asyncio.run(_load_warmup(url)) == 200
         print(f"ok={len(ok)} refused={len(refused)} rss_before={rss_before // 1024} MiB "
               f"peak={peak[0] // 1024} MiB after={rss_after // 1024} MiB")
+        # SIGTERM with requests in flight (running and waiting): they finish, then it exits 0.
+        results, rc = asyncio.run(_sigterm_with_requests_in_flight(srv))
+        assert results == [(200, 160)] * 4 and rc == 0, (results, rc)
+
+
+async def _sigterm_with_requests_in_flight(srv) -> tuple[list, int]:
+    async with aiohttp.ClientSession() as s:
+        async def one(i: int):
+            body = {"prompt": f"count {i}", "max_tokens": 160, "ignore_eos": True, "temperature": 0}
+            async with s.post(srv.base_url + "/v1/completions", json=body) as r:
+                return r.status, (await r.json(content_type=None)).get("usage", {}).get("completion_tokens")
+
+        tasks = [asyncio.create_task(one(i)) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # all four inside the engine (running or waiting)
+            async with s.get(srv.base_url + "/metrics") as r:
+                text = await r.text()
+            if _metric(text, "vllm:num_requests_running") + _metric(text, "vllm:num_requests_waiting") >= 4:
+                break
+            await asyncio.sleep(0.02)
+        srv.process.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        rc = await asyncio.to_thread(srv.process.wait, 60)
+        return results, rc
 
 
 async def _load_warmup(url: str) -> int:
