@@ -217,3 +217,36 @@ def test_over_http_the_servers_refusal_names_the_line_and_field(tiny_engine, tin
         assert err["code"] == "invalid_request" and err["line"] == no and f"line {no}" in err["message"], err
         assert err.get("field") == field, err
         assert err["attempts"] == 1  # a 400 is not retried
+
+
+def test_duplicate_custom_ids_are_line_errors_and_resume_loses_nothing(tmp_path):
+    """A custom_id is the journal's key, so two tasks sharing one cannot both be resumed
+    safely: the second is an ``invalid_input`` on field custom_id (as OpenAI's Batch API
+    refuses duplicates), including a given id equal to an automatic ``line-N``.  Whatever
+    prefix of the output a crash leaves, the resumed output accounts for every line once."""
+    rows = [{"custom_id": "x", "messages": [{"role": "user", "content": "a"}]},
+            {"custom_id": "x", "messages": [{"role": "user", "content": "b"}]},  # duplicate
+            {"messages": [{"role": "user", "content": "c"}]},  # automatic id line-3
+            {"custom_id": "line-3", "messages": [{"role": "user", "content": "d"}]},  # duplicate of it
+            {"custom_id": "y", "messages": [{"role": "user", "content": "e"}]}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def accounted(path: Path) -> tuple[list[str], list[int]]:
+        got = [json.loads(x) for x in path.read_text().splitlines()]
+        ok = sorted(d["custom_id"] for d in got if d["error"] is None)
+        bad = sorted(d["error"]["line"] for d in got if d["error"] is not None)
+        for d in got:
+            if d["error"] is not None:
+                assert d["error"]["field"] == "custom_id" and "duplicate" in d["error"]["message"], d["error"]
+        return ok, bad
+
+    full = tmp_path / "full.jsonl"
+    run_batch(src, full, dry_run=True, cache="off")
+    assert accounted(full) == (["line-3", "x", "y"], [2, 4])
+    lines = full.read_text().splitlines(keepends=True)
+    for k in range(len(lines)):  # a crash after k lines, then the same command again
+        out = tmp_path / f"resume{k}.jsonl"
+        out.write_text("".join(lines[:k]))
+        run_batch(src, out, dry_run=True, cache="off")
+        assert accounted(out) == (["line-3", "x", "y"], [2, 4]), k
