@@ -15,6 +15,7 @@ A record without custom_id gets ``line-<n>`` (its 1-based line number).
 from __future__ import annotations
 
 import json
+import re
 import string
 from dataclasses import dataclass, field
 
@@ -192,7 +193,37 @@ def parse_json_line(text: str | bytes, line_no: int, defaults: TaskDefaults) -> 
         return _bad(line_no, None, "", f"not valid JSON ({e})")
     except RecursionError:  # json's decoder recurses per nesting level
         return _bad(line_no, None, "", "not valid JSON: nested too deeply")
+    if _SURROGATE_ESCAPE.search(text) is not None:
+        bad = _lone_surrogate_field(obj)
+        if bad is not None:
+            cid = obj.get("custom_id") if bad != "custom_id" else None
+            return _bad(line_no, cid if isinstance(cid, str) and cid else None, bad,
+                        "contains a lone surrogate escape (\\ud800-\\udfff without its pair): not Unicode "
+                        "text, it cannot be sent or written; fix the producer of this file")
     return build_task(obj, line_no, defaults)
+
+
+# "\ud800".."\udfff" escapes: only these can decode to a lone surrogate (a cheap pre-check).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _encodable(value: object) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _lone_surrogate_field(obj: object) -> str | None:
+    """The top-level field holding a lone surrogate ("" for the record itself), or None."""
+    if _encodable(obj):
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not _encodable(k) or not _encodable(v):
+                return k if _encodable(k) else ""
+    return ""
 
 
 @dataclass

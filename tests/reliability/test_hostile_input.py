@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from carpool.jobs.api import run_batch
+from carpool.testing.fault_server import FaultConfig
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -64,7 +65,7 @@ def hostile_line(draw, n: int):
     field "" means a line-level error (bad JSON/UTF-8) that names no field."""
     cid = f"L{n}"
     kind = draw(st.sampled_from(["valid", "wrong", "deep", "huge", "utf8", "nul", "blank", "bom", "nonobj",
-                                 "nul_escaped", "long_id"]))
+                                 "nul_escaped", "long_id", "surrogate"]))
     if kind == "valid":
         text = draw(st.text(min_size=1, max_size=40))
         return json.dumps(_valid(cid, text)).encode(), "ok"
@@ -88,6 +89,16 @@ def hostile_line(draw, n: int):
         return json.dumps(_valid(cid, "ab")).replace("ab", "a\x00b").encode(), ("error", "", f"line-{n}")
     if kind == "nul_escaped":  # a NUL character written as \u0000 is valid JSON text
         return json.dumps(_valid(cid, "a\x00b")).encode(), "ok"
+    if kind == "surrogate":  # valid JSON, but "\ud800" alone is no Unicode character
+        where = draw(st.sampled_from(["content", "custom_id", "stop"]))
+        rec = _valid(cid, "x")
+        if where == "content":
+            rec["messages"][0]["content"] = "SURR"
+        elif where == "stop":
+            rec["stop"] = ["SURR"]
+        else:
+            rec["custom_id"] = "SURR"
+        return json.dumps(rec).replace("SURR", "bad \\ud800 text").encode(), ("error", None, None)
     if kind == "blank":
         return draw(st.sampled_from([b"", b"   ", b"\t", b"\r"])), "skip"
     if kind == "bom":
@@ -250,3 +261,33 @@ def test_duplicate_custom_ids_are_line_errors_and_resume_loses_nothing(tmp_path)
         out.write_text("".join(lines[:k]))
         run_batch(src, out, dry_run=True, cache="off")
         assert accounted(out) == (["line-3", "x", "y"], [2, 4]), k
+
+
+@pytest.mark.parametrize("how", ["http", "dry-run", "engine"])
+@pytest.mark.parametrize("cache", ["off", "sqlite"])
+def test_lone_surrogate_escapes_are_line_errors_not_lost_lines(tiny_engine, logging_fault_server, tmp_path,
+                                                               how, cache):
+    """``"\\ud800"`` is valid JSON but no Unicode text: it cannot be sent, cached or written.
+    The line must come back as an error naming it (and its field), never vanish."""
+    lines = ['{"custom_id": "s1", "temperature": 0, "messages": [{"role": "user", "content": "a \\ud800 b"}]}',
+             ('{"custom_id": "s2", "temperature": 0, "stop": ["\\udfff"], "messages": [{"role": "user", '
+              '"content": "x"}]}'),
+             json.dumps(_valid("fine", "ok \U0001F600 emoji"))]  # a proper surrogate pair is fine
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    kw: dict = {"cache": "off" if cache == "off" else f"sqlite:///{tmp_path / 'c.sqlite'}"}
+    if how == "http":
+        kw |= {"endpoints": [logging_fault_server(FaultConfig()).url], "model": "m"}
+    elif how == "dry-run":
+        kw["dry_run"] = True
+    else:
+        kw["engine"] = tiny_engine
+    summary = run_batch(src, out, **kw)
+    got = {d["custom_id"]: d for d in (json.loads(x) for x in out.read_text().splitlines())}
+    assert len(got) == 3 and summary["done"] == 3, (sorted(got), summary["done"])
+    assert got["fine"]["error"] is None
+    for no, (cid, field) in enumerate((("s1", "messages"), ("s2", "stop")), 1):
+        err = got[cid]["error"]
+        assert err["code"] == "invalid_input" and err["line"] == no and f"line {no}" in err["message"], err
+        assert err["field"].startswith(field), err
