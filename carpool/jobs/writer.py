@@ -20,6 +20,13 @@ from pathlib import Path
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
+def _encode_line(doc: dict) -> bytes:
+    # A lone surrogate (a server that cut a multi-byte character, a "\ud800" escape in its
+    # JSON) has no UTF-8 form: written back as the same JSON escape, the line stays valid
+    # JSON and says exactly what was received; a strict encode would raise and lose the line.
+    return (_dumps(doc) + "\n").encode("utf-8", "backslashreplace")
+
+
 def _rid() -> str:
     return "batch_req_" + os.urandom(12).hex()
 
@@ -27,7 +34,7 @@ def _rid() -> str:
 def success_line(custom_id: str, status: int, request_id: str, body: dict) -> bytes:
     doc = {"custom_id": custom_id, "id": _rid(),
            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
-    return (_dumps(doc) + "\n").encode()
+    return _encode_line(doc)
 
 
 def error_line(custom_id: str, code: str, message: str, line_no: int | None = None, field: str | None = None,
@@ -43,7 +50,7 @@ def error_line(custom_id: str, code: str, message: str, line_no: int | None = No
     if status:
         response = {"status_code": status, "request_id": "", "body": body}
     doc = {"custom_id": custom_id, "id": _rid(), "response": response, "error": err}
-    return (_dumps(doc) + "\n").encode()
+    return _encode_line(doc)
 
 
 class Appender:

@@ -20,17 +20,22 @@ import json
 from collections import Counter
 
 import pytest
+from aiohttp import web
 from reliability_helpers import (
     CLIENT_KIND,
     MAY_HAVE_RUN,
     REFUSALS,
     Fault,
     FaultConfig,
+    FaultServer,
+    ThreadedFaultServer,
     chat_task,
     read_jsonl,
     run_cli,
     write_jsonl,
 )
+
+from carpool.jobs.api import run_batch
 
 ALL_KINDS = ["429", "503", "500", "502", "reset_before_body", "reset_after_body", "stall", "stall_mid_stream",
              "truncate", "invalid_json"]
@@ -96,3 +101,32 @@ def test_thirty_percent_faults_job_completes_and_counts_each_kind(logging_fault_
     assert expected_errors["maybe_executed"] > 0  # the non-idempotent path was exercised
     # Every fault kind happened and was seen by the runner as its own kind.
     assert {CLIENT_KIND[k] for k in kinds} <= set(summary["retries"]), summary["retries"]
+
+
+class _LoneSurrogateServer(FaultServer):
+    """Answers every chat request with text holding a lone surrogate escape: valid JSON,
+    not valid Unicode (some servers emit it when they cut a multi-byte character)."""
+
+    async def _answer(self, request, raw, key):
+        self.completed[key] += 1
+        body = ('{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":'
+                '"assistant","content":"cut \\ud83d here"},"finish_reason":"length"}],'
+                '"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}')
+        return web.Response(text=body, content_type="application/json")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["no-stream", "stream"])
+def test_an_answer_that_is_not_unicode_is_written_not_lost(tmp_path, stream):
+    srv = ThreadedFaultServer(FaultConfig())
+    srv.server = _LoneSurrogateServer(FaultConfig())
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_task(f"q{i}", f"hi {i}") for i in range(3)])
+    out = tmp_path / "out.jsonl"
+    with srv:
+        s = run_batch(src, out, endpoints=[srv.url], model="m", cache="off", stream=stream)
+    rows = read_jsonl(out)
+    assert sorted(d["custom_id"] for d in rows) == ["q0", "q1", "q2"] and s["done"] == 3, (s["done"], rows)
+    for d in rows:  # kept as the server sent it (the escape), or an error of its own kind
+        if d["error"] is None:
+            assert d["response"]["body"]["choices"][0]["message"]["content"] == "cut \ud83d here"
+        else:
+            assert d["error"]["code"] == "invalid_response"
