@@ -26,6 +26,31 @@ class StepShape:
     kv_tokens_read: int = 0  # sum over scheduled sequences of the context they attend to
     attn_pairs: int = 0  # sum of (query, key) pairs: a chunk of c at offset o gives c*o + c*(c+1)/2
     num_seqs: int = 0  # sequences scheduled (each samples at most one token)
+    # As carpool's CPU engine computes attention: single-token queries padded to the longest
+    # context among them, prefill chunks padded to the longest chunk and longest context.
+    kv_tokens_padded: int = 0
+    attn_pairs_padded: int = 0
+
+    @classmethod
+    def of(cls, chunks: list[tuple[int, int]], num_decode: int | None = None) -> StepShape:
+        """The shape of a step computing ``n`` tokens after ``old`` cached ones, per (old, n).
+
+        ``num_decode``: how many count as decode tokens (default: the single-token chunks)."""
+        dec = [old + 1 for old, n in chunks if n == 1]
+        pf = [(old, n) for old, n in chunks if n != 1]
+        s = cls(num_seqs=len(chunks))
+        s.num_decode_tokens = len(dec) if num_decode is None else num_decode
+        s.num_prefill_tokens = sum(n for _, n in chunks) - s.num_decode_tokens
+        s.kv_tokens_read = sum(old + n for old, n in chunks)
+        s.attn_pairs = sum(attn_pairs(old, n) for old, n in chunks)
+        if dec:
+            s.kv_tokens_padded += len(dec) * max(dec)
+            s.attn_pairs_padded += len(dec) * max(dec)
+        if pf:
+            ctx = max(old + n for old, n in pf)
+            s.kv_tokens_padded += len(pf) * ctx
+            s.attn_pairs_padded += len(pf) * max(n for _, n in pf) * ctx
+        return s
 
     @property
     def num_tokens(self) -> int:
@@ -122,13 +147,15 @@ FEATURES = ("base", "prefill", "decode", "kv", "pairs")
 
 
 def _features(s: StepShape) -> list[float]:
-    # pairs are scaled to thousands so the coefficients have similar magnitudes.
-    return [1.0, s.num_prefill_tokens, s.num_decode_tokens, s.kv_tokens_read, s.attn_pairs / 1e3]
+    # The engine's attention touches the padded KV and score matrices, so those are the
+    # terms; pairs are scaled to thousands so the coefficients have similar magnitudes.
+    return [1.0, s.num_prefill_tokens, s.num_decode_tokens, s.kv_tokens_padded, s.attn_pairs_padded / 1e3]
 
 
 @dataclass
 class ProfiledCost:
-    """step time = base + a*prefill tokens + b*decode tokens + c*KV tokens read + d*pairs/1e3.
+    """step time = base + a*prefill tokens + b*decode tokens + c*KV tokens read + d*pairs/1e3,
+    KV tokens and (query, key) pairs counted as the engine pads them (``StepShape.of``).
 
     Fitted by non-negative least squares on (shape, measured duration) samples from
     carpool's engine, so it predicts that engine on this machine and no other.

@@ -14,7 +14,7 @@ import random
 import time
 from typing import Any
 
-from carpool.tune.cost import StepShape, attn_pairs
+from carpool.tune.cost import StepShape
 from carpool.tune.workload import SimRequest
 
 
@@ -47,10 +47,8 @@ class StepRecorder:
         def schedule():
             t = time.perf_counter()
             out = orig()
-            shape = StepShape(out.num_prefill_tokens, out.num_decode_tokens, 0, 0, len(out.scheduled))
-            for seq, n in out.scheduled:
-                shape.kv_tokens_read += seq.num_computed_tokens + n
-                shape.attn_pairs += attn_pairs(seq.num_computed_tokens, n)
+            shape = StepShape.of([(seq.num_computed_tokens, n) for seq, n in out.scheduled],
+                                 out.num_decode_tokens)
             if self.samples and self.samples[-1]["busy_after"] and self.samples[-1]["cycle_s"] is None:
                 self.samples[-1]["cycle_s"] = t - self.samples[-1]["t"]
             self._pending = (t, shape)

@@ -13,7 +13,7 @@ import contextlib
 import types
 from collections.abc import Iterator
 
-from carpool.tune.cost import CostModel, StepShape, attn_pairs
+from carpool.tune.cost import CostModel, StepShape
 from carpool.tune.engine_load import prompt_token_ids
 from carpool.tune.simulator import SimConfig
 from carpool.tune.workload import SimRequest
@@ -60,10 +60,7 @@ def replay(requests: list[SimRequest], cfg: SimConfig, cost: CostModel, num_bloc
                 clock[0] = pending[i].arrival
                 continue
             so = sch.schedule()
-            shape = StepShape(so.num_prefill_tokens, so.num_decode_tokens, 0, 0, len(so.scheduled))
-            for seq, n in so.scheduled:
-                shape.kv_tokens_read += seq.num_computed_tokens + n
-                shape.attn_pairs += attn_pairs(seq.num_computed_tokens, n)
+            shape = StepShape.of([(seq.num_computed_tokens, n) for seq, n in so.scheduled], so.num_decode_tokens)
             steps.append({"t": clock[0], "num_prefill_tokens": so.num_prefill_tokens,
                           "num_decode_tokens": so.num_decode_tokens, "num_seqs": len(so.scheduled),
                           "num_preempted": len(so.preempted), "free_blocks": bm.num_free_blocks})

@@ -441,17 +441,11 @@ class Simulator:
                 if self._preempted_step or not (self.waiting or self.running):
                     continue  # everything was preempted: the next step admits again
                 raise RuntimeError("scheduler made no progress (a request cannot fit the budget or KV cache)")
-            shape = StepShape(num_seqs=len(sched))
-            for s, n in sched:
-                old = s.num_computed
-                # As the engine counts: a running sequence's single last token is a decode;
-                # whatever an admission computes is prefill.
-                if n == 1 and s.num_output > 0 and old == s.num_tokens - 1 and s.seqno not in self._admitted:
-                    shape.num_decode_tokens += 1
-                else:
-                    shape.num_prefill_tokens += n
-                shape.kv_tokens_read += old + n
-                shape.attn_pairs += attn_pairs(old, n)
+            # As the engine counts: a running sequence's single last token is a decode;
+            # whatever an admission computes is prefill.
+            ndec = sum(1 for s, n in sched if n == 1 and s.num_output > 0
+                       and s.num_computed == s.num_tokens - 1 and s.seqno not in self._admitted)
+            shape = StepShape.of([(s.num_computed, n) for s, n in sched], ndec)
             self.prefill_computed += shape.num_prefill_tokens
             dt = self.cost.step_time(shape)
             used = self.n_blocks - self.pool.num_free
@@ -534,7 +528,7 @@ class Simulator:
         for s in batch:
             s.first_scheduled = self.now
         self._admit()
-        shape = StepShape(b * p_max, 0, b * p_max, b * attn_pairs(0, p_max), b)
+        shape = StepShape(b * p_max, 0, b * p_max, b * attn_pairs(0, p_max), b, b * p_max, b * p_max * p_max)
         self.prefill_computed += shape.num_prefill_tokens
         self.query_tokens += sum(s.req.prompt_len for s in batch)
         blocks = lambda L: min(b * ceil_div(L, self.cfg.block_size), self.n_blocks)
@@ -545,7 +539,7 @@ class Simulator:
             s.first_token = self.now
         for k in range(1, o_max):
             ctx = p_max + k
-            shape = StepShape(0, b, b * ctx, b * ctx, b)
+            shape = StepShape(0, b, b * ctx, b * ctx, b, b * ctx, b * ctx)
             dt = self.cost.step_time(shape)
             self._admit()  # arrivals queue up meanwhile (and count as in the system)
             self._record(dt, shape, blocks(ctx), {"padded": True})
