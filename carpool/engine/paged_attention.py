@@ -10,9 +10,13 @@ falls back to the pure-torch path in ``model.py``.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
+import tempfile
 import threading
+from pathlib import Path
 
 import torch
 
@@ -24,53 +28,78 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+// Rows are processed in blocks of up to kRows consecutive rows of one sequence (a prefill
+// chunk; a decode is a block of one), per KV head: each key/value vector is converted to
+// fp32 once and used by every query row x query head of the block.
+constexpr int64_t kRows = 16;
+
 template <typename T, int D>
 static void attend(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* seq_of_row,
                    const int64_t* ctx_len, T* out, int64_t rows, int64_t hq, int64_t hkv, int64_t bs,
                    int64_t max_blocks, float scale) {
   const int64_t g = hq / hkv;
-  at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> qf(g * D), acc(g * D);
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < rows; ++t)
+    if (t == 0 || seq_of_row[t] != seq_of_row[t - 1] || t - starts.back() == kRows) starts.push_back(t);
+  const int64_t nblk = static_cast<int64_t>(starts.size());
+  starts.push_back(rows);
+  at::parallel_for(0, nblk * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf, acc;
     float kf[D];
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t t = w / hkv, h = w % hkv;
-      const int64_t len = ctx_len[t];
-      const int64_t* table = tables + seq_of_row[t] * max_blocks;
-      scores.resize(g * len);
-      for (int64_t j = 0; j < g; ++j)
-        for (int d = 0; d < D; ++d) qf[j * D + d] = static_cast<float>(q[(t * hq + h * g + j) * D + d]) * scale;
-      for (int64_t l = 0; l < len; ++l) {
+      const int64_t b = w / hkv, h = w % hkv;
+      const int64_t row0 = starts[b], nr = starts[b + 1] - row0, nq = nr * g;
+      const int64_t* table = tables + seq_of_row[row0] * max_blocks;
+      int64_t maxlen = 0;
+      for (int64_t r = 0; r < nr; ++r) maxlen = ctx_len[row0 + r] > maxlen ? ctx_len[row0 + r] : maxlen;
+      scores.assign(nq * maxlen, 0.f);
+      qf.resize(nq * D);
+      acc.assign(nq * D, 0.f);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < g; ++j)
+          for (int d = 0; d < D; ++d)
+            qf[(r * g + j) * D + d] = static_cast<float>(q[((row0 + r) * hq + h * g + j) * D + d]) * scale;
+      for (int64_t l = 0; l < maxlen; ++l) {
         const T* kp = kc + ((table[l / bs] * bs + l % bs) * hkv + h) * D;
         for (int d = 0; d < D; ++d) kf[d] = static_cast<float>(kp[d]);
-        for (int64_t j = 0; j < g; ++j) {
-          float s = 0.f;
-          const float* qj = &qf[j * D];
-          for (int d = 0; d < D; ++d) s += qj[d] * kf[d];
-          scores[j * len + l] = s;
+        for (int64_t r = 0; r < nr; ++r) {
+          if (l >= ctx_len[row0 + r]) continue;
+          for (int64_t j = 0; j < g; ++j) {
+            const float* qj = &qf[(r * g + j) * D];
+            float s = 0.f;
+            for (int d = 0; d < D; ++d) s += qj[d] * kf[d];
+            scores[(r * g + j) * maxlen + l] = s;
+          }
         }
       }
-      for (int64_t j = 0; j < g; ++j) {
-        float* sj = &scores[j * len];
-        float m = -INFINITY;
-        for (int64_t l = 0; l < len; ++l) m = sj[l] > m ? sj[l] : m;
-        float sum = 0.f;
-        for (int64_t l = 0; l < len; ++l) { sj[l] = std::exp(sj[l] - m); sum += sj[l]; }
-        const float inv = 1.f / sum;
-        for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t len = ctx_len[row0 + r];
+        for (int64_t j = 0; j < g; ++j) {
+          float* sj = &scores[(r * g + j) * maxlen];
+          float m = -INFINITY;
+          for (int64_t l = 0; l < len; ++l) m = sj[l] > m ? sj[l] : m;
+          float sum = 0.f;
+          for (int64_t l = 0; l < len; ++l) { sj[l] = std::exp(sj[l] - m); sum += sj[l]; }
+          const float inv = 1.f / sum;
+          for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < len; ++l) {
+      for (int64_t l = 0; l < maxlen; ++l) {
         const T* vp = vc + ((table[l / bs] * bs + l % bs) * hkv + h) * D;
         for (int d = 0; d < D; ++d) kf[d] = static_cast<float>(vp[d]);
-        for (int64_t j = 0; j < g; ++j) {
-          const float p = scores[j * len + l];
-          float* aj = &acc[j * D];
-          for (int d = 0; d < D; ++d) aj[d] += p * kf[d];
+        for (int64_t r = 0; r < nr; ++r) {
+          if (l >= ctx_len[row0 + r]) continue;
+          for (int64_t j = 0; j < g; ++j) {
+            const float p = scores[(r * g + j) * maxlen + l];
+            float* aj = &acc[(r * g + j) * D];
+            for (int d = 0; d < D; ++d) aj[d] += p * kf[d];
+          }
         }
       }
-      for (int64_t j = 0; j < g; ++j)
-        for (int d = 0; d < D; ++d) out[(t * hq + h * g + j) * D + d] = static_cast<T>(acc[j * D + d]);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < g; ++j)
+          for (int d = 0; d < D; ++d)
+            out[((row0 + r) * hq + h * g + j) * D + d] = static_cast<T>(acc[(r * g + j) * D + d]);
     }
   });
 }
@@ -109,10 +138,44 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
 }
 """
 
+_NAME = "carpool_paged_attention"
 _lock = threading.Lock()
 _module = None
 _failed = False
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def _cache_dir() -> Path:
+    key = hashlib.sha256("|".join([_SOURCE, *_CFLAGS, torch.__version__]).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("CARPOOL_CACHE_DIR") or Path.home() / ".cache" / "carpool")
+    return root / "kernels" / f"paged_attention-{key}"
+
+
+def _import_so(path: Path) -> object:
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(final: Path) -> object:
+    """Compile in a private directory, then move the .so into the shared cache atomically.
+
+    No shared lock file: a builder that dies cannot leave the others waiting forever
+    (concurrent first builds just compile twice).
+    """
+    from torch.utils.cpp_extension import load_inline
+
+    final.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="build-", dir=final) as tmp:
+        load_inline(name=_NAME, cpp_sources=[_SOURCE], functions=["paged_attention"], extra_cflags=_CFLAGS,
+                    build_directory=tmp, verbose=False)
+        so = next(Path(tmp).glob(f"{_NAME}*.so"))
+        os.replace(so, final / so.name)
+    return _import_so(final / so.name)
 
 
 def load() -> object | None:
@@ -126,11 +189,9 @@ def load() -> object | None:
                 _failed = True
                 return None
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name="carpool_paged_attention_v1", cpp_sources=[_SOURCE], functions=["paged_attention"],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
+                final = _cache_dir()
+                built = sorted(final.glob(f"{_NAME}*.so")) if final.exists() else []
+                _module = _import_so(built[0]) if built else _build(final)
             except Exception as e:  # noqa: BLE001 -- no compiler, headers, ...: use the torch path
                 log.warning("paged attention kernel unavailable (%s); using the torch attention path", e)
                 _failed = True
