@@ -141,8 +141,8 @@ def main(args: argparse.Namespace) -> int:
         rows = res.measured or res.pruned
         for r in rows:
             label = "the endpoint, as configured" if args.endpoint else r.setting.label()
-            print(f"  {label:<45} max rate {r.rate:8.3f} req/s  "
-                  f"{'ok' if r.feasible else 'SLO never met'}  ({len(r.probes)} runs)")
+            status = "SLO never met" if not r.feasible else "ok, or more (raise --max-probes)" if r.lower_bound else "ok"
+            print(f"  {label:<45} max rate {r.rate:8.3f} req/s  {status}  ({len(r.probes)} runs)")
         if res.best is None:
             print("no setting meets the SLO at any rate tried: relax the SLO or shorten the workload")
         else:

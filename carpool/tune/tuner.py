@@ -92,6 +92,7 @@ class RateSearch:
     measurement: Measurement | None  # at that rate
     probes: list[tuple[float, float]] = field(default_factory=list)  # (rate, margin) in probe order
     feasible: bool = True
+    lower_bound: bool = False  # still passing at the highest rate tried: the true maximum is higher
 
     @property
     def goodput_rps(self) -> float:
@@ -175,7 +176,7 @@ def find_max_rate(evaluate: Callable[[float], Measurement], slos: list[SLO], sta
             a, fa = b, fb
             b, fb = b * 2, f(b * 2)
         if fb >= 0:  # still passing at the top of the search: report the top
-            return RateSearch(None, best["rate"], best["m"], probes)
+            return RateSearch(None, best["rate"], best["m"], probes, lower_bound=True)
     else:
         b, fb = a, fa
         while fa < 0 and a > floor and len(probes) < max_probes:
@@ -232,7 +233,8 @@ class TuneResult:
         def one(r: RateSearch) -> dict:
             m = r.measurement
             return {"setting": asdict(r.setting), "label": r.setting.label(), "max_rate_rps": r.rate,
-                    "goodput_rps": r.goodput_rps, "feasible": r.feasible, "num_probes": len(r.probes),
+                    "goodput_rps": r.goodput_rps, "feasible": r.feasible, "lower_bound": r.lower_bound,
+                    "num_probes": len(r.probes),
                     "probes": [(round(x, 4), round(g, 4)) for x, g in r.probes],
                     "at_max_rate": m.summary() if m else None}
 

@@ -38,9 +38,12 @@ def test_brent_converges_to_where_p99_equals_the_slo():
     assert r.feasible
     assert r.rate == pytest.approx(9.0, rel=0.01)
     assert r.rate <= 9.0  # the answer is a rate known to pass
+    assert not r.lower_bound
+    capped = find_max_rate(ev, [slo], start=0.01, rtol=0.005, max_probes=4)
+    assert capped.lower_bound and capped.rate == pytest.approx(0.08)  # 0.01 doubled 3 times, all passing
     assert r.measurement.e2e_s["p99"] == pytest.approx(1.0, rel=0.05)
     # A linear step-down of 1% from the bracket top would need ~50 runs.
-    assert len(calls) <= 14
+    assert len(calls) - 4 <= 14  # minus the capped search's 4
 
 
 def test_root_find_from_above_and_infeasible():
