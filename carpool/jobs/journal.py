@@ -48,6 +48,34 @@ class DoneSet:
         return i < len(self._h) and self._h[i] == h
 
 
+class SeenIds:
+    """The custom_ids read so far in this run, to refuse duplicates in bounded memory.
+
+    Recent ids sit in a small Python set; when it fills, it is merged into a sorted
+    numpy array of 64-bit hashes, so a long job costs about 8 bytes a task, as DoneSet.
+    """
+
+    def __init__(self, batch: int = 1 << 18):
+        self._old = np.zeros(0, np.uint64)
+        self._new: set[int] = set()
+        self._batch = batch
+
+    def add(self, custom_id: str) -> bool:
+        """Remember the id; False when it was seen before."""
+        h = id_hash(custom_id)
+        if h in self._new:
+            return False
+        if len(self._old):
+            i = int(np.searchsorted(self._old, np.uint64(h)))
+            if i < len(self._old) and self._old[i] == h:
+                return False
+        self._new.add(h)
+        if len(self._new) >= self._batch:
+            self._old = np.union1d(self._old, np.fromiter(self._new, np.uint64, len(self._new)))
+            self._new.clear()
+        return True
+
+
 def _line_id(line: bytes) -> str | None:
     text = line.decode("utf-8", "replace")
     if text.startswith(_HEAD):

@@ -26,7 +26,7 @@ from carpool.client.budget import make_budget
 from carpool.client.executor import Executor, Stopped
 from carpool.client.limiter import FixedLimiter, make_limiter
 from carpool.client.pool import Timeouts
-from carpool.jobs.journal import DoneSet, Journal
+from carpool.jobs.journal import DoneSet, Journal, SeenIds
 from carpool.jobs.progress import Progress
 from carpool.jobs.readers import Reader
 from carpool.jobs.summary import JobStats
@@ -339,13 +339,26 @@ class Runner:
 
         self._written = written
         n = 0
+        seen = SeenIds()
         for item in reader:
             if self._stop:
                 break
             n += 1
             if n % 64 == 0:
                 await asyncio.sleep(0)  # let responses in while a fast reader runs ahead
-            if len(done) and item.custom_id in done:
+            cid = item.custom_id
+            if not seen.add(cid):
+                # The custom_id is the journal's key, so a repeat could not be resumed
+                # safely; it is refused (as OpenAI's Batch API refuses it) under an id of
+                # its own, so a resumed run finds that error line done too.
+                dup_id = f"{cid}#line-{item.line_no}"
+                if len(done) and dup_id in done:
+                    self.stats.skipped += 1
+                    continue
+                item = BadLine(item.line_no, dup_id, "custom_id",
+                               f"duplicate custom_id {cid!r}: it was used on an earlier line; "
+                               "custom_ids must be unique in a file")
+            elif len(done) and cid in done:
                 self.stats.skipped += 1
                 continue
             await slots.acquire()
