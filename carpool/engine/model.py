@@ -126,8 +126,10 @@ class LlamaModel:
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         nq = self.num_heads * self.head_dim
         nkv = self.num_kv_heads * self.head_dim
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = _rms_norm(x, layer["ln1"], self.eps)
+        fused = meta.use_kernel  # the C++ extension is loaded: fused residual+norm and silu*up
+        h = pa.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps) if fused else \
+            _rms_norm(x, self.layers[0]["ln1"], self.eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
             t = qkv.shape[0]
             # RoPE on q and k together (rotate-half convention, as HF Llama).
@@ -138,14 +140,20 @@ class LlamaModel:
             k = qk[:, self.num_heads:]
             v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
             attn = self._attention(q, k, v, k_cache, v_cache, meta)
-            x = x + F.linear(attn, layer["o"], layer["o_bias"])
-            h = _rms_norm(x, layer["ln2"], self.eps)
-            gu = F.linear(h, layer["gate_up"])
-            g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, layer["down"])
-        x = x.index_select(0, meta.logits_index)
-        x = _rms_norm(x, self.norm, self.eps)
-        return F.linear(x, self.lm_head)
+            o = F.linear(attn, layer["o"], layer["o_bias"])
+            next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
+            if fused:
+                h = pa.add_rms_norm(x, o, layer["ln2"], self.eps)
+                down = F.linear(pa.silu_mul(F.linear(h, layer["gate_up"])), layer["down"])
+                h = pa.add_rms_norm(x, down, next_ln, self.eps)
+            else:
+                x = x + o
+                h = _rms_norm(x, layer["ln2"], self.eps)
+                g, u = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(g) * u, layer["down"])
+                h = _rms_norm(x, next_ln, self.eps)
+        # h is the final norm of every row; the head runs only on the rows that sample.
+        return F.linear(h.index_select(0, meta.logits_index), self.lm_head)
 
     def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:
