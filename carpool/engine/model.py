@@ -8,9 +8,11 @@ reads every sequence's context back through its block table.
 CPU efficiency choices (the model is tiny, so overheads dominate):
 - q/k/v and gate/up are fused into one matmul each at load time;
 - RoPE is applied to q and k in one op, from a precomputed cos/sin table;
-- attention runs as at most two batched softmax(q k^T) v per layer: one for all
-  single-token queries (decodes), one for the padded prefill chunks.
-  The GQA group is folded into the query-length axis, so K/V are never repeated;
+- attention: the C++ kernel in ``paged_attention.py`` reads K/V straight from the
+  paged cache for every row (decodes and prefill chunks in one call, no padding);
+  without a compiler, at most two batched softmax(q k^T) v per layer (decodes, padded
+  prefill chunks) with the GQA group folded into the query axis (K/V never repeated);
+- with the extension loaded, residual add + RMSNorm and SiLU * up are one fused pass;
 - logits are computed only for the rows that sample this step.
 """
 
