@@ -126,7 +126,13 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
     """
     import ray
 
-    from carpool.distributed.worker import SharedState, default_budget_name, shard_paths
+    from carpool.distributed.worker import (
+        ShardReader,
+        SharedState,
+        default_budget_name,
+        fix_cross_shard_duplicates,
+        shard_paths,
+    )
     from carpool.jobs.readers import detect_format
 
     ray_opts = ray_opts or RayOptions()
@@ -217,6 +223,11 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
                 f"{workdir}. Run the same command again to resume.")
             return result
         parts = [shard_paths(workdir, s, errors is not None) for s in shards]
+        reader_opts = (str(input_path), opts.fmt, opts.template, opts.defaults)
+        dups = fix_cross_shard_duplicates(shards, parts, lambda sh: ShardReader(reader_opts[0], sh, *reader_opts[1:]))
+        if dups:
+            result["messages"].append(f"{dups} tasks reused a custom_id of an earlier line: "
+                                      "refused as input errors (custom_ids must be unique in a file)")
         merge_files([p[0] for p in parts], output)
         if errors is not None:
             merge_files([p[1] for p in parts], errors)

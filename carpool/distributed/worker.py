@@ -253,3 +253,63 @@ class ShardWorker:
             shard = Shard(**{f.name: int(batch[f.name][i]) for f in dataclasses.fields(Shard)})
             results.append(json.dumps(self.run_shard(shard)))
         return {"summary": results}
+
+
+def _ids(path: Path) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for line in f:
+            cid = _line_id(line)
+            if cid is not None:
+                yield cid
+
+
+def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path | None, Path]],
+                               make_reader) -> int:
+    """Give a custom_id used in an earlier shard the single-process treatment.
+
+    Each shard's runner refuses repeats inside its shard, but cannot see the others'. Here,
+    shard by shard in input order, a result whose custom_id an earlier shard already used
+    becomes the runner's duplicate error line (under ``<id>#line-<n>``), in place, so the
+    merged output is the one a single process writes.  (Such a task was sent once in vain.)
+    Returns how many lines were rewritten.
+    """
+    from carpool.client import retry as R
+    from carpool.jobs.journal import SeenIds
+    from carpool.jobs.writer import error_line
+
+    earlier = SeenIds()
+    fixed = 0
+    for shard, (out, err, _marker) in zip(shards, parts, strict=True):
+        files = [p for p in (out, err) if p is not None and p.exists()]
+        # Within a shard ids are unique (the runner renamed repeats), so a refused add means
+        # an earlier shard used the id.
+        dups = {cid for p in files for cid in _ids(p) if not earlier.add(cid)}
+        if not dups:
+            continue
+        line_of = {}
+        for item in make_reader(shard):
+            if item.custom_id in dups and item.custom_id not in line_of:
+                line_of[item.custom_id] = item.line_no
+        moved: list[bytes] = []  # error lines that belong in the errors file, when there is one
+        for p in files:
+            tmp = p.with_name(p.name + ".dedup")
+            with open(p, "rb") as src, open(tmp, "wb") as dst:
+                for line in src:
+                    cid = _line_id(line)
+                    if cid in dups:
+                        n = line_of.get(cid, 0)
+                        # The same words as the runner's own refusal (carpool/jobs/runner.py).
+                        bad = BadLine(n, f"{cid}#line-{n}", "custom_id",
+                                      f"duplicate custom_id {cid!r}: it was used on an earlier line; "
+                                      "custom_ids must be unique in a file")
+                        line = error_line(bad.custom_id, R.INVALID_INPUT, bad.message, n, "custom_id")
+                        fixed += 1
+                        if p == out and err is not None:
+                            moved.append(line)
+                            continue
+                    dst.write(line)
+            os.replace(tmp, p)
+        if moved:
+            with open(err, "ab") as f:
+                f.writelines(moved)
+    return fixed

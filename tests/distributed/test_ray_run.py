@@ -19,9 +19,10 @@ from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 pytestmark = pytest.mark.timeout(300)
 
 
-def write_tasks(path: Path, n: int, bad_at: tuple[int, ...] = ()) -> Path:
+def write_tasks(path: Path, n: int, bad_at: tuple[int, ...] = (), dup_at: tuple[int, ...] = ()) -> Path:
     """n lines: chat tasks, every third with its own custom_id, the others get line-<n>;
-    lines listed in ``bad_at`` (1-based) are broken JSON, one line is blank."""
+    lines listed in ``bad_at`` (1-based) are broken JSON, those in ``dup_at`` reuse the
+    custom_id "task-3"; one line is blank."""
     lines = []
     for i in range(1, n + 1):
         if i in bad_at:
@@ -29,8 +30,8 @@ def write_tasks(path: Path, n: int, bad_at: tuple[int, ...] = ()) -> Path:
             continue
         rec = {"messages": [{"role": "user", "content": f"review number {i}: fine"}], "max_tokens": 3,
                "temperature": 0}
-        if i % 3 == 0:
-            rec = {"custom_id": f"task-{i}", **rec}
+        if i % 3 == 0 or i in dup_at:
+            rec = {"custom_id": "task-3" if i in dup_at else f"task-{i}", **rec}
         lines.append(json.dumps(rec))
     lines.insert(n // 2, "")  # a blank line: skipped, but it shifts the line numbers after it
     path.write_text("\n".join(lines) + "\n")
@@ -57,11 +58,13 @@ def zero_server():
 
 
 def test_ray_run_writes_the_same_lines_as_one_process(ray_cluster, zero_server, tmp_path):
-    tasks = write_tasks(tmp_path / "tasks.jsonl", 120, bad_at=(7, 64))
+    # Two broken lines, and two tasks reusing the custom_id of line 3 (one in the same shard,
+    # one in the last shard, which no runner but the driver can tell).
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 120, bad_at=(7, 64), dup_at=(10, 110))
     single = tmp_path / "single.jsonl"
     stats = run_batch(str(tasks), str(single), endpoints=[zero_server.url], ordered=True, cache="off",
                       defaults=TaskDefaults(model="m"))
-    assert stats["ok"] == 118 and stats["bad_lines"] == 2
+    assert stats["ok"] == 116 and stats["bad_lines"] == 4
 
     # The Ray side goes through the command line, as a user would run it.
     parser = argparse.ArgumentParser()
@@ -75,7 +78,7 @@ def test_ray_run_writes_the_same_lines_as_one_process(ray_cluster, zero_server, 
     assert normalised(out) == normalised(single)
     # The bad lines are reported with their line numbers in the whole file, not in a shard.
     errors = [json.loads(x)["error"] for x in out.read_text().splitlines() if json.loads(x)["error"]]
-    assert sorted(e["line"] for e in errors) == [7, 65]
+    assert sorted(e["line"] for e in errors) == [7, 10, 65, 111]
     assert not Path(f"{out}.ray").exists()  # the shard files are gone after the merge
 
 
