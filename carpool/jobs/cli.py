@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-run", action="store_true", help="validate and write without calling any model")
     g.add_argument("--quiet", action="store_true")
 
+    from carpool.distributed.ray_runner import add_ray_arguments
+
+    add_ray_arguments(p)
+
 
 def options_from_args(args: argparse.Namespace):
     from carpool.jobs.runner import RunOptions
@@ -105,6 +109,10 @@ def _original_argv() -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "ray", None) is not None:
+        from carpool.distributed.ray_runner import main as ray_main
+
+        return ray_main(args)
     from carpool.jobs.runner import Runner, run_with_signals
     from carpool.jobs.summary import render_summary
 

@@ -11,7 +11,6 @@ from carpool.distributed.ray_runner import (
     RayOptions,
     RayRunError,
     _parquet_plan,
-    add_ray_arguments,
     run_on_ray,
 )
 from carpool.distributed.worker import ShardReader
@@ -23,8 +22,7 @@ from carpool.jobs.tasks import Template
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    jobs_cli.add_arguments(p)
-    add_ray_arguments(p)
+    jobs_cli.add_arguments(p)  # carpool run's own parser carries the --ray flags
     return p
 
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.distributed.ray_runner import RayOptions, add_ray_arguments, run_batch_on_ray, run_on_ray
-from carpool.distributed.ray_runner import main as ray_main
+from carpool.distributed.ray_runner import RayOptions, run_batch_on_ray, run_on_ray
 from carpool.jobs import cli as jobs_cli
 from carpool.jobs.api import run_batch
 from carpool.jobs.runner import RunOptions
@@ -69,12 +68,11 @@ def test_ray_run_writes_the_same_lines_as_one_process(ray_cluster, zero_server, 
     # The Ray side goes through the command line, as a user would run it.
     parser = argparse.ArgumentParser()
     jobs_cli.add_arguments(parser)
-    add_ray_arguments(parser)
     out = tmp_path / "ray.jsonl"
     args = parser.parse_args([str(tasks), "-o", str(out), "--endpoint", zero_server.url, "--model", "m",
                               "--ordered", "--cache", "off", "--ray", "--ray-workers", "2", "--ray-shards", "5",
                               "--quiet"])
-    assert ray_main(args) == 0
+    assert jobs_cli.main(args) == 0  # `carpool run ... --ray` dispatches to Ray
     assert normalised(out) == normalised(single)
     # The bad lines are reported with their line numbers in the whole file, not in a shard.
     errors = [json.loads(x)["error"] for x in out.read_text().splitlines() if json.loads(x)["error"]]
