@@ -25,9 +25,9 @@ from pathlib import Path
 
 from carpool.distributed.shards import Shard, iter_shard_lines
 from carpool.jobs.journal import _line_id  # the journal's own cheap custom_id decoder
-from carpool.jobs.readers import Reader
+from carpool.jobs.readers import Reader, parse_jsonl_lines
 from carpool.jobs.runner import Runner, RunOptions
-from carpool.jobs.tasks import BadLine, Task, parse_json_line
+from carpool.jobs.tasks import BadLine, Task
 
 
 @dataclass
@@ -71,15 +71,7 @@ class ShardReader(Reader):
         return self.shard.lines
 
     def _jsonl_range(self) -> Iterator[Task | BadLine]:
-        for line_no, raw in iter_shard_lines(self.path, self.shard):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield BadLine(line_no, f"line-{line_no}", "", f"not UTF-8 text ({e.reason} at byte {e.start})")
-                continue
-            item = parse_json_line(text, line_no, self.defaults)
-            if item is not None:
-                yield item
+        yield from parse_jsonl_lines(iter_shard_lines(self.path, self.shard), self.defaults)
 
     def _parquet_range(self) -> Iterator[tuple[int, dict]]:
         # For Parquet a shard's start/end are row-group indices and first_line a row number.

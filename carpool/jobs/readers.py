@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from carpool.jobs.tasks import (
@@ -33,6 +33,20 @@ def detect_format(path: str | os.PathLike) -> str:
     if suffix in (".parquet", ".pq"):
         return "parquet"
     return "jsonl"  # .jsonl, .json, .ndjson; Batch-format lines are recognised line by line
+
+
+def parse_jsonl_lines(lines: Iterable[tuple[int, bytes]], defaults: TaskDefaults) -> Iterator[Task | BadLine]:
+    """Tasks from numbered raw JSONL lines; used for a whole file here and for one byte-range
+    shard by ``carpool.distributed.worker``. Undecodable bytes make a ``BadLine``, blank lines nothing."""
+    for line_no, raw in lines:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield BadLine(line_no, f"line-{line_no}", "", f"not UTF-8 text ({e.reason} at byte {e.start})")
+            continue
+        item = parse_json_line(text, line_no, defaults)
+        if item is not None:
+            yield item
 
 
 class Reader:
@@ -71,15 +85,7 @@ class Reader:
 
     def _jsonl(self) -> Iterator[Task | BadLine]:
         with open(self.path, "rb") as f:
-            for line_no, raw in enumerate(f, 1):
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield BadLine(line_no, f"line-{line_no}", "", f"not UTF-8 text ({e.reason} at byte {e.start})")
-                    continue
-                item = parse_json_line(text, line_no, self.defaults)
-                if item is not None:
-                    yield item
+            yield from parse_jsonl_lines(enumerate(f, 1), self.defaults)
 
     def _csv_rows(self) -> Iterator[tuple[int, dict]]:
         # Undecodable bytes become U+FFFD rather than stopping the job mid-file.
