@@ -75,14 +75,10 @@ class CarpoolMapper:
         self.batches = 0
 
     def _engine(self):
-        o = self.opts
-        if o.endpoints or o.dry_run:
-            return None
         if self.engine is None:
-            from carpool.engine import AsyncEngine, EngineConfig
+            from carpool.distributed.worker import start_embedded_engine
 
-            self.engine = AsyncEngine(EngineConfig(model=o.engine_model, **o.engine_config))
-            self.loop.run_until_complete(self.engine.start())
+            self.engine = start_embedded_engine(self.opts, self.loop)
         return self.engine
 
     def _record(self, row: dict, k: int) -> dict | str:

@@ -184,6 +184,19 @@ def reorder_by_input(path: Path, reader: Reader) -> None:
     os.replace(tmp, path)
 
 
+def start_embedded_engine(opts: RunOptions, loop: asyncio.AbstractEventLoop):
+    """The in-process engine ``opts`` asks for, started on ``loop``; None when the job goes to
+    endpoints or is a dry run. Shared by ``ShardWorker`` and ``ray_data.CarpoolMapper``,
+    which each keep the one they get for all their shards or batches."""
+    if opts.endpoints or opts.dry_run:
+        return None
+    from carpool.engine import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine(EngineConfig(model=opts.engine_model, **opts.engine_config))
+    loop.run_until_complete(engine.start())
+    return engine
+
+
 class ShardWorker:
     """A Ray Data actor (``map_batches`` callable class): runs whole shards, one at a time.
 
@@ -199,14 +212,8 @@ class ShardWorker:
         self.engine = None
 
     def _engine(self):
-        o = self.opts
-        if o.endpoints or o.dry_run:
-            return None
         if self.engine is None:
-            from carpool.engine import AsyncEngine, EngineConfig
-
-            self.engine = AsyncEngine(EngineConfig(model=o.engine_model, **o.engine_config))
-            self.loop.run_until_complete(self.engine.start())
+            self.engine = start_embedded_engine(self.opts, self.loop)
         return self.engine
 
     def run_shard(self, shard: Shard) -> dict:
