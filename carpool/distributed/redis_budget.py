@@ -102,6 +102,16 @@ def _per(limit: float | None, factor: float) -> float | None:
     return None if not limit else round(limit * factor, 9)
 
 
+def async_redis(redis: str | Any) -> tuple[Any, bool]:
+    """(client, whether we own it): a URL gets a new ``redis.asyncio`` client, which ``close()``
+    must close; a client passed in is used as is and left open. Shared with ``RedisCooldown``."""
+    if isinstance(redis, str):
+        import redis.asyncio as aioredis
+
+        return aioredis.from_url(redis), True
+    return redis, False
+
+
 class BudgetClosed(RuntimeError):
     pass
 
@@ -140,14 +150,7 @@ class RedisBudget:
             raise ValueError(f"window_s must be > 0 seconds, got {window_s}")
         if burst_s <= 0:
             raise ValueError(f"burst_s must be > 0 seconds, got {burst_s}")
-        if isinstance(redis, str):
-            import redis.asyncio as aioredis
-
-            redis = aioredis.from_url(redis)
-            self._owns_client = True
-        else:
-            self._owns_client = False
-        self._redis = redis
+        self._redis, self._owns_client = async_redis(redis)
         self.rpm, self.tpm = rpm, tpm
         self.window_s = window_s
         self.key = f"{prefix}:budget:{name}"
@@ -159,7 +162,7 @@ class RedisBudget:
         self._tokens = _Bucket.for_limit(_per(tpm, per_window), window_s, burst_s, floor=1.0)
         # Idle budgets vanish: after two windows a bucket is full again anyway.
         self._ttl_ms = math.ceil(2 * window_s * 1000) + 1000
-        self._script = redis.register_script(_SCRIPT)
+        self._script = self._redis.register_script(_SCRIPT)
         # Why sleeps are capped: another worker may give tokens back (adjust) meanwhile.
         self._max_sleep_s = max_sleep_s
         self.unavailable_timeout_s = unavailable_timeout_s

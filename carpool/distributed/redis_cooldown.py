@@ -26,6 +26,7 @@ from typing import Any, Self
 import redis.exceptions
 
 from carpool.client.balancer import Balancer, Endpoint
+from carpool.distributed.redis_budget import async_redis
 
 # KEYS: until zset, info hash.  ARGV[1] = mode.
 #   fail  endpoint reason base max reset explicit_seconds(-1 = use the streak)
@@ -95,17 +96,10 @@ class RedisCooldown:
         reset_s: float = 120.0,
         cache_s: float = 0.2,
     ) -> None:
-        if isinstance(redis, str):
-            import redis.asyncio as aioredis
-
-            redis = aioredis.from_url(redis)
-            self._owns_client = True
-        else:
-            self._owns_client = False
-        self._redis = redis
+        self._redis, self._owns_client = async_redis(redis)
         self._keys = [f"{prefix}:cooldown:{name}:until", f"{prefix}:cooldown:{name}:info"]
         self.base_s, self.max_s, self.reset_s, self.cache_s = base_s, max_s, reset_s, cache_s
-        self._script = redis.register_script(_SCRIPT)
+        self._script = self._redis.register_script(_SCRIPT)
         # endpoint -> (local monotonic end of cooldown, reason); valid until _cache_expires.
         self._cache: dict[str, tuple[float, str]] = {}
         self._cache_expires = 0.0
