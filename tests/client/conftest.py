@@ -3,18 +3,10 @@
 import pytest
 
 from carpool.testing.fault_server import ThreadedFaultServer
+from carpool.testing.fixtures import started_servers
 
 
 @pytest.fixture
 def fault_server():
-    started = []
-
-    def start(config=None) -> ThreadedFaultServer:
-        srv = ThreadedFaultServer(config)
-        srv.start()
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
+    with started_servers(ThreadedFaultServer) as start:
+        yield start

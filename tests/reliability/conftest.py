@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
@@ -13,22 +12,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from reliability_helpers import ThreadedLoggingServer
 
 from carpool.engine.config import EngineConfig
-from carpool.testing.fault_server import FaultConfig
+from carpool.testing.fixtures import running_engine, started_servers
 
 
 @pytest.fixture
 def logging_fault_server():
-    started: list[ThreadedLoggingServer] = []
-
-    def start(config: FaultConfig | None = None) -> ThreadedLoggingServer:
-        srv = ThreadedLoggingServer(config)
-        srv.start()
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
+    with started_servers(ThreadedLoggingServer) as start:
+        yield start
 
 
 # max_model_len 256 so "past the context" is cheap to reach.
@@ -43,10 +33,7 @@ def tiny_config() -> EngineConfig:
 @pytest.fixture(scope="session")
 def tiny_engine():
     """One tiny-random engine for the room (loading costs seconds on a busy machine)."""
-    from carpool.engine import AsyncEngine
-
-    engine = AsyncEngine(TINY).start_sync()
-    yield engine
-    asyncio.run(engine.shutdown())
+    with running_engine(TINY) as engine:
+        yield engine
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 
 import pytest
 
 from carpool.engine.config import EngineConfig
 from carpool.server import ServerConfig, start_server
+from carpool.testing.fixtures import running_engine
 
 TINY = EngineConfig(model="tiny-random", max_num_seqs=8, max_num_batched_tokens=512, num_kv_blocks=256)
 
@@ -25,11 +25,8 @@ def tiny_config() -> EngineConfig:
 
 @pytest.fixture(scope="session")
 def tiny_engine():
-    from carpool.engine import AsyncEngine
-
-    engine = AsyncEngine(TINY).start_sync()
-    yield engine
-    asyncio.run(engine.shutdown())
+    with running_engine(TINY) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")
