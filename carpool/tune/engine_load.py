@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from carpool.tune.cost import StepShape
@@ -118,6 +119,14 @@ async def run_load(engine: Any, requests: list[SimRequest], concurrency: int | N
         rec["output_len"] = n or r.output_len
         records.append(rec)
 
+    await replay_arrivals(requests, t0, one)
+    return records
+
+
+async def replay_arrivals(requests: list[SimRequest], t0: float,
+                          one: Callable[[SimRequest], Awaitable[None]]) -> None:
+    """Start ``one(r)`` for each request at ``t0 + r.arrival`` (monotonic clock), in arrival
+    order, and wait for all of them; the open loop of both ``run_load`` and the HTTP evaluator."""
     tasks = []
     for r in sorted(requests, key=lambda x: x.arrival):
         delay = t0 + r.arrival - time.monotonic()
@@ -125,4 +134,3 @@ async def run_load(engine: Any, requests: list[SimRequest], concurrency: int | N
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(r)))
     await asyncio.gather(*tasks)
-    return records

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import aiohttp
 
-from carpool.tune.engine_load import prompt_token_ids
+from carpool.tune.engine_load import prompt_token_ids, replay_arrivals
 from carpool.tune.measure import Measurement
 from carpool.tune.workload import SimRequest
 
@@ -78,11 +78,5 @@ class EndpointEvaluator:
                         sem.release()
                 records.append(rec)
 
-            tasks = []
-            for r in sorted(reqs, key=lambda x: x.arrival):
-                delay = t0 + r.arrival - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(r)))
-            await asyncio.gather(*tasks)
+            await replay_arrivals(reqs, t0, one)
         return records
