@@ -26,16 +26,25 @@ class StepShape:
     kv_tokens_read: int = 0  # sum over scheduled sequences of the context they attend to
     attn_pairs: int = 0  # sum of (query, key) pairs: a chunk of c at offset o gives c*o + c*(c+1)/2
     num_seqs: int = 0  # sequences scheduled (each samples at most one token)
-    # As carpool's CPU engine computes attention: single-token queries padded to the longest
-    # context among them, prefill chunks padded to the longest chunk and longest context.
+    # As the engine's old pure-torch attention path computed it: single-token queries padded to
+    # the longest context among them, prefill chunks to the longest chunk and longest context.
+    # Kept for the padded (static / dynamic) batching modes; the profiled model no longer uses it.
     kv_tokens_padded: int = 0
     attn_pairs_padded: int = 0
+    # Rows that produce logits (decodes plus the prefill chunks that finish a prompt).
+    # None: every scheduled sequence samples.
+    num_logits: int | None = None
+    # K/V vectors the paged-attention kernel streams: per block of up to KERNEL_ROWS query rows
+    # of one sequence it reads the longest context in the block once.  None: kv_tokens_read.
+    kv_loads: int | None = None
 
     @classmethod
-    def of(cls, chunks: list[tuple[int, int]], num_decode: int | None = None) -> StepShape:
+    def of(cls, chunks: list[tuple[int, int]], num_decode: int | None = None,
+           num_logits: int | None = None) -> StepShape:
         """The shape of a step computing ``n`` tokens after ``old`` cached ones, per (old, n).
 
-        ``num_decode``: how many count as decode tokens (default: the single-token chunks)."""
+        ``num_decode``: how many count as decode tokens (default: the single-token chunks).
+        ``num_logits``: how many rows sample a token (default: every chunk)."""
         dec = [old + 1 for old, n in chunks if n == 1]
         pf = [(old, n) for old, n in chunks if n != 1]
         s = cls(num_seqs=len(chunks))
@@ -43,6 +52,8 @@ class StepShape:
         s.num_prefill_tokens = sum(n for _, n in chunks) - s.num_decode_tokens
         s.kv_tokens_read = sum(old + n for old, n in chunks)
         s.attn_pairs = sum(attn_pairs(old, n) for old, n in chunks)
+        s.num_logits = len(chunks) if num_logits is None else num_logits
+        s.kv_loads = sum(kernel_kv_loads(old, n) for old, n in chunks)
         if dec:
             s.kv_tokens_padded += len(dec) * max(dec)
             s.attn_pairs_padded += len(dec) * max(dec)
@@ -51,6 +62,14 @@ class StepShape:
             s.kv_tokens_padded += len(pf) * ctx
             s.attn_pairs_padded += len(pf) * max(n for _, n in pf) * ctx
         return s
+
+    @property
+    def logits_rows(self) -> int:
+        return self.num_seqs if self.num_logits is None else self.num_logits
+
+    @property
+    def kv_loaded(self) -> int:
+        return self.kv_tokens_read if self.kv_loads is None else self.kv_loads
 
     @property
     def num_tokens(self) -> int:
@@ -143,19 +162,24 @@ class RooflineCost:
         }
 
 
-FEATURES = ("base", "prefill", "decode", "kv", "pairs")
+FEATURES = ("base", "prefill", "decode", "kv", "pairs", "seqs", "logits")
 
 
 def _features(s: StepShape) -> list[float]:
-    # The engine's attention touches the padded KV and score matrices, so those are the
-    # terms; pairs are scaled to thousands so the coefficients have similar magnitudes.
-    return [1.0, s.num_prefill_tokens, s.num_decode_tokens, s.kv_tokens_padded, s.attn_pairs_padded / 1e3]
+    # As carpool's engine runs a step with its C++ extension (the default): the matmuls scale
+    # with the tokens, the paged-attention kernel reads each row block's context once (kv)
+    # and computes every (query, key) pair with no padding (pairs, in thousands so the
+    # coefficients have similar magnitudes), per-sequence work builds the block tables and
+    # metadata (seqs), and the lm_head plus sampling run only on the rows that sample (logits).
+    return [1.0, s.num_prefill_tokens, s.num_decode_tokens, s.kv_loaded, s.attn_pairs / 1e3,
+            s.num_seqs, s.logits_rows]
 
 
 @dataclass
 class ProfiledCost:
-    """step time = base + a*prefill tokens + b*decode tokens + c*KV tokens read + d*pairs/1e3,
-    KV tokens and (query, key) pairs counted as the engine pads them (``StepShape.of``).
+    """step time = base + a*prefill tokens + b*decode tokens + c*KV vectors the attention
+    kernel loads + d*(query, key) pairs/1e3 + e*sequences + f*logits rows, counted as carpool's
+    engine computes them with its paged-attention kernel (no padding; ``StepShape.of``).
 
     Fitted by non-negative least squares on (shape, measured duration) samples from
     carpool's engine, so it predicts that engine on this machine and no other.
@@ -189,8 +213,13 @@ class ProfiledCost:
         """
         if len(samples) < len(features):
             raise ValueError(f"need at least {len(features)} step samples to fit, got {len(samples)}")
+        feats = [_features(s) for s, _ in samples]
+        # A term that is constant over the samples cannot be told apart from base (and one
+        # that is zero throughout has nothing to fit): leave it out rather than split base.
+        features = [f for f in features if f == "base"
+                    or len({row[FEATURES.index(f)] for row in feats}) > 1]
         cols = [FEATURES.index(f) for f in features]
-        x = np.array([[_features(s)[c] for c in cols] for s, _ in samples], dtype=float)
+        x = np.array([[row[c] for c in cols] for row in feats], dtype=float)
         y = np.array([d for _, d in samples], dtype=float)
         w = np.ones_like(y)
         level = 1.0
@@ -247,6 +276,16 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return beta
 
 
+KERNEL_ROWS = 16  # query rows of one sequence that carpool's paged-attention kernel handles together
+
+
+def kernel_kv_loads(offset: int, n: int) -> int:
+    """K/V vectors the kernel reads for a chunk of ``n`` rows after ``offset`` cached tokens:
+    each block of up to KERNEL_ROWS rows reads up to its last row's context."""
+    nb = ceil_div(n, KERNEL_ROWS)
+    return nb * offset + sum(min(KERNEL_ROWS * (b + 1), n) for b in range(nb))
+
+
 def attn_pairs(offset: int, n: int) -> int:
     """(query, key) pairs of a chunk of ``n`` tokens appended after ``offset`` cached tokens."""
     return n * offset + n * (n + 1) // 2
@@ -254,7 +293,7 @@ def attn_pairs(offset: int, n: int) -> int:
 
 def saturation_throughput(cost: CostModel, batch: int, context: int) -> float:
     """Decode tokens/s of a batch of ``batch`` sequences at ``context`` tokens each (a quick bound)."""
-    s = StepShape(0, batch, batch * context, batch * context, batch)
+    s = StepShape(0, batch, batch * context, batch * context, batch, num_logits=batch)
     return batch / cost.step_time(s) if batch else 0.0
 
 
@@ -269,6 +308,7 @@ __all__ = [
     "StepShape",
     "attn_pairs",
     "ceil_div",
+    "kernel_kv_loads",
     "nnls",
     "saturation_throughput",
 ]

@@ -14,7 +14,7 @@ import types
 from collections.abc import Iterator
 
 from carpool.tune.cost import CostModel, StepShape
-from carpool.tune.engine_load import prompt_token_ids
+from carpool.tune.engine_load import num_sampling_rows, prompt_token_ids
 from carpool.tune.simulator import SimConfig
 from carpool.tune.workload import SimRequest
 
@@ -60,7 +60,8 @@ def replay(requests: list[SimRequest], cfg: SimConfig, cost: CostModel, num_bloc
                 clock[0] = pending[i].arrival
                 continue
             so = sch.schedule()
-            shape = StepShape.of([(seq.num_computed_tokens, n) for seq, n in so.scheduled], so.num_decode_tokens)
+            shape = StepShape.of([(seq.num_computed_tokens, n) for seq, n in so.scheduled], so.num_decode_tokens,
+                                 num_sampling_rows(so.scheduled))
             steps.append({"t": clock[0], "num_prefill_tokens": so.num_prefill_tokens,
                           "num_decode_tokens": so.num_decode_tokens, "num_seqs": len(so.scheduled),
                           "num_preempted": len(so.preempted), "free_blocks": bm.num_free_blocks})

@@ -445,7 +445,8 @@ class Simulator:
             # whatever an admission computes is prefill.
             ndec = sum(1 for s, n in sched if n == 1 and s.num_output > 0
                        and s.num_computed == s.num_tokens - 1 and s.seqno not in self._admitted)
-            shape = StepShape.of([(s.num_computed, n) for s, n in sched], ndec)
+            shape = StepShape.of([(s.num_computed, n) for s, n in sched], ndec,
+                                 sum(1 for s, n in sched if s.num_computed + n == s.num_tokens))
             self.prefill_computed += shape.num_prefill_tokens
             dt = self.cost.step_time(shape)
             used = self.n_blocks - self.pool.num_free
