@@ -88,3 +88,31 @@ def test_profile_round_trips(tmp_path):
     p.save(str(tmp_path / "p.json"))
     q = ProfiledCost.load(str(tmp_path / "p.json"))
     assert q.coef == p.coef and q.kv_capacity_tokens() == 4096
+
+
+def test_step_shape_counts_attention_as_the_paged_kernel_does():
+    # Two decodes at contexts 100 and 10 (after 99 and 9 cached), a 40-token chunk after 200
+    # cached tokens that does not finish its prompt.
+    s = StepShape.of([(99, 1), (9, 1), (200, 40)], num_decode=2, num_logits=2)
+    assert s.kv_tokens_read == 100 + 10 + 240
+    assert s.kv_loaded == 100 + 10 + (216 + 232 + 240)  # no padding; one read per 16-row block
+    assert s.attn_pairs == 100 + 10 + 40 * 200 + 40 * 41 // 2
+    assert s.logits_rows == 2 and s.num_seqs == 3
+    # Without the engine's sampling information every sequence samples.
+    assert StepShape(0, 4, 400, 400, 4).logits_rows == 4
+
+
+def test_profiled_fit_separates_logits_rows_from_sequences():
+    rng = np.random.default_rng(1)
+    true = {"base": 0.01, "prefill": 1e-4, "decode": 5e-4, "kv": 2e-7, "seqs": 2e-4, "logits": 1e-3}
+    samples = []
+    for _ in range(300):
+        chunks = [(int(rng.integers(0, 400)), 1) for _ in range(int(rng.integers(0, 20)))]
+        chunks += [(0, int(rng.integers(2, 200))) for _ in range(int(rng.integers(0, 4)))]
+        if not chunks:
+            continue
+        s = StepShape.of(chunks, num_logits=int(rng.integers(1, len(chunks) + 1)))
+        samples.append((s, ProfiledCost(true).step_time(s)))
+    fit = ProfiledCost.fit(samples, robust=False)
+    for k in ("base", "logits", "seqs"):
+        assert fit.coef[k] == pytest.approx(true[k], rel=0.05)
