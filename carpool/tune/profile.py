@@ -1,8 +1,9 @@
 """Fit the profiled cost model on carpool's engine, on this machine.
 
 Runs calibration workloads through an in-process ``AsyncEngine`` with a
-``StepRecorder`` attached, then fits step time on prefill tokens, decode tokens, KV
-tokens read and attention pairs (non-negative least squares).
+``StepRecorder`` attached, then fits step time on prefill tokens, decode tokens, the KV
+vectors the attention kernel loads, attention pairs, sequences and logits rows
+(non-negative least squares).
 """
 
 from __future__ import annotations
