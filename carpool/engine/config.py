@@ -32,7 +32,7 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in cfg.items() if k in known and v is not None}
         if cfg.get("model_type") == "qwen2":
