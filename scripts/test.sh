@@ -8,4 +8,5 @@ if ! command -v redis-server >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python3 -m ruff check --quiet .
 python3 -m pytest -q -rfEs "$@"
