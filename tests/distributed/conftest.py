@@ -3,52 +3,21 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import time
 from typing import Self
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from carpool.testing.fixtures import running_redis
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A throwaway redis-server on a free port (no persistence), for the whole session."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError(f"redis-server did not start on port {port}") from None
-            time.sleep(0.05)
-    client.close()
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
+    with running_redis(tmp_path_factory.mktemp("redis")) as port:
+        if port is None:
+            pytest.skip("redis-server binary not found; scripts/test.sh installs it (apt-get install -y redis-server)")
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 @pytest.fixture
