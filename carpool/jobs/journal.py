@@ -41,11 +41,16 @@ class DoneSet:
         return len(self._h)
 
     def __contains__(self, custom_id: str) -> bool:
+        return self.has_hash(id_hash(custom_id))
+
+    def has_hash(self, h: int) -> bool:
         if not len(self._h):
             return False
-        h = np.uint64(id_hash(custom_id))
-        i = int(np.searchsorted(self._h, h))
+        i = int(np.searchsorted(self._h, np.uint64(h)))
         return i < len(self._h) and self._h[i] == h
+
+    def merged(self, hashes: set[int]) -> DoneSet:
+        return DoneSet(np.union1d(self._h, np.fromiter(hashes, np.uint64, len(hashes))))
 
 
 class SeenIds:
@@ -56,22 +61,18 @@ class SeenIds:
     """
 
     def __init__(self, batch: int = 1 << 18):
-        self._old = np.zeros(0, np.uint64)
+        self._old = DoneSet()
         self._new: set[int] = set()
         self._batch = batch
 
     def add(self, custom_id: str) -> bool:
         """Remember the id; False when it was seen before."""
         h = id_hash(custom_id)
-        if h in self._new:
+        if h in self._new or self._old.has_hash(h):
             return False
-        if len(self._old):
-            i = int(np.searchsorted(self._old, np.uint64(h)))
-            if i < len(self._old) and self._old[i] == h:
-                return False
         self._new.add(h)
         if len(self._new) >= self._batch:
-            self._old = np.union1d(self._old, np.fromiter(self._new, np.uint64, len(self._new)))
+            self._old = self._old.merged(self._new)
             self._new.clear()
         return True
 
