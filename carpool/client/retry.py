@@ -31,6 +31,7 @@ BAD_RESPONSE = "invalid_response"
 MAYBE_EXECUTED = "maybe_executed"
 INVALID_INPUT = "invalid_input"
 ENGINE_ERROR = "engine_error"
+INTERNAL = "internal_error"  # a bug in carpool while handling the task (the job goes on)
 
 # Failures where the server may have run the request.
 _MAY_HAVE_RUN = {SERVER_ERROR, READ_TIMEOUT, TOTAL_TIMEOUT, RESET, TRUNCATED, BAD_RESPONSE}

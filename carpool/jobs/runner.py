@@ -444,6 +444,22 @@ class Runner:
             self.messages.append(f"cache error (the job ran on without it): {e}")
 
     async def _handle(self, seq: int, task: Task, writer: ResultWriter) -> None:
+        once = _OnceWriter(writer)
+        try:
+            await self._handle_one(seq, task, once)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one task's failure must not hang or end the job
+            # Without this line the task's slot would never be released (the job would stall
+            # once max_pending tasks had failed) and the task would be lost, not recorded.
+            if once.used:  # its line is written already: the failure came after (a stats update)
+                self.messages.append(f"line {task.line_no}: internal error after writing its result: {e!r}")
+                return
+            self.stats.errors[R.INTERNAL] += 1
+            msg = f"line {task.line_no}: internal error in carpool ({type(e).__name__}: {e}); please report it"
+            once.emit(seq, error_line(task.request.custom_id, R.INTERNAL, msg, task.line_no), True, self._written)
+
+    async def _handle_one(self, seq: int, task: Task, writer: _OnceWriter) -> None:
         req = task.request
         o = self.opts
         st = self.stats
@@ -552,7 +568,7 @@ class Runner:
             st.tpot.add(res.tpot_s)
             st.e2e.add(res.e2e_s)
 
-    def _emit_result(self, seq: int, task: Task, res: CallResult, attempts: int, writer: ResultWriter,
+    def _emit_result(self, seq: int, task: Task, res: CallResult, attempts: int, writer: _OnceWriter,
                      fanout: bool = False) -> None:
         req = task.request
         if res.ok:
@@ -571,6 +587,22 @@ class Runner:
         field = param if isinstance(param, str) and param else None
         writer.emit(seq, error_line(req.custom_id, kind, msg, task.line_no, field, res.status_code or None,
                                     res.body, attempts), True, self._written)
+
+
+class _OnceWriter:
+    """One task's view of the writer: its first line goes through, any later one is dropped,
+    so the catch-all in ``Runner._handle`` can never write a task twice (or free its slot twice)."""
+
+    __slots__ = ("used", "writer")
+
+    def __init__(self, writer: ResultWriter):
+        self.writer = writer
+        self.used = False
+
+    def emit(self, seq: int, line: bytes, is_error: bool = False, done=None) -> None:
+        if not self.used:
+            self.used = True
+            self.writer.emit(seq, line, is_error, done)
 
 
 def _usage_tokens(body: dict) -> int:

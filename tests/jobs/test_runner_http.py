@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from carpool.jobs.api import run_batch
 from carpool.testing.fault_server import Fault, FaultConfig
 
@@ -231,3 +233,36 @@ def test_semantic_cache_hits_a_paraphrase(fault_server, tmp_path):
     assert rows["r1"]["response"]["request_id"].startswith("cache:semantic:")
     assert rows["r1"]["response"]["body"] == rows["r0"]["response"]["body"]
     assert "Semantic cache hits" in rep.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_crash_inside_one_task_is_an_error_line_and_the_job_goes_on(fault_server, tmp_path, monkeypatch):
+    # A bug while handling a task (here: bookkeeping after the response) must neither hang
+    # the job (its slot is released) nor lose the task (it gets an error line naming its
+    # input line).  With 2 slots, three unreleased failures would stall the job for good.
+    from carpool.jobs import runner as runner_mod
+
+    real = runner_mod.Runner._account
+    calls = {"n": 0}
+
+    def flaky_account(self, res):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("bookkeeping bug")
+        return real(self, res)
+
+    monkeypatch.setattr(runner_mod.Runner, "_account", flaky_account)
+    srv = fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    write_tasks(src, 12)
+    out = tmp_path / "out.jsonl"
+    s = run_batch(src, out, endpoints=[srv.url], model="m", cache="off", concurrency=2, max_pending=2)
+    lines = read(out)
+    assert sorted(d["custom_id"] for d in lines) == sorted(f"t{i}" for i in range(12))
+    crashed = [d for d in lines if d["error"] is not None]
+    assert len(crashed) == 4 and s["errors"] == {"internal_error": 4} and s["ok"] == 8
+    for d in crashed:
+        line_no = int(d["custom_id"][1:]) + 1
+        assert d["error"]["line"] == line_no
+        assert d["error"]["message"].startswith(f"line {line_no}: internal error") and "bookkeeping bug" in d["error"][
+            "message"]
