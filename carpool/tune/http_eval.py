@@ -38,7 +38,8 @@ class EndpointEvaluator:
         from carpool.tune.tuner import probe_requests
 
         reqs = [replace(r, request_id=f"{r.request_id}-{self.calls}")
-                for r in probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests)]
+                for r in probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests,
+                                         concurrency)]
         return Measurement.from_records(asyncio.run(self._run(reqs, concurrency)), rate, concurrency)
 
     async def _run(self, reqs: list[SimRequest], concurrency: int | None) -> list[dict]:

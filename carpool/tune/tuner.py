@@ -48,14 +48,21 @@ class Evaluator(Protocol):
 
 
 def probe_requests(requests: list[SimRequest], rate: float, base_rate: float = 1.0,
-                   duration_s: float | None = None, min_requests: int = 50) -> list[SimRequest]:
+                   duration_s: float | None = None, min_requests: int = 50,
+                   concurrency: int | None = None) -> list[SimRequest]:
     """The workload at ``rate``: the requests arriving within ``duration_s`` (at least
     ``min_requests`` of them), or all of them without a duration.
 
     A fixed duration is what makes overload visible: a fixed number of requests arriving
     faster and faster would all fit in one batch, and their P99 would look fine at any
     rate.  Over a fixed window the queue of an overloaded engine grows with the window.
+
+    A closed loop (``concurrency`` set, rate infinite) with a duration takes the first
+    ``max(min_requests, 4 * concurrency)`` requests: every client slot is refilled at least
+    three times, so the P99 sees the engine full, not just its first batch.
     """
+    if concurrency and math.isinf(rate) and duration_s is not None:
+        requests = requests[:max(min_requests, 4 * concurrency)]
     reqs = at_rate(requests, rate, base_rate)
     if duration_s is None or math.isinf(rate):
         return reqs
@@ -80,7 +87,7 @@ class SimEvaluator:
     def measure(self, setting: Setting, rate: float, concurrency: int | None = None) -> Measurement:
         self.calls += 1
         cfg = replace(self.base, **asdict(setting), max_concurrency=concurrency)
-        reqs = probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests)
+        reqs = probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests, concurrency)
         res = Simulator(self.cost, cfg, record_steps=False).run(reqs)
         return Measurement.from_sim(res, rate, concurrency)
 
@@ -93,6 +100,9 @@ class RateSearch:
     probes: list[tuple[float, float]] = field(default_factory=list)  # (rate, margin) in probe order
     feasible: bool = True
     lower_bound: bool = False  # still passing at the highest rate tried: the true maximum is higher
+    # A closed-loop search (``tune(search="concurrency")``): the largest client concurrency
+    # meeting the SLOs; ``rate`` is then the throughput measured at it.
+    concurrency: int | None = None
 
     @property
     def goodput_rps(self) -> float:
@@ -233,6 +243,7 @@ class TuneResult:
         def one(r: RateSearch) -> dict:
             m = r.measurement
             return {"setting": asdict(r.setting), "label": r.setting.label(), "max_rate_rps": r.rate,
+                    "max_concurrency": r.concurrency,
                     "goodput_rps": r.goodput_rps, "feasible": r.feasible, "lower_bound": r.lower_bound,
                     "num_probes": len(r.probes),
                     "probes": [(round(x, 4), round(g, 4)) for x, g in r.probes],
@@ -251,19 +262,44 @@ def search_setting(ev: Evaluator, setting: Setting, slos: list[SLO], start: floa
     return r
 
 
+def search_concurrency(ev: Evaluator, setting: Setting, slos: list[SLO], hi: int = 256) -> RateSearch:
+    """The closed-loop question a batch job asks: how many requests may it keep in flight
+    with the SLOs still met?  Goodput is the throughput at that concurrency."""
+    c, m, probes = find_max_concurrency(lambda k: ev.measure(setting, math.inf, k), slos, hi)
+    return RateSearch(setting, m.throughput_rps if m else 0.0, m, probes, feasible=c > 0,
+                      lower_bound=c == hi, concurrency=c)
+
+
 def tune(settings: list[Setting], evaluator: Evaluator, slos: list[SLO], start_rate: float,
          pruner: Evaluator | None = None, top_k: int = 3, rtol: float = 0.05, max_probes: int = 12,
-         log: Callable[[str], None] = lambda s: None) -> TuneResult:
+         log: Callable[[str], None] = lambda s: None, search: str = "rate",
+         max_concurrency: int = 256) -> TuneResult:
     """Rank ``settings`` with ``pruner`` (the simulator), then measure the top ``top_k`` with
-    ``evaluator``; without a pruner every setting is measured."""
+    ``evaluator``; without a pruner every setting is measured.
+
+    ``search="rate"``: the highest open-loop arrival rate meeting the SLOs (a service).
+    ``search="concurrency"``: the largest closed-loop client concurrency (a batch job)."""
     if not settings:
         raise ValueError("no settings to try")
+    if search not in ("rate", "concurrency"):
+        raise ValueError(f"search must be 'rate' or 'concurrency', not {search!r}")
+
+    def one(ev: Evaluator, s: Setting, start: float) -> RateSearch:
+        if search == "concurrency":
+            return search_concurrency(ev, s, slos, max_concurrency)
+        return search_setting(ev, s, slos, start, rtol, max_probes)
+
+    def found(r: RateSearch) -> str:
+        if search == "concurrency":
+            return f"concurrency {r.concurrency}, {r.rate:.3g} req/s"
+        return f"max rate {r.rate:.3g} req/s"
+
     ranked: list[RateSearch] = []
     if pruner is not None:
         for s in settings:
-            r = search_setting(pruner, s, slos, start_rate, rtol, max_probes)
+            r = one(pruner, s, start_rate)
             ranked.append(r)
-            log(f"simulated {s.label()}: max rate {r.rate:.3g} req/s ({len(r.probes)} probes)")
+            log(f"simulated {s.label()}: {found(r)} ({len(r.probes)} probes)")
         ranked.sort(key=lambda r: -r.goodput_rps)
         finalists = [r.setting for r in ranked if r.feasible][:top_k] or [ranked[0].setting]
     else:
@@ -273,14 +309,15 @@ def tune(settings: list[Setting], evaluator: Evaluator, slos: list[SLO], start_r
         # Start the real search near the simulator's answer: fewer probes to bracket it.
         sim = next((r for r in ranked if r.setting == s), None)
         start = sim.rate if sim is not None and sim.rate > 0 else start_rate
-        r = search_setting(evaluator, s, slos, start, rtol, max_probes)
+        r = one(evaluator, s, start)
         measured.append(r)
-        log(f"measured {s.label()}: max rate {r.rate:.3g} req/s, goodput {r.goodput_rps:.3g} "
-            f"({len(r.probes)} probes)")
+        log(f"measured {s.label()}: {found(r)}, goodput {r.goodput_rps:.3g} ({len(r.probes)} probes)")
     measured.sort(key=lambda r: -r.goodput_rps)
     best = measured[0] if measured and measured[0].feasible else None
     conc = None
-    if best is not None and best.measurement is not None:
+    if best is not None and best.concurrency is not None:
+        conc = best.concurrency
+    elif best is not None and best.measurement is not None:
         # Little's law: the in-flight requests needed to sustain the rate, plus 10% for jitter.
         conc = max(1, math.ceil(best.measurement.mean_in_flight * 1.1))
     return TuneResult(best, measured, ranked, slos, conc)
@@ -331,7 +368,7 @@ class EngineEvaluator:
 
         self.calls += 1
         eng = self._engine_for(setting)
-        reqs = probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests)
+        reqs = probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests, concurrency)
         # Unique ids per run: a previous run's stragglers must never collide.
         reqs = [replace(r, request_id=f"{r.request_id}-{self.calls}") for r in reqs]
         return Measurement.from_records(asyncio.run(run_load(eng, reqs, concurrency)), rate, concurrency)

@@ -80,3 +80,45 @@ def test_tune_against_carpools_engine_restarts_it_per_setting(capsys):
     if rc == 0:
         assert out["best"]["goodput_rps"] > 0
         assert out["best"]["at_max_rate"]["num_finished"] == out["best"]["at_max_rate"]["num_requests"]
+
+
+def test_tune_concurrency_search_from_the_cli(capsys):
+    rc = main(["tune", "--simulate", "--gpu", "l4", "--model", "8b", "--slo", "p99_e2e_ms=8000",
+               "--search", "concurrency", "--max-concurrency", "64", "--seqs", "16,64", "--tokens", "2048",
+               "--prompt-len", "uniform:50,300", "--output-len", "uniform:10,60", "--duration-s", "5", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["search"] == "concurrency"
+    best = out["best"]
+    assert 1 <= best["max_concurrency"] <= 64
+    assert out["recommended_concurrency"] == best["max_concurrency"]
+    assert best["at_max_rate"]["concurrency"] == best["max_concurrency"]
+    assert best["goodput_rps"] > 0
+
+
+@pytest.mark.slow
+def test_tune_restarts_carpool_serve_per_setting(tmp_path, capsys):
+    """--serve: each finalist runs as its own `carpool serve` subprocess with the setting's flags,
+    loaded over HTTP.  A made-up profile prunes the grid (the fit is tested elsewhere)."""
+    from carpool.tune.cost import ProfiledCost
+
+    profile = tmp_path / "profile.json"
+    ProfiledCost({"base": 0.004, "prefill": 4e-5, "decode": 5e-4, "kv": 5e-7}, kv_tokens=65536).save(str(profile))
+    rc = main(["tune", "--serve", "--engine-model", "tiny-random", "--profile", str(profile),
+               "--serve-arg=--kv-cache-memory-gb=0.25", "--slo", "p99_e2e_ms=2000",
+               "--seqs", "4,16", "--tokens", "256", "--qps", "4", "--duration-s", "2", "--top-k", "2",
+               "--max-probes", "4", "--rtol", "0.25", "--prompt-len", "uniform:20,80", "--output-len", "fixed:8",
+               "--emit", "vllm", "--json"])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    out = json.loads(lines[0])
+    assert out["target"] == "serve"
+    restarts = [line for line in captured.err.splitlines() if "carpool serve restarted with" in line]
+    assert len(restarts) == 2
+    assert {"seqs=4 " in line for line in restarts} == {True, False}  # one server per finalist
+    assert len(out["measured"]) == 2
+    assert rc == 0, captured.err
+    best = out["best"]["at_max_rate"]
+    assert best["num_finished"] == best["num_requests"] >= 8
+    argv = shlex.split(lines[-1])
+    assert argv[argv.index("--max-num-seqs") + 1] == str(out["best"]["setting"]["max_num_seqs"])

@@ -144,3 +144,23 @@ def test_vllm_command_has_the_chosen_flags():
     on = shlex.split(vllm_command(Setting(8, 512, "lof", True)))
     assert "--enable-prefix-caching" in on and "--tensor-parallel-size" not in on
     assert on[on.index("--scheduling-policy") + 1] in ("fcfs", "priority")  # vLLM has no lof
+
+
+def test_concurrency_mode_finds_the_batch_jobs_best_setting_and_concurrency(knee_cost):
+    # Closed loop: a batch job keeps c requests in flight.  On the knee engine 24 sequences
+    # per step are the most efficient, so seqs=24 gives the most throughput at its largest
+    # passing concurrency; 48 runs bigger, slower steps and 8 leaves throughput unused.
+    reqs = synthetic(400, float("inf"), "uniform:10,60", "uniform:20,60", seed=3)
+    settings = grid(max_num_seqs=(8, 24, 48), max_num_batched_tokens=(256,))
+    slo = SLO.parse("p99_e2e_ms=4000")
+    ev = SimEvaluator(knee_cost, reqs, duration_s=10.0)
+    res = tune(settings, ev, [slo], start_rate=1.0, search="concurrency", max_concurrency=64)
+    assert res.best.setting.max_num_seqs == 24
+    # The largest passing concurrency, by scanning every value (latency grows with c here).
+    scan = [c for c in range(1, 65) if margin([slo], ev.measure(res.best.setting, float("inf"), c)) >= 0]
+    assert res.best.concurrency == max(scan)
+    assert res.recommended_concurrency == res.best.concurrency
+    assert res.best.goodput_rps == pytest.approx(res.best.measurement.throughput_rps)
+    assert len(res.best.probes) <= 9  # bisection over 1..64, not a scan
+    with pytest.raises(ValueError, match="concurrency"):
+        tune(settings, ev, [slo], start_rate=1.0, search="concurency")
