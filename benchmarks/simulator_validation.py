@@ -27,17 +27,17 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from carpool.engine import AsyncEngine, EngineConfig
-from carpool.tune.cost import ProfiledCost
+from carpool.tune.cost import ProfiledCost, StepShape
 from carpool.tune.engine_load import StepRecorder, run_load
 from carpool.tune.measure import Measurement
 from carpool.tune.profile import calibration_workloads, kv_capacity_tokens
 from carpool.tune.simulator import SimConfig, Simulator
-from carpool.tune.workload import synthetic
+from carpool.tune.workload import SimRequest, synthetic
 
 
 def sim_config(cfg: EngineConfig, num_blocks: int) -> SimConfig:
@@ -66,21 +66,37 @@ def rel_err(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas if meas else math.inf
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="engine model: smollm2 (default) or tiny-random")
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--quick", action="store_true", help="smaller workloads")
-    ap.add_argument("--save-profile", help="also write the fitted profile JSON here")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--num-threads", type=int, default=None,
-                    help="engine torch threads (default: all cores); 1 is steadier on a crowded machine")
-    args = ap.parse_args()
+def step_residuals(cost: ProfiledCost, samples: list) -> dict:
+    """Predicted / measured step time over the test's own steps, by kind of step: where the
+    cost model is off (these steps are never fitted on; they only explain a miss)."""
+    kinds: dict[str, list[float]] = {}
+    for shape, t in samples:
+        kind = "decode_only" if shape.num_prefill_tokens == 0 else (
+            "prefill_only" if shape.num_decode_tokens == 0 else "mixed")
+        acc = kinds.setdefault(kind, [0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += cost.step_time(shape)
+        acc[2] += t
+    return {k: {"steps": n, "measured_s": round(m, 3), "predicted_over_measured": round(p / m, 3) if m else None}
+            for k, (n, p, m) in sorted(kinds.items())}
 
+
+def slowest(meas: Measurement, pred: Measurement, tag: str, k: int = 3) -> list[dict]:
+    """The k slowest requests as measured (the ones a P99 over a few dozen is made of),
+    with their simulated E2E: is the miss a few requests or all of them?"""
+    sim = {tag + r["id"]: r for r in pred.records}  # measured ids carry the run's tag
+    rows = sorted((r for r in meas.records if r.get("finish") is not None), key=lambda r: r["submit"] - r["finish"])
+    return [{"id": r["id"], "prompt_len": r["prompt_len"], "output_len": r["output_len"],
+             "measured_e2e_s": round(r["finish"] - r["submit"], 3),
+             "predicted_e2e_s": round(sim[r["id"]]["finish"] - sim[r["id"]]["submit"], 3) if r["id"] in sim else None}
+            for r in rows[:k]]
+
+
+def record(args: argparse.Namespace) -> dict:
+    """Run the engine: calibration, then each held-out workload between calibration chunks.
+    Returns everything the analysis needs (step samples, chunk bounds, tests, records)."""
     cfg = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads)
-    t_start = time.time()
     engine = AsyncEngine(cfg).start_sync()
     cal = calibration_workloads()
     rec = StepRecorder(engine.engine)
@@ -116,62 +132,125 @@ def main() -> int:
                 rate = w["rate_frac"] * cap
             reqs = [replace(r, arrival=0.0 if math.isinf(rate) else r.arrival / rate) for r in base]
             t_run = time.time()
-            meas = Measurement.from_records(run(reqs, w["name"]), rate)
-            tests.append((w, rate, reqs, meas, time.time() - t_run, os.getloadavg()[0]))
+            records = run(reqs, w["name"])
+            meas = Measurement.from_records(records, rate)
+            tests.append({"workload": w, "rate": None if math.isinf(rate) else rate,
+                          "requests": [asdict(r) for r in reqs], "records": records,
+                          "run_seconds": time.time() - t_run, "load_average_1m": os.getloadavg()[0]})
             chunks.append(cal_chunk(f"chunk{i + 1}"))
             print(f"measured {w['name']}: {meas.throughput_rps:.3f} req/s, p99 E2E {meas.e2e_s['p99']:.2f} s",
                   file=sys.stderr)
-        # The model: every calibration step (pass 1 and the chunks between the tests), no test step.
-        cal_samples = rec.fit_samples(0, chunks[0][0])
-        for a, b in chunks:
-            cal_samples += rec.fit_samples(a, b)
-        profile = ProfiledCost.fit(cal_samples, kv_tokens=kv_capacity_tokens(engine),
-                                   name=f"carpool-engine:{engine.model_name}")
-        if args.save_profile:
-            profile.save(args.save_profile)
-        rows = []
-        for i, (w, rate, reqs, meas, run_s, load) in enumerate(tests):
-            pred = Measurement.from_sim(Simulator(profile, scfg).run(reqs), rate)
-            # Local level: the machine's speed in the calibration chunks just before and after.
-            near = rec.fit_samples(*chunks[i]) + rec.fit_samples(*chunks[i + 1])
-            level = sum(t for _, t in near) / sum(profile.step_time(sh) for sh, _ in near)
-            local = ProfiledCost({k: v * level for k, v in profile.coef.items()}, profile.kv_tokens)
-            pred_l = Measurement.from_sim(Simulator(local, scfg).run(reqs), rate)
-            rows.append({
-                "workload": w["name"], "prompt_len": w["prompt"], "output_len": w["output"],
-                "num_requests": w["n"], "rate_rps": None if math.isinf(rate) else round(rate, 3),
-                "run_seconds": round(run_s, 1), "load_average_1m": round(load, 1),
-                "measured": {"throughput_rps": round(meas.throughput_rps, 3), "p99_e2e_s": round(meas.e2e_s["p99"], 3),
-                             "output_tok_s": round(meas.output_tok_s, 1)},
-                "predicted": {"throughput_rps": round(pred_l.throughput_rps, 3),
-                              "p99_e2e_s": round(pred_l.e2e_s["p99"], 3), "output_tok_s": round(pred_l.output_tok_s, 1)},
-                "throughput_error": round(rel_err(pred_l.throughput_rps, meas.throughput_rps), 4),
-                "p99_e2e_error": round(rel_err(pred_l.e2e_s["p99"], meas.e2e_s["p99"]), 4),
-                "machine_speed_level": round(level, 3),
-                "global_fit_predicted": {"throughput_rps": round(pred.throughput_rps, 3),
-                                         "p99_e2e_s": round(pred.e2e_s["p99"], 3)},
-                "global_fit_throughput_error": round(rel_err(pred.throughput_rps, meas.throughput_rps), 4),
-                "global_fit_p99_e2e_error": round(rel_err(pred.e2e_s["p99"], meas.e2e_s["p99"]), 4),
-            })
-            print(json.dumps(rows[-1]), file=sys.stderr)
+        return {"engine_model": args.model, "model_name": engine.model_name,
+                "engine_config": {"max_num_seqs": cfg.max_num_seqs,
+                                  "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                                  "enable_chunked_prefill": cfg.enable_chunked_prefill,
+                                  "enable_prefix_caching": cfg.enable_prefix_caching,
+                                  "scheduling_policy": cfg.scheduling_policy, "block_size": cfg.block_size,
+                                  "num_kv_blocks": num_blocks, "num_threads": cfg.num_threads},
+                "kv_tokens": kv_capacity_tokens(engine), "fit_seconds": fit_s,
+                # (shape, seconds) per step, in order; chunks and tests index into it.
+                "samples": [(asdict(sh), t) for sh, t in rec.fit_samples()],
+                # The engine's own step time and the whole loop cycle (None: the engine went idle).
+                "step_times": [(x["duration_s"], x["cycle_s"]) for x in rec.samples],
+                "first_pass_end": chunks[0][0], "chunks": chunks, "tests": tests}
     finally:
         asyncio.run(engine.shutdown())
+
+
+def analyse(data: dict, save_profile: str | None = None) -> dict:
+    """Fit on every calibration step (pass 1 and the chunks between the tests, never a test
+    step), predict each held-out workload, compare with what was measured."""
+    ec = data["engine_config"]
+    scfg = SimConfig(max_num_seqs=ec["max_num_seqs"], max_num_batched_tokens=ec["max_num_batched_tokens"],
+                     enable_chunked_prefill=ec["enable_chunked_prefill"],
+                     enable_prefix_caching=ec["enable_prefix_caching"], scheduling_policy=ec["scheduling_policy"],
+                     block_size=ec["block_size"], num_kv_blocks=ec["num_kv_blocks"])
+    samples = [(StepShape(**sh), t) for sh, t in data["samples"]]
+    chunks = data["chunks"]
+
+    def part(a, b):
+        return samples[a:b]
+
+    cal_samples = part(0, data["first_pass_end"])
+    for a, b in chunks:
+        cal_samples += part(a, b)
+    profile = ProfiledCost.fit(cal_samples, kv_tokens=data["kv_tokens"], name=f"carpool-engine:{data['model_name']}")
+    if save_profile:
+        profile.save(save_profile)
+    rows = []
+    for i, test in enumerate(data["tests"]):
+        w = test["workload"]
+        rate = math.inf if test["rate"] is None else test["rate"]
+        reqs = [SimRequest(**r) for r in test["requests"]]
+        meas = Measurement.from_records(test["records"], rate)
+        pred = Measurement.from_sim(Simulator(profile, scfg).run(reqs), rate)
+        # Local level: the machine's speed in the calibration chunks just before and after.
+        near = part(*chunks[i]) + part(*chunks[i + 1])
+        level = sum(t for _, t in near) / sum(profile.step_time(sh) for sh, _ in near)
+        local = ProfiledCost({k: v * level for k, v in profile.coef.items()}, profile.kv_tokens)
+        pred_l = Measurement.from_sim(Simulator(local, scfg).run(reqs), rate)
+        diag = step_residuals(local, part(chunks[i][1], chunks[i + 1][0]))
+        diag["slowest_requests"] = slowest(meas, pred_l, f"{w['name']}-")
+        rows.append({
+            "workload": w["name"], "prompt_len": w["prompt"], "output_len": w["output"],
+            "num_requests": w["n"], "rate_rps": None if math.isinf(rate) else round(rate, 3),
+            "run_seconds": round(test["run_seconds"], 1), "load_average_1m": round(test["load_average_1m"], 1),
+            "measured": {"throughput_rps": round(meas.throughput_rps, 3), "p99_e2e_s": round(meas.e2e_s["p99"], 3),
+                         "output_tok_s": round(meas.output_tok_s, 1)},
+            "predicted": {"throughput_rps": round(pred_l.throughput_rps, 3),
+                          "p99_e2e_s": round(pred_l.e2e_s["p99"], 3), "output_tok_s": round(pred_l.output_tok_s, 1)},
+            "throughput_error": round(rel_err(pred_l.throughput_rps, meas.throughput_rps), 4),
+            "p99_e2e_error": round(rel_err(pred_l.e2e_s["p99"], meas.e2e_s["p99"]), 4),
+            "machine_speed_level": round(level, 3),
+            "diagnosis": diag,
+            "global_fit_predicted": {"throughput_rps": round(pred.throughput_rps, 3),
+                                     "p99_e2e_s": round(pred.e2e_s["p99"], 3)},
+            "global_fit_throughput_error": round(rel_err(pred.throughput_rps, meas.throughput_rps), 4),
+            "global_fit_p99_e2e_error": round(rel_err(pred.e2e_s["p99"], meas.e2e_s["p99"]), 4),
+        })
     worst_thr = max(r["throughput_error"] for r in rows)
     worst_p99 = max(r["p99_e2e_error"] for r in rows)
-    print(json.dumps({
-        "benchmark": "simulator_validation", "engine_model": args.model,
-        "engine_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                          "num_kv_blocks": num_blocks, "num_threads": cfg.num_threads},
-        "cpu_count": os.cpu_count(), "fit": profile.describe(), "fit_seconds": round(fit_s, 1),
+    return {
+        "benchmark": "simulator_validation", "engine_model": data["engine_model"], "engine_config": ec,
+        "cpu_count": os.cpu_count(), "fit": profile.describe(), "fit_seconds": round(data["fit_seconds"], 1),
         "held_out": rows, "max_throughput_error": worst_thr, "max_p99_e2e_error": worst_p99,
         "mean_throughput_error": round(sum(r["throughput_error"] for r in rows) / len(rows), 4),
         "mean_p99_e2e_error": round(sum(r["p99_e2e_error"] for r in rows) / len(rows), 4),
         "within_15pct": worst_thr <= 0.15 and worst_p99 <= 0.15,
         "max_global_fit_throughput_error": max(r["global_fit_throughput_error"] for r in rows),
         "max_global_fit_p99_e2e_error": max(r["global_fit_p99_e2e_error"] for r in rows),
-        "load_average_1m": round(os.getloadavg()[0], 1),
-        "total_seconds": round(time.time() - t_start, 1),
-    }))
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="engine model: smollm2 (default) or tiny-random")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads")
+    ap.add_argument("--save-profile", help="also write the fitted profile JSON here")
+    ap.add_argument("--save-run", help="write the recorded run (step samples, tests, records) as JSON here")
+    ap.add_argument("--from-run", help="analyse a run saved with --save-run instead of running the engine")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="engine torch threads (default: all cores); 1 is steadier on a crowded machine")
+    args = ap.parse_args()
+
+    t_start = time.time()
+    if args.from_run:
+        with open(args.from_run) as f:
+            data = json.load(f)
+    else:
+        data = record(args)
+        if args.save_run:
+            with open(args.save_run, "w") as f:
+                json.dump(data, f)
+    out = analyse(data, args.save_profile)
+    for row in out["held_out"]:
+        print(json.dumps(row), file=sys.stderr)
+    out["load_average_1m"] = round(os.getloadavg()[0], 1)
+    out["total_seconds"] = round(time.time() - t_start, 1)
+    print(json.dumps(out))
     return 0
 
 
