@@ -18,11 +18,18 @@ from carpool.tune.workload import SimRequest, synthetic
 
 def calibration_workloads(seed: int = 100) -> list[list[SimRequest]]:
     """Shapes that pull the terms apart: pure decode at a few batch sizes and contexts,
-    prefill-heavy bursts, and a mixed open-loop stream."""
+    prefill-heavy bursts, long prompts that arrive alone, and a mixed open-loop stream
+    (kept last: the validation benchmark reuses it as its speed probe)."""
     return [
         synthetic(8, float("inf"), "uniform:16,64", "fixed:24", seed),  # small-batch decode
         synthetic(24, float("inf"), "uniform:32,96", "fixed:24", seed + 1),  # larger-batch decode
         synthetic(12, float("inf"), "uniform:300,700", "fixed:24", seed + 2),  # long prompts: prefill, KV reads
+        # Long prompts trickling in: steps holding one whole chunk of a single prompt, where
+        # attention pairs and kernel KV loads are largest per token.  A burst gives only a
+        # few such steps; without them the KV-load cost is pinned by long-context decodes
+        # alone, where it is nearly collinear with the decode term, and it drifted 7x
+        # between fits (so did the predicted time of every lone long prefill).
+        synthetic(10, 0.7, "uniform:200,900", "fixed:4", seed + 4),
         synthetic(24, 6.0, "uniform:16,400", "uniform:4,40", seed + 3),  # mixed stream
     ]
 
