@@ -40,9 +40,10 @@ class EndpointEvaluator:
         reqs = [replace(r, request_id=f"{r.request_id}-{self.calls}")
                 for r in probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests,
                                          concurrency)]
-        return Measurement.from_records(asyncio.run(self._run(reqs, concurrency)), rate, concurrency)
+        return Measurement.from_records(asyncio.run(self.run_requests(reqs, concurrency)), rate, concurrency)
 
-    async def _run(self, reqs: list[SimRequest], concurrency: int | None) -> list[dict]:
+    async def run_requests(self, reqs: list[SimRequest], concurrency: int | None = None) -> list[dict]:
+        """Send ``reqs`` at their arrival times (at most ``concurrency`` in flight); one record each."""
         sem = asyncio.Semaphore(concurrency) if concurrency else None
         records: list[dict] = []
         conn = aiohttp.TCPConnector(limit=0)

@@ -8,6 +8,7 @@ own flags (vLLM's names); the load is the ``EndpointEvaluator``'s streamed /comp
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import urllib.request
@@ -79,11 +80,7 @@ class ServeEvaluator:
         self.log(f"carpool serve restarted with {setting.label()} at {handle.base_url}")
         if self.warmup:
             warm = [replace(r, request_id=f"warm-{r.request_id}", arrival=0.0) for r in self.requests[: self.warmup]]
-            self._endpoint.requests, saved = warm, self._endpoint.requests
-            try:
-                self._endpoint.measure(setting, float("inf"))
-            finally:
-                self._endpoint.requests = saved
+            asyncio.run(self._endpoint.run_requests(warm))
         return self._endpoint
 
     def measure(self, setting, rate: float, concurrency: int | None = None) -> Measurement:
