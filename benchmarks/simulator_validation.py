@@ -78,6 +78,9 @@ def rel_err(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas if meas else math.inf
 
 
+SPEED_BAND = 0.05  # +-5% machine speed for the P99 band
+
+
 def spread(values: list[float]) -> float:
     """(max - min) / mean of repeated measurements; 0 for a single run."""
     mean = sum(values) / len(values)
@@ -214,6 +217,12 @@ def analyse(data: dict, save_profile: str | None = None) -> dict:
         level = sum(t for _, t in near) / sum(profile.step_time(sh) for sh, _ in near)
         local = ProfiledCost({k: v * level for k, v in profile.coef.items()}, profile.kv_tokens)
         pred_l = Measurement.from_sim(Simulator(local, scfg).run(reqs), rate)
+        # How much the P99 moves if the machine runs 5% faster or slower than the fit (the
+        # calibration chunks' speed moved by that much between tests on a quiet machine):
+        # near saturation this band is wide, and no prediction can be closer than it.
+        band = [Measurement.from_sim(Simulator(ProfiledCost({k: v * f for k, v in profile.coef.items()},
+                                                            profile.kv_tokens), scfg).run(reqs), rate).e2e_s["p99"]
+                for f in (1 - SPEED_BAND, 1 + SPEED_BAND)]
         diag = step_residuals(profile, part(chunks[i][1], chunks[i + 1][0]))
         diag["slowest_requests"] = slowest(meas, pred, f"{w['name']}-")
         rows.append({
@@ -230,6 +239,8 @@ def analyse(data: dict, save_profile: str | None = None) -> dict:
                           "p99_e2e_s": round(pred.e2e_s["p99"], 3), "output_tok_s": round(pred.output_tok_s, 1)},
             "throughput_error": round(rel_err(pred.throughput_rps, thr), 4),
             "p99_e2e_error": round(rel_err(pred.e2e_s["p99"], p99), 4),
+            "p99_e2e_at_speed_band": [round(x, 3) for x in band],
+            "measured_p99_within_band": band[0] * (1 - 1e-9) <= p99 <= band[1] * (1 + 1e-9),
             "diagnosis": diag,
             "machine_speed_level": round(level, 3),
             "local_level_predicted": {"throughput_rps": round(pred_l.throughput_rps, 3),
@@ -249,6 +260,7 @@ def analyse(data: dict, save_profile: str | None = None) -> dict:
         "max_local_level_throughput_error": max(r["local_level_throughput_error"] for r in rows),
         "max_local_level_p99_e2e_error": max(r["local_level_p99_e2e_error"] for r in rows),
         "max_repeat_p99_e2e_spread": max(r["repeat_p99_e2e_spread"] for r in rows),
+        "p99_within_speed_band": [r["workload"] for r in rows if r["measured_p99_within_band"]],
     }
 
 
