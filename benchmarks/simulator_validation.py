@@ -143,8 +143,11 @@ def record(args: argparse.Namespace) -> dict:
         scfg = sim_config(cfg, num_blocks)
         tests = []
         chunks = [cal_chunk("chunk0")]
-        for i, w in enumerate(held_out(args.quick)):
-            base = synthetic(w["n"], 1.0, w["prompt"], w["output"], seed=args.seed + i)
+        order = list(enumerate(held_out(args.quick)))
+        if args.reverse:
+            order.reverse()
+        for i, (k, w) in enumerate(order):
+            base = synthetic(w["n"], 1.0, w["prompt"], w["output"], seed=args.seed + k)
             if w["rate_frac"] is None:
                 rate = math.inf
             else:  # a fraction of the capacity the (first) fit predicts for this mix
@@ -274,6 +277,8 @@ def main() -> int:
     ap.add_argument("--save-run", help="write the recorded run (step samples, tests, records) as JSON here")
     ap.add_argument("--from-run", help="analyse a run saved with --save-run instead of running the engine")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--reverse", action="store_true",
+                    help="run the held-out workloads last to first (is a miss the workload's, or the hour's?)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="measure each held-out workload this many times back to back (their mean is compared)")
     ap.add_argument("--num-threads", type=int, default=None,
