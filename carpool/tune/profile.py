@@ -22,6 +22,10 @@ def calibration_workloads(seed: int = 100) -> list[list[SimRequest]]:
     (kept last: the validation benchmark reuses it as its speed probe)."""
     return [
         synthetic(8, float("inf"), "uniform:16,64", "fixed:24", seed),  # small-batch decode
+        # Staggered finishes: decode steps with 6 down to 1 sequences.  An open-loop stream at
+        # moderate load spends most of its steps there, and the workloads above (every
+        # sequence finishing together) gave the fit almost none of them.
+        synthetic(6, float("inf"), "uniform:16,160", "uniform:8,80", seed + 5),
         synthetic(24, float("inf"), "uniform:32,96", "fixed:24", seed + 1),  # larger-batch decode
         synthetic(12, float("inf"), "uniform:300,700", "fixed:24", seed + 2),  # long prompts: prefill, KV reads
         # Long prompts trickling in: steps holding one whole chunk of a single prompt, where
