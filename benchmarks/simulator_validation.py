@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from carpool.engine import AsyncEngine, EngineConfig
-from carpool.tune.cost import ProfiledCost, StepShape
+from carpool.tune.cost import ProfiledCost, ScaledCost, StepShape
 from carpool.tune.engine_load import StepRecorder, run_load
 from carpool.tune.measure import Measurement
 from carpool.tune.profile import calibration_workloads, kv_capacity_tokens
@@ -218,13 +218,11 @@ def analyse(data: dict, save_profile: str | None = None) -> dict:
         # Local level: the machine's speed in the calibration chunks just before and after.
         near = part(*chunks[i]) + part(*chunks[i + 1])
         level = sum(t for _, t in near) / sum(profile.step_time(sh) for sh, _ in near)
-        local = ProfiledCost({k: v * level for k, v in profile.coef.items()}, profile.kv_tokens)
-        pred_l = Measurement.from_sim(Simulator(local, scfg).run(reqs), rate)
+        pred_l = Measurement.from_sim(Simulator(ScaledCost(profile, level), scfg).run(reqs), rate)
         # How much the P99 moves if the machine runs 5% faster or slower than the fit (the
         # calibration chunks' speed moved by that much between tests on a quiet machine):
         # near saturation this band is wide, and no prediction can be closer than it.
-        band = [Measurement.from_sim(Simulator(ProfiledCost({k: v * f for k, v in profile.coef.items()},
-                                                            profile.kv_tokens), scfg).run(reqs), rate).e2e_s["p99"]
+        band = [Measurement.from_sim(Simulator(ScaledCost(profile, f), scfg).run(reqs), rate).e2e_s["p99"]
                 for f in (1 - SPEED_BAND, 1 + SPEED_BAND)]
         diag = step_residuals(profile, part(chunks[i][1], chunks[i + 1][0]))
         diag["slowest_requests"] = slowest(meas, pred, f"{w['name']}-")

@@ -162,6 +162,25 @@ class RooflineCost:
         }
 
 
+@dataclass
+class ScaledCost:
+    """Another cost model with every step ``factor`` times as long: the machine running
+    slower (> 1) or faster (< 1) than the model says.  Near saturation a few percent of
+    speed moves the tail latency by tens of percent; this is how to see by how much."""
+
+    base: CostModel
+    factor: float
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.base.step_time(shape) * self.factor
+
+    def kv_capacity_tokens(self) -> int | None:
+        return self.base.kv_capacity_tokens()
+
+    def describe(self) -> dict:
+        return {**self.base.describe(), "speed_factor": self.factor}
+
+
 FEATURES = ("base", "prefill", "decode", "kv", "pairs", "seqs", "logits")
 
 
@@ -305,6 +324,7 @@ __all__ = [
     "CostModel",
     "ProfiledCost",
     "RooflineCost",
+    "ScaledCost",
     "StepShape",
     "attn_pairs",
     "ceil_div",

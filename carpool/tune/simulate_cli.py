@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 
 from carpool.tune import hardware, models
-from carpool.tune.cost import CostModel, ProfiledCost, RooflineCost
+from carpool.tune.cost import CostModel, ProfiledCost, RooflineCost, ScaledCost
 from carpool.tune.simulator import BATCHING, POLICIES, SimConfig, SimResult, Simulator
 from carpool.tune.workload import SimRequest, from_jsonl, synthetic
 
@@ -93,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--report", help="write an HTML report with plots here")
     g.add_argument("--plots-dir", help="also write the plots as PNG files into this folder")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    g.add_argument("--speed-band", type=float, default=None, metavar="F",
+                   help="also run every configuration with steps F faster and F slower (e.g. 0.05) and report "
+                        "the range of its P99s: near saturation a few percent of speed moves the tail a lot")
 
 
 # ------------------------------------------------------------------ builders
@@ -138,7 +141,7 @@ def apply_overrides(a: argparse.Namespace, spec: str) -> argparse.Namespace:
         k = ALIAS.get(k, k)
         if k == "preferred_batch_sizes":
             v = v.replace(";", ",")
-        if not hasattr(b, k) or k in ("compare", "report", "json", "plots_dir"):
+        if not hasattr(b, k) or k in ("compare", "report", "json", "plots_dir", "speed_band"):
             raise ValueError(f"--compare {spec!r}: unknown setting {k!r}")
         try:
             if v.lower() in ("none", "") and k in ("concurrency", "num_kv_blocks", "max_model_len", "overhead_ms"):
@@ -158,20 +161,36 @@ def run_scenario(a: argparse.Namespace, label: str | None = None) -> SimResult:
     return res
 
 
+def speed_band(a: argparse.Namespace, f: float) -> dict:
+    """Throughput and P99s of the scenario with every step ``f`` faster and ``f`` slower."""
+    reqs, cfg, cost = build_workload(a), build_config(a), build_cost(a)
+    fast, slow = (Simulator(ScaledCost(cost, k), cfg, record_steps=False).run(reqs) for k in (1 - f, 1 + f))
+    return {"factor": f, **{name: [fast.metric(name), slow.metric(name)]
+                            for name in ("throughput_rps", "p99_e2e_s", "p99_ttft_s")}}
+
+
 def main(args: argparse.Namespace) -> int:
+    band = args.speed_band
     try:
+        if band is not None and not 0 < band < 1:
+            raise ValueError(f"--speed-band {band}: give a fraction between 0 and 1, e.g. 0.05")
         scenarios = [(None, args)] + [(spec, apply_overrides(args, spec)) for spec in args.compare]
-        results = []
+        results, bands = [], []
         for spec, a in scenarios:
             base = build_config(a).label()
             results.append(run_scenario(a, f"{base} [{spec}]" if spec else base))
+            if band is not None:
+                bands.append(speed_band(a, band))
     except (ValueError, OSError) as e:
         print(f"carpool simulate: {e}", file=sys.stderr)
         return 2
     meta = {"cost_model": results[0].cost_model, "workload": {
         k: getattr(args, k) for k in ("qps", "num_requests", "prompt_len", "output_len", "prefix_len", "workload")}}
     if args.json:
-        print(json.dumps({"meta": meta, "results": [r.summary() for r in results]},
+        rows = [r.summary() for r in results]
+        for row, b in zip(rows, bands):
+            row["speed_band"] = b
+        print(json.dumps({"meta": meta, "results": rows},
                          default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
     else:
         cm = results[0].cost_model
@@ -180,6 +199,10 @@ def main(args: argparse.Namespace) -> int:
         from carpool.tune.report import text_table
 
         print(text_table(results))
+        for r, b in zip(results, bands):
+            e2e, ttft = b["p99_e2e_s"], b["p99_ttft_s"]
+            print(f"  {r.label}: with steps {b['factor']:.0%} faster .. slower, P99 E2E {e2e[0]:.3g}-{e2e[1]:.3g} s "
+                  f"(here {r.e2e_s['p99']:.3g}), P99 TTFT {ttft[0]:.3g}-{ttft[1]:.3g} s")
         for r in results:
             for e in r.errors[:3]:
                 print(f"  {r.label}: rejected {e}", file=sys.stderr)
