@@ -15,8 +15,16 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _UNSUPPORTED = "x-carpool-unsupported"
 
 
+def _nullable_enum(schema: dict) -> dict:
+    """Nullable; OpenAPI 3.0's ``nullable`` does not extend an ``enum``, so null is listed in it."""
+    out = {**schema, "nullable": True}
+    if "enum" in schema:
+        out["enum"] = [*schema["enum"], None]
+    return out
+
+
 def _unsupported(schema: dict, what: str) -> dict:
-    return {**schema, "nullable": True, _UNSUPPORTED: what}
+    return {**_nullable_enum(schema), _UNSUPPORTED: what}
 
 
 def _sampling_properties(max_model_len: int, max_n: int) -> dict[str, dict]:
@@ -130,7 +138,7 @@ def embedding_request_schema(models: list[str], dim: int) -> dict:
         "input": {
             "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string"}}]
         },
-        "encoding_format": {"type": "string", "enum": ["float", "base64"], "nullable": True, "default": "float"},
+        "encoding_format": _nullable_enum({"type": "string", "enum": ["float", "base64"], "default": "float"}),
         "dimensions": _unsupported({"type": "integer", "minimum": dim, "maximum": dim}, "dimensions"),
         "user": {"type": "string", "nullable": True},
     }
@@ -213,7 +221,7 @@ def validate(value: Any, schema: dict, path: str = "") -> None:
     if expected and not _is_type(value, expected):
         raise _fail(path, schema, f"must be {_describe(schema)}, got {_type_name(value)}")
     if "enum" in schema and value not in schema["enum"]:
-        choices = ", ".join(repr(c) for c in schema["enum"])
+        choices = ", ".join(repr(c) for c in schema["enum"] if c is not None)
         raise _fail(path, schema, f"must be one of {choices}, got {value!r}")
     if expected in ("integer", "number"):
         _check_range(value, schema, path)
