@@ -58,7 +58,6 @@ class ServeEvaluator:
         self._setting = None
         self._endpoint: EndpointEvaluator | None = None
         self.base_url: str | None = None
-        self.calls = 0
 
     def _endpoint_for(self, setting) -> EndpointEvaluator:
         if self._setting == setting and self._endpoint is not None:
@@ -84,7 +83,6 @@ class ServeEvaluator:
         return self._endpoint
 
     def measure(self, setting, rate: float, concurrency: int | None = None) -> Measurement:
-        self.calls += 1
         return self._endpoint_for(setting).measure(setting, rate, concurrency)
 
     def close(self) -> None:

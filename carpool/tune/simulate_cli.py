@@ -154,19 +154,20 @@ def apply_overrides(a: argparse.Namespace, spec: str) -> argparse.Namespace:
     return b
 
 
-def run_scenario(a: argparse.Namespace, label: str | None = None) -> SimResult:
-    res = Simulator(build_cost(a), build_config(a)).run(build_workload(a))
+def run_scenario(a: argparse.Namespace, label: str | None = None,
+                 band: float | None = None) -> tuple[SimResult, dict | None]:
+    """The scenario's result and, with ``band``, its speed band: the same workload, config and
+    cost model (built once: a cpu-local cost measures the machine, a workload file is read)
+    with every step ``band`` faster and ``band`` slower."""
+    reqs, cfg, cost = build_workload(a), build_config(a), build_cost(a)
+    res = Simulator(cost, cfg).run(reqs)
     if label:
         res = replace(res, label=label)
-    return res
-
-
-def speed_band(a: argparse.Namespace, f: float) -> dict:
-    """Throughput and P99s of the scenario with every step ``f`` faster and ``f`` slower."""
-    reqs, cfg, cost = build_workload(a), build_config(a), build_cost(a)
-    fast, slow = (Simulator(ScaledCost(cost, k), cfg, record_steps=False).run(reqs) for k in (1 - f, 1 + f))
-    return {"factor": f, **{name: [fast.metric(name), slow.metric(name)]
-                            for name in ("throughput_rps", "p99_e2e_s", "p99_ttft_s")}}
+    if band is None:
+        return res, None
+    fast, slow = (Simulator(ScaledCost(cost, k), cfg, record_steps=False).run(reqs) for k in (1 - band, 1 + band))
+    return res, {"factor": band, **{name: [fast.metric(name), slow.metric(name)]
+                                    for name in ("throughput_rps", "p99_e2e_s", "p99_ttft_s")}}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -178,9 +179,10 @@ def main(args: argparse.Namespace) -> int:
         results, bands = [], []
         for spec, a in scenarios:
             base = build_config(a).label()
-            results.append(run_scenario(a, f"{base} [{spec}]" if spec else base))
-            if band is not None:
-                bands.append(speed_band(a, band))
+            res, b = run_scenario(a, f"{base} [{spec}]" if spec else base, band)
+            results.append(res)
+            if b is not None:
+                bands.append(b)
     except (ValueError, OSError) as e:
         print(f"carpool simulate: {e}", file=sys.stderr)
         return 2
