@@ -116,3 +116,46 @@ def test_profiled_fit_separates_logits_rows_from_sequences():
     fit = ProfiledCost.fit(samples, robust=False)
     for k in ("base", "logits", "seqs"):
         assert fit.coef[k] == pytest.approx(true[k], rel=0.05)
+
+
+
+class RecordingCost:
+    """The engine's costs as measured for SmolLM2 on this machine (a prefill token ~1.16 ms,
+    a thousand (query, key) pairs ~2.05 ms, ~44 ms a step), keeping every step's shape."""
+
+    def __init__(self, slower: float = 1.0):
+        self.true = ProfiledCost({"base": 0.044 * slower, "prefill": 1.16e-3 * slower, "decode": 1.7e-3 * slower,
+                                  "pairs": 2.05e-3 * slower})
+        self.shapes: list[StepShape] = []
+
+    def step_time(self, shape: StepShape) -> float:
+        self.shapes.append(shape)
+        return self.true.step_time(shape)
+
+    def kv_capacity_tokens(self) -> int | None:
+        return None
+
+    def describe(self) -> dict:
+        return {}
+
+
+def test_isolated_prefills_give_steps_with_one_lone_chunk_fresh_or_after_cached_tokens():
+    """The calibration's lone prefills: on an engine as fast as this machine's (and on one
+    30% slower) each prefill step holds one chunk and at most the one decode of the prompt
+    before it; the long prompts give later chunks that attend to 512 cached tokens."""
+    from carpool.tune.profile import calibration_workloads, isolated_prefills
+    from carpool.tune.simulator import SimConfig, Simulator
+
+    iso = isolated_prefills()
+    assert any([r.prompt_len for r in w] == [r.prompt_len for r in iso] for w in calibration_workloads())
+    for slower in (1.0, 1.3):
+        cost = RecordingCost(slower)
+        res = Simulator(cost, SimConfig(max_num_seqs=32, max_num_batched_tokens=512)).run(iso)
+        assert res.num_finished == len(iso)
+        prefill_steps = [s for s in cost.shapes if s.num_prefill_tokens]
+        assert all(s.num_seqs - s.num_decode_tokens == 1 and s.num_decode_tokens <= 1 for s in prefill_steps)
+        fresh = [s for s in prefill_steps if s.attn_pairs - s.num_decode_tokens * 1100
+                 <= s.num_prefill_tokens * (s.num_prefill_tokens + 1) // 2]
+        later = [s for s in prefill_steps if s not in fresh]
+        assert len(fresh) == len(iso) and len(later) == sum(r.prompt_len > 512 for r in iso)
+        assert all(s.attn_pairs >= 512 * s.num_prefill_tokens for s in later)
