@@ -41,7 +41,7 @@ class Reservoir:
 class JobStats:
     total: int | None = None  # records in the input (None until counted)
     done: int = 0  # lines written this run
-    ok: int = 0
+    ok: int = 0  # answered by the backend (a dedup fan-out counts: it shares a backend answer)
     errors: Counter = field(default_factory=Counter)  # kind -> count
     skipped: int = 0  # already done in an earlier run (resume)
     bad_lines: int = 0
@@ -103,6 +103,8 @@ class JobStats:
 
         return {
             "total": self.total, "done": self.done, "ok": self.ok, "errors": dict(self.errors),
+            # Every success line written this run, cache answers included.
+            "succeeded": self.ok + self.cache_hits + self.semantic_hits,
             "skipped_done_before": self.skipped, "bad_lines": self.bad_lines,
             "elapsed_s": round(el, 3), "requests_per_s": round(self.done / el, 2) if el else None,
             "tokens_per_s": round(self.tokens / el, 1) if el else None,
@@ -139,7 +141,8 @@ def render_summary(stats: JobStats, console=None) -> None:
     t.add_row("tasks written / total", f"{d['done']:,} / {total}")
     if d["skipped_done_before"]:
         t.add_row("already done (resumed)", f(d["skipped_done_before"]))
-    t.add_row("succeeded", f(d["ok"]))
+    cached = d["succeeded"] - d["ok"]
+    t.add_row("succeeded", f(d["succeeded"]) + (f" ({cached:,} from the cache)" if cached else ""))
     t.add_row("errors", f(stats.n_errors))
     for kind, n in sorted(stats.errors.items(), key=lambda kv: -kv[1]):
         t.add_row(f"  {kind}", f(n))

@@ -1,15 +1,19 @@
 """The pipeline against a real HTTP server (the fault injector): order, dedup, cache, resume."""
 
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from rich.console import Console
 
 from carpool.jobs.api import run_batch
+from carpool.jobs.summary import JobStats, render_summary
 from carpool.testing.fault_server import Fault, FaultConfig
 
 
@@ -70,6 +74,11 @@ def test_exact_cache_across_runs(fault_server, tmp_path):
     s2 = run_batch(src, tmp_path / "b.jsonl", endpoints=[srv.url], model="m", cache=cache)
     assert s2["cache_hits"] == 8 and srv.server.total_requests == 8  # nothing sent again
     assert s2["saved_tokens"] > 0
+    # Every line succeeded, none by the backend: the summary must not say "succeeded 0".
+    assert (s1["succeeded"], s2["succeeded"], s2["ok"]) == (8, 8, 0)
+    table = io.StringIO()
+    render_summary(JobStats(**{k: s2[k] for k in ("ok", "cache_hits", "done")}), Console(file=table, width=120))
+    assert re.search(r"succeeded\s.*8 \(8 from the cache\)", table.getvalue())
     a = {d["custom_id"]: d["response"]["body"] for d in read(tmp_path / "a.jsonl")}
     b = {d["custom_id"]: d["response"]["body"] for d in read(tmp_path / "b.jsonl")}
     assert a == b
