@@ -95,7 +95,7 @@ def _parquet_plan(path: Path, workdir: Path, n_shards: int) -> list[Shard]:
 
 def _combine(summaries: list[dict]) -> dict:
     """One job summary from the shards' (counts add up; latency percentiles are per shard)."""
-    add = ("done", "ok", "skipped_done_before", "bad_lines", "prompt_tokens", "completion_tokens",
+    add = ("done", "ok", "succeeded", "skipped_done_before", "bad_lines", "prompt_tokens", "completion_tokens",
            "cached_prompt_tokens", "sent", "cache_hits", "semantic_hits", "dedup_fanouts", "saved_tokens")
     out: dict = dict.fromkeys(add, 0)
     errors: Counter = Counter()
@@ -283,7 +283,8 @@ def _finished_before(output: Path, input_path: Path) -> dict | None:
         return None
     with open(output, "rb") as f:
         lines = sum(1 for _ in f)
-    return {"complete": True, "already_done": True, "done": 0, "ok": 0, "errors": {}, "skipped_done_before": lines,
+    return {"complete": True, "already_done": True, "done": 0, "ok": 0, "succeeded": 0, "errors": {},
+            "skipped_done_before": lines,
             "shards": 0, "shards_done": 0, "workers": 0, "elapsed_s": 0.0, "shard_summaries": [],
             "messages": [f"{output} is already complete ({lines:,} lines); nothing to do (--fresh reruns it)"]}
 
@@ -359,7 +360,7 @@ def main(args: argparse.Namespace) -> int:
             Path(args.summary_json).write_text(doc + "\n")
     if not args.quiet:
         print(f"carpool run --ray: {result['shards_done']}/{result['shards']} shards on {result['workers']} "
-              f"workers, {result['ok']:,} ok, {sum(result['errors'].values()):,} errors, "
+              f"workers, {result['succeeded']:,} succeeded, {sum(result['errors'].values()):,} errors, "
               f"{result['elapsed_s']:.1f} s" + (f"; results: {opts.output}" if result["complete"] else ""),
               file=sys.stderr)
     return 0 if result["complete"] else 1
