@@ -92,6 +92,16 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / mean if mean else 0.0
 
 
+def simulate(cost: ProfiledCost, speed: float, scfg: SimConfig, reqs: list[SimRequest], rate: float) -> Measurement:
+    """The simulator's measurement of ``reqs`` with every step ``speed`` times as long as ``cost`` says."""
+    return Measurement.from_sim(Simulator(cost if speed == 1.0 else ScaledCost(cost, speed), scfg).run(reqs), rate)
+
+
+def speed_level(cost: ProfiledCost, samples: list) -> float:
+    """Measured over predicted time of these steps: how fast the machine ran them."""
+    return sum(t for _, t in samples) / sum(cost.step_time(shape) for shape, _ in samples)
+
+
 def step_residuals(cost: ProfiledCost, samples: list) -> dict:
     """Predicted / measured step time over the test's own steps, by kind of step: where the
     cost model is off (these steps are never fitted on; they only explain a miss)."""
@@ -219,22 +229,20 @@ def analyse(data: dict, save_profile: str | None = None) -> dict:
         thr = sum(m.throughput_rps for m in runs) / len(runs)
         p99 = sum(m.e2e_s["p99"] for m in runs) / len(runs)
         out_tok = sum(m.output_tok_s for m in runs) / len(runs)
-        pred = Measurement.from_sim(Simulator(profile, scfg).run(reqs), rate)
+        pred = simulate(profile, 1.0, scfg, reqs, rate)
         # Local level: the machine's speed in the calibration chunks just before and after.
-        near = part(*chunks[i]) + part(*chunks[i + 1])
-        level = sum(t for _, t in near) / sum(profile.step_time(sh) for sh, _ in near)
-        pred_l = Measurement.from_sim(Simulator(ScaledCost(profile, level), scfg).run(reqs), rate)
+        level = speed_level(profile, part(*chunks[i]) + part(*chunks[i + 1]))
+        pred_l = simulate(profile, level, scfg, reqs, rate)
         # How much the P99 moves if the machine runs 5% faster or slower than the fit (the
         # calibration chunks' speed moved by that much between tests on a quiet machine):
         # near saturation this band is wide, and no prediction can be closer than it.
-        band = [Measurement.from_sim(Simulator(ScaledCost(profile, f), scfg).run(reqs), rate).e2e_s["p99"]
-                for f in (1 - SPEED_BAND, 1 + SPEED_BAND)]
+        band = [simulate(profile, f, scfg, reqs, rate).e2e_s["p99"] for f in (1 - SPEED_BAND, 1 + SPEED_BAND)]
         # Diagnosis only (it reads the test's own steps, so it is no prediction): the fit scaled
         # to the speed the machine ran the test at.  What is left is the model's and the
         # simulator's error; the rest of the headline error is the machine's drift.
         own = part(chunks[i][1], chunks[i + 1][0])
-        test_level = sum(t for _, t in own) / sum(profile.step_time(sh) for sh, _ in own)
-        pred_t = Measurement.from_sim(Simulator(ScaledCost(profile, test_level), scfg).run(reqs), rate)
+        test_level = speed_level(profile, own)
+        pred_t = simulate(profile, test_level, scfg, reqs, rate)
         diag = step_residuals(profile, own)
         diag["slowest_requests"] = slowest(meas, pred, f"{w['name']}-")
         rows.append({

@@ -74,6 +74,11 @@ class JobStats:
         return sum(self.errors.values())
 
     @property
+    def succeeded(self) -> int:
+        """Every success line written this run, cache answers included."""
+        return self.ok + self.cache_hits + self.semantic_hits
+
+    @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
@@ -103,8 +108,7 @@ class JobStats:
 
         return {
             "total": self.total, "done": self.done, "ok": self.ok, "errors": dict(self.errors),
-            # Every success line written this run, cache answers included.
-            "succeeded": self.ok + self.cache_hits + self.semantic_hits,
+            "succeeded": self.succeeded,
             "skipped_done_before": self.skipped, "bad_lines": self.bad_lines,
             "elapsed_s": round(el, 3), "requests_per_s": round(self.done / el, 2) if el else None,
             "tokens_per_s": round(self.tokens / el, 1) if el else None,

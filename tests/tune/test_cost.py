@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from carpool.tune import hardware, models
-from carpool.tune.cost import ProfiledCost, RooflineCost, StepShape, saturation_throughput
+from carpool.tune.cost import ProfiledCost, RooflineCost, ScaledCost, StepShape, saturation_throughput
 
 
 def decode(batch: int, ctx: int = 512) -> StepShape:
@@ -118,14 +118,13 @@ def test_profiled_fit_separates_logits_rows_from_sequences():
         assert fit.coef[k] == pytest.approx(true[k], rel=0.05)
 
 
-
 class RecordingCost:
     """The engine's costs as measured for SmolLM2 on this machine (a prefill token ~1.16 ms,
     a thousand (query, key) pairs ~2.05 ms, ~44 ms a step), keeping every step's shape."""
 
     def __init__(self, slower: float = 1.0):
-        self.true = ProfiledCost({"base": 0.044 * slower, "prefill": 1.16e-3 * slower, "decode": 1.7e-3 * slower,
-                                  "pairs": 2.05e-3 * slower})
+        self.true = ScaledCost(ProfiledCost({"base": 0.044, "prefill": 1.16e-3, "decode": 1.7e-3, "pairs": 2.05e-3}),
+                               slower)
         self.shapes: list[StepShape] = []
 
     def step_time(self, shape: StepShape) -> float:
@@ -154,6 +153,8 @@ def test_isolated_prefills_give_steps_with_one_lone_chunk_fresh_or_after_cached_
         assert res.num_finished == len(iso)
         prefill_steps = [s for s in cost.shapes if s.num_prefill_tokens]
         assert all(s.num_seqs - s.num_decode_tokens == 1 and s.num_decode_tokens <= 1 for s in prefill_steps)
+        # Fresh: no pairs beyond the chunk's own triangle, once the one decode's (context
+        # up to 1002) are set aside.
         fresh = [s for s in prefill_steps if s.attn_pairs - s.num_decode_tokens * 1100
                  <= s.num_prefill_tokens * (s.num_prefill_tokens + 1) // 2]
         later = [s for s in prefill_steps if s not in fresh]
