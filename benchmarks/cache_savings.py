@@ -152,7 +152,7 @@ class _Pass:
             self.pending[key] = [task]
         if sem_wanted:
             hits = self.sem.lookup_many([(t["_scope"], t["_text"]) for t in sem_wanted])
-            for task, hit in zip(sem_wanted, hits):
+            for task, hit in zip(sem_wanted, hits, strict=False):
                 if hit is None:
                     continue
                 response, similarity, _ = hit
@@ -178,7 +178,7 @@ class _Pass:
             self.engine_s += time.perf_counter() - t0
             self.computed += len(requests)
             to_add = []
-            for key, group, out in zip(keys, groups, outputs):
+            for key, group, out in zip(keys, groups, outputs, strict=False):
                 first = group[0]
                 response = {
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},

@@ -131,6 +131,7 @@ async def cookbook(url: str, n: int, c: int, rpm: float = 1e9, tpm: float = 1e12
 
     t = time.perf_counter()
     nxt = None
+    tasks: set[asyncio.Task] = set()
     while done < n:
         if nxt is None:
             if retry:
@@ -145,7 +146,9 @@ async def cookbook(url: str, n: int, c: int, rpm: float = 1e9, tpm: float = 1e12
             req_cap -= 1
             tok_cap -= 10
             in_flight += 1
-            asyncio.create_task(call(nxt))
+            task = asyncio.create_task(call(nxt))
+            tasks.add(task)  # a reference, so the task is not collected while it runs
+            task.add_done_callback(tasks.discard)
             nxt = None
         await asyncio.sleep(0.001)
     return n / (time.perf_counter() - t)

@@ -74,7 +74,8 @@ async def budget_latency(url: str, n: int) -> dict:
     wall = time.perf_counter() - t0
     await b.close()
     lat.sort()
-    return {"grants_per_s": round(n / wall), "p50_us": round(lat[n // 2] * 1e6), "p99_us": round(lat[int(n * 0.99)] * 1e6)}
+    return {"grants_per_s": round(n / wall), "p50_us": round(lat[n // 2] * 1e6),
+            "p99_us": round(lat[int(n * 0.99)] * 1e6)}
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ from pathlib import Path
 
 _USER_OMP = os.environ.get("OMP_WAIT_POLICY")  # carpool.engine sets its own default on import
 
-import torch
+import torch  # noqa: E402  (after reading the user's OMP_WAIT_POLICY)
 
-from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
+from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GFLOP_PER_TOKEN = 0.27  # 2 x 135M parameters

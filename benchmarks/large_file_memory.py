@@ -33,7 +33,8 @@ print(json.dumps({"done": s["done"], "ok": s["ok"], "wall_s": round(wall, 2),
 def generate(path: str, n: int) -> None:
     with open(path, "w") as f:
         f.writelines(f'{{"custom_id": "task-{i:09d}", "temperature": 0, "max_tokens": 4, "messages": '
-                    f'[{{"role": "user", "content": "review {i}: the product works, delivery was quick"}}]}}\n' for i in range(n))
+                    f'[{{"role": "user", "content": "review {i}: the product works, delivery was quick"}}]}}\n'
+                    for i in range(n))
 
 
 def child(src: str, out: str, kw: dict) -> dict:

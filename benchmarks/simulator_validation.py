@@ -250,7 +250,8 @@ def analyse(data: dict, save_profile: str | None = None) -> dict:
             "num_requests": w["n"], "rate_rps": None if math.isinf(rate) else round(rate, 3),
             "run_seconds": round(test["run_seconds"], 1), "load_average_1m": round(test["load_average_1m"], 1),
             # The mean over the repeated runs; each run's own figures and their spread beside it.
-            "measured": {"throughput_rps": round(thr, 3), "p99_e2e_s": round(p99, 3), "output_tok_s": round(out_tok, 1)},
+            "measured": {"throughput_rps": round(thr, 3), "p99_e2e_s": round(p99, 3),
+                         "output_tok_s": round(out_tok, 1)},
             "measured_runs": [{"throughput_rps": round(m.throughput_rps, 3), "p99_e2e_s": round(m.e2e_s["p99"], 3)}
                               for m in runs],
             "repeat_throughput_spread": round(spread([m.throughput_rps for m in runs]), 4),

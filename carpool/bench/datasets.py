@@ -144,7 +144,7 @@ def random_requests(
     ins = _lengths(rng, num_prompts, input_len, range_ratio)
     outs = _lengths(rng, num_prompts, output_len, range_ratio)
     reqs = []
-    for i, (n_in, n_out) in enumerate(zip(ins, outs)):
+    for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=False)):
         text = _random_text(rng, int(n_in), tokenizer)
         reqs.append(
             BenchRequest(

@@ -557,7 +557,8 @@ def explain(phases: Sequence[Phase], server_metrics: bool) -> tuple[list[str], s
     conn_ms = conn_verdict_ms = 0.0
     if fresh is not None:
         paired = [
-            f.latency - r.latency for f, r in zip(fresh.records, serial.records) if f.success and r.success
+            f.latency - r.latency
+            for f, r in zip(fresh.records, serial.records, strict=False) if f.success and r.success
         ]
         # The lower quartile of the paired differences: a real per-connection cost shows in
         # (nearly) every pair, scheduling noise on a busy client only in some.

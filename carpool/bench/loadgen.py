@@ -20,6 +20,7 @@ counted as tokens, so a server that sends the role at once cannot fake a fast TT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -214,10 +215,8 @@ class HttpBackend:
                     rec.error = f"HTTP {r.status}: {(await r.text())[:300]}"
                     ra = r.headers.get("Retry-After")
                     if ra:
-                        try:
+                        with contextlib.suppress(ValueError):
                             rec.retry_after = float(ra)
-                        except ValueError:
-                            pass
                 else:
                     async for raw in r.content:
                         line = raw.strip()
@@ -383,7 +382,7 @@ async def run_benchmark(
             on_done(rec)
         return rec
 
-    records = await asyncio.gather(*(one(r, float(o)) for r, o in zip(requests, offsets)))
+    records = await asyncio.gather(*(one(r, float(o)) for r, o in zip(requests, offsets, strict=False)))
     duration = time.perf_counter() - start
     return BenchRun(
         records=list(records),

@@ -161,7 +161,7 @@ def compute_metrics(
             if name in goodput:
                 columns.append(values)
                 slos.append(goodput[name] / 1000.0)
-        good = sum(all(v <= s for v, s in zip(row, slos)) for row in zip(*columns))
+        good = sum(all(v <= s for v, s in zip(row, slos, strict=False)) for row in zip(*columns, strict=False))
     peak_tokens, peak_active = _peak_per_second(records)
     out: dict[str, Any] = {
         "duration": duration_s,

@@ -55,7 +55,7 @@ def plot_latency_cdfs(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path
         _cdf(axes[0], [v * 1000 for v in pr.ttfts], label)
         _cdf(axes[1], [v * 1000 for v in pr.tpots], label)
         _cdf(axes[2], [v * 1000 for v in pr.e2els], label)
-    for ax, title in zip(axes, ("TTFT", "TPOT (excl. 1st token)", "E2E latency")):
+    for ax, title in zip(axes, ("TTFT", "TPOT (excl. 1st token)", "E2E latency"), strict=False):
         ax.set_title(title)
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests")
@@ -99,7 +99,7 @@ def plot_latency_vs_rate(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> P
     rows = sorted((res["request_throughput"], res) for _, res in runs)
     xs = [r[0] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, name in zip(axes, ("ttft", "tpot")):
+    for ax, name in zip(axes, ("ttft", "tpot"), strict=False):
         for stat, style in (("median", "o-"), ("p99", "s--"), ("mean", "^:")):
             key = f"{stat}_{name}_ms"
             if all(key in r[1] for r in rows):

@@ -76,7 +76,7 @@ class RedisStore:
             pipe = self._redis.pipeline(transaction=False)
             for k in keys:
                 pipe.strlen(k)
-            return sum(len(k) + n for k, n in zip(keys, pipe.execute()))
+            return sum(len(k) + n for k, n in zip(keys, pipe.execute(), strict=False))
 
         for raw in self._keys():
             batch.append(raw)

@@ -152,7 +152,7 @@ class SemanticCache:
                 raise ValueError(f"embedder returned shape {fresh.shape} for {len(missing)} texts")
             faiss.normalize_L2(fresh)  # cosine = inner product, whatever the embedder did
             with self._lock:
-                for text, vector in zip(missing, fresh):
+                for text, vector in zip(missing, fresh, strict=False):
                     self._recent[text] = vector
                 while len(self._recent) > _RECENT_VECTORS:
                     self._recent.popitem(last=False)
@@ -225,7 +225,7 @@ class SemanticCache:
         wanted = []
         with self._lock:
             self.lookups += len(items)
-            for i, ((scope, _), text) in enumerate(zip(items, texts)):
+            for i, ((scope, _), text) in enumerate(zip(items, texts, strict=False)):
                 index = self._scope(scope)
                 if index is None or index.ntotal == 0:
                     self.misses += 1
@@ -243,7 +243,7 @@ class SemanticCache:
                 index = self._indexes[scope]
                 sims, pos = index.search(vectors[row : row + 1], min(_CANDIDATES, index.ntotal))
                 found = None
-                for similarity, position in zip(sims[0].tolist(), pos[0].tolist()):
+                for similarity, position in zip(sims[0].tolist(), pos[0].tolist(), strict=False):
                     if position < 0 or similarity < self.threshold:
                         break  # results come best first
                     stored = self._conn.execute(

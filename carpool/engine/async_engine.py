@@ -10,6 +10,7 @@ pushes back with ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 from typing import Any, Self
@@ -157,10 +158,8 @@ class AsyncEngine:
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], d))
         for loop, items in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is listening
                 loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: nobody is listening
-                pass
 
     def _loop(self) -> None:
         engine = self.engine

@@ -13,6 +13,7 @@ fails with ``QueueTimeoutError`` (HTTP 503) instead of running late.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -137,10 +138,8 @@ class DynamicBatcher:
     async def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
-            except asyncio.CancelledError:
-                pass
             self._worker = None
         while self._queue:
             item = self._queue.popleft()

@@ -233,7 +233,7 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(seq)
             now = time.monotonic()
             with self.tokenizer_lock:
-                for seq, tok in zip(seqs, tokens):
+                for seq, tok in zip(seqs, tokens, strict=False):
                     seq.token_ids.append(tok)
                     if seq.first_token_time is None:
                         seq.first_token_time = now

@@ -131,7 +131,7 @@ class LlamaModel:
         fused = meta.use_kernel  # the C++ extension is loaded: fused residual+norm and silu*up
         h = pa.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps) if fused else \
             _rms_norm(x, self.layers[0]["ln1"], self.eps)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=False)):
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
             t = qkv.shape[0]
             # RoPE on q and k together (rotate-half convention, as HF Llama).

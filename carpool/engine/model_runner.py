@@ -104,7 +104,7 @@ class ModelRunner:
             mask = (kpos <= qpos.unsqueeze(2)) & valid.unsqueeze(1)  # [P, Lq, Lk]
             pf_mask = self._additive(mask.unsqueeze(1).expand(p, g, lq, mask.shape[-1]).reshape(1, p, g * lq, -1))
             if not bool(real.all()):
-                offsets = torch.tensor([0] + lens[:-1]).cumsum(0).unsqueeze(1)
+                offsets = torch.tensor([0, *lens[:-1]]).cumsum(0).unsqueeze(1)
                 pf_index = torch.where(real, offsets + ar, 0).view(-1)
                 pf_valid = real.view(-1)
         meta = AttentionMetadata(

@@ -136,7 +136,10 @@ static void add_rms_norm_impl(T* x, const T* r, const T* w, T* out, int64_t rows
       float ss = 0.f;
       for (int64_t k = 0; k < n; ++k) {
         float v = static_cast<float>(xi[k]);
-        if (r) { v = static_cast<float>(static_cast<T>(v + static_cast<float>(r[i * n + k]))); xi[k] = static_cast<T>(v); }
+        if (r) {
+          v = static_cast<float>(static_cast<T>(v + static_cast<float>(r[i * n + k])));
+          xi[k] = static_cast<T>(v);
+        }
         buf[k] = v;
         ss += v * v;
       }
@@ -235,7 +238,8 @@ def _build(final: Path) -> object:
 
     final.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="build-", dir=final) as tmp:
-        load_inline(name=_NAME, cpp_sources=[_SOURCE], functions=["paged_attention", "add_rms_norm", "silu_mul"], extra_cflags=_CFLAGS,
+        load_inline(name=_NAME, cpp_sources=[_SOURCE], functions=["paged_attention", "add_rms_norm", "silu_mul"],
+                    extra_cflags=_CFLAGS,
                     build_directory=tmp, verbose=False)
         so = next(Path(tmp).glob(f"{_NAME}*.so"))
         os.replace(so, final / so.name)

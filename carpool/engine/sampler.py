@@ -33,7 +33,7 @@ class Sampler:
         out = [0] * len(params)
         if greedy:
             idx = torch.tensor(greedy)
-            for i, t in zip(greedy, logits.index_select(0, idx).argmax(dim=-1).tolist()):
+            for i, t in zip(greedy, logits.index_select(0, idx).argmax(dim=-1).tolist(), strict=False):
                 out[i] = t
         rows = [i for i in range(len(params)) if not _is_greedy(params[i])]
         x = logits.index_select(0, torch.tensor(rows))

@@ -99,7 +99,7 @@ def options_from_args(args: argparse.Namespace):
         prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
         cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, dedup=not args.no_dedup,
         fresh=args.fresh, progress=args.progress, report=args.report, max_pending=args.max_pending,
-        dry_run=args.dry_run, argv=["run"] + _original_argv(), quiet=args.quiet,
+        dry_run=args.dry_run, argv=["run", *_original_argv()], quiet=args.quiet,
     )
 
 

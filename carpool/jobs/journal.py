@@ -135,7 +135,7 @@ class Journal:
 
     def reset(self) -> None:
         """``--fresh``: start over (the old output is removed)."""
-        for p in self.paths + [self.state_path]:
+        for p in [*self.paths, self.state_path]:
             if p.exists():
                 p.unlink()
 

@@ -65,7 +65,7 @@ def _plots(stats: JobStats) -> list[tuple[str, str]]:
     if series:
         fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3))
         axes = np.atleast_1d(axes)
-        for ax, (name, vals) in zip(axes, series):
+        for ax, (name, vals) in zip(axes, series, strict=False):
             ax.hist(np.array(vals) * 1000, bins=40)
             ax.set_title(f"{name} (ms)")
             ax.set_ylabel("requests")

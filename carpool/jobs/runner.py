@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -413,7 +414,7 @@ class Runner:
     def _key(self, req: Request) -> str:
         # The cache room's key normalises the prompt (costly); with no store and no semantic
         # cache, in-batch dedup only needs identical bodies, which a plain hash finds.
-        if _cache is not None and (self._store is not None and not isinstance(self._store, _cache.NullStore)
+        if _cache is not None and ((self._store is not None and not isinstance(self._store, _cache.NullStore))
                                    or self._sem is not None):
             try:
                 return _cache.cache_key(model=self._model_of(req), endpoint=self._endpoint_identity(), body=req.body)
@@ -618,10 +619,8 @@ def run_with_signals(runner: Runner) -> JobStats:
     async def main() -> JobStats:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(sig, runner.request_stop)
-            except (NotImplementedError, RuntimeError):  # not the main thread
-                pass
         return await runner.run()
 
     return asyncio.run(main())

@@ -258,7 +258,7 @@ class Template:
             rec["prompt"] = text
         else:
             msgs = [{"role": "system", "content": self.system}] if self.system else []
-            rec["messages"] = msgs + [{"role": "user", "content": text}]
+            rec["messages"] = [*msgs, {"role": "user", "content": text}]
         return rec
 
 

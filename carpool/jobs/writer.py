@@ -11,6 +11,7 @@ at most every ``fsync_s`` seconds (batched: one fsync per many lines).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -92,10 +93,8 @@ class Appender:
             try:
                 self.flush(fsync=True)
             finally:
-                try:
+                with contextlib.suppress(OSError):  # the flush above failed already (disk full): that counts
                     self._f.close()
-                except OSError:  # the flush above failed already (disk full): that error counts
-                    pass
 
 
 class ResultWriter:

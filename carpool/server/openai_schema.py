@@ -136,7 +136,8 @@ def embedding_request_schema(models: list[str], dim: int) -> dict:
     props = {
         "model": {"type": "string", "enum": models, "description": "embedding model name; optional"},
         "input": {
-            "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string"}}]
+            "anyOf": [{"type": "string"},
+                      {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string"}}]
         },
         "encoding_format": _nullable_enum({"type": "string", "enum": ["float", "base64"], "default": "float"}),
         "dimensions": _unsupported({"type": "integer", "minimum": dim, "maximum": dim}, "dimensions"),
@@ -212,7 +213,7 @@ def validate(value: Any, schema: dict, path: str = "") -> None:
             except SchemaError as e:
                 errors.append(e)
         # Report the option whose type matched (its message is the precise one), else list the types.
-        for option, err in zip(schema["anyOf"], errors):
+        for option, err in zip(schema["anyOf"], errors, strict=False):
             if "type" in option and _is_type(value, option["type"]):
                 raise err
         kinds = " or ".join(_describe(o) for o in schema["anyOf"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
@@ -370,10 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         while True:
             await asyncio.sleep(3600)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

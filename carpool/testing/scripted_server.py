@@ -17,6 +17,7 @@ OpenAI base URL (``http://127.0.0.1:PORT/v1``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -359,10 +360,8 @@ def main() -> None:
     srv = ScriptedServer(Script(ttft_s=a.ttft, itl_s=a.itl, capacity=a.capacity, rate_limit_rps=a.rate_limit))
     with srv:
         print(srv.url, flush=True)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             threading.Event().wait()
-        except KeyboardInterrupt:
-            pass
 
 
 if __name__ == "__main__":

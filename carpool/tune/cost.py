@@ -211,7 +211,7 @@ class ProfiledCost:
 
     def step_time(self, shape: StepShape) -> float:
         x = _features(shape)
-        return max(sum(self.coef.get(k, 0.0) * v for k, v in zip(FEATURES, x)), 1e-6)
+        return max(sum(self.coef.get(k, 0.0) * v for k, v in zip(FEATURES, x, strict=False)), 1e-6)
 
     def kv_capacity_tokens(self) -> int | None:
         return self.kv_tokens
@@ -261,7 +261,7 @@ class ProfiledCost:
             "downweighted_samples": int((w < 1).sum()),
             "level": level,  # mean measured / mean robust-fit step time
         }
-        return cls({f: float(b) for f, b in zip(features, beta)}, kv_tokens, name, info)
+        return cls({f: float(b) for f, b in zip(features, beta, strict=False)}, kv_tokens, name, info)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

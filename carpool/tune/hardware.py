@@ -56,7 +56,7 @@ _cpu_cache: Accelerator | None = None
 
 
 def names() -> list[str]:
-    return sorted(ACCELERATORS) + ["cpu-local"]
+    return [*sorted(ACCELERATORS), "cpu-local"]
 
 
 def get(name: str) -> Accelerator:

@@ -44,7 +44,8 @@ def table(results: list[SimResult]) -> list[list[str]]:
 def text_table(results: list[SimResult]) -> str:
     rows = table(results)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(row, widths, strict=False)))
                      for row in rows)
 
 

@@ -190,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
         k: getattr(args, k) for k in ("qps", "num_requests", "prompt_len", "output_len", "prefix_len", "workload")}}
     if args.json:
         rows = [r.summary() for r in results]
-        for row, b in zip(rows, bands):
+        for row, b in zip(rows, bands, strict=False):
             row["speed_band"] = b
         print(json.dumps({"meta": meta, "results": rows},
                          default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
@@ -201,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
         from carpool.tune.report import text_table
 
         print(text_table(results))
-        for r, b in zip(results, bands):
+        for r, b in zip(results, bands, strict=False):
             e2e, ttft = b["p99_e2e_s"], b["p99_ttft_s"]
             print(f"  {r.label}: with steps {b['factor']:.0%} faster .. slower, P99 E2E {e2e[0]:.3g}-{e2e[1]:.3g} s "
                   f"(here {r.e2e_s['p99']:.3g}), P99 TTFT {ttft[0]:.3g}-{ttft[1]:.3g} s")

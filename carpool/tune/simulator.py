@@ -532,7 +532,8 @@ class Simulator:
         shape = StepShape(b * p_max, 0, b * p_max, b * attn_pairs(0, p_max), b, b * p_max, b * p_max * p_max)
         self.prefill_computed += shape.num_prefill_tokens
         self.query_tokens += sum(s.req.prompt_len for s in batch)
-        blocks = lambda L: min(b * ceil_div(L, self.cfg.block_size), self.n_blocks)
+        def blocks(L):
+            return min(b * ceil_div(L, self.cfg.block_size), self.n_blocks)
         dt = self.cost.step_time(shape)
         self._record(dt, shape, blocks(p_max), {"padded": True})
         self.now += dt

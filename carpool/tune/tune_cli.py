@@ -32,7 +32,8 @@ def _strs(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--engine", action="store_true", help="tune carpool's engine in-process (restarted per setting)")
+    target.add_argument("--engine", action="store_true",
+                        help="tune carpool's engine in-process (restarted per setting)")
     target.add_argument("--serve", action="store_true",
                         help="tune `carpool serve` run as a subprocess (restarted per setting), loaded over HTTP")
     target.add_argument("--simulate", action="store_true", help="tune the simulated engine (--gpu/--model)")
@@ -171,7 +172,8 @@ def main(args: argparse.Namespace) -> int:
         for r in rows:
             label = "the endpoint, as configured" if args.endpoint else r.setting.label()
             raise_flag = "--max-concurrency" if args.search == "concurrency" else "--max-probes"
-            status = "SLO never met" if not r.feasible else f"ok, or more (raise {raise_flag})" if r.lower_bound else "ok"
+            status = ("SLO never met" if not r.feasible
+                      else f"ok, or more (raise {raise_flag})" if r.lower_bound else "ok")
             found = (f"concurrency {r.concurrency:4d}, {r.rate:8.3f} req/s" if r.concurrency is not None
                      else f"max rate {r.rate:8.3f} req/s")
             print(f"  {label:<45} {found}  {status}  ({len(r.probes)} runs)")
@@ -186,7 +188,8 @@ def main(args: argparse.Namespace) -> int:
                   f"client concurrency {res.recommended_concurrency}")
     if args.emit == "vllm":
         if args.endpoint:
-            print("carpool tune: --emit vllm needs --engine, --serve or --simulate (an endpoint's settings are its own)",
+            print("carpool tune: --emit vllm needs --engine, --serve or --simulate "
+                  "(an endpoint's settings are its own)",
                   file=sys.stderr)
             return 2
         if res.best is None:

@@ -67,7 +67,7 @@ class LengthDist:
         except ValueError:
             raise ValueError(f"bad length spec {self.spec!r}: {self.__doc__}") from None
         need = {"fixed": 1, "uniform": 2, "normal": 2, "lognormal": 2}
-        if self.kind in need and len(self.values) != need[self.kind] or self.kind not in {*need, "choice", "mix"}:
+        if (self.kind in need and len(self.values) != need[self.kind]) or self.kind not in {*need, "choice", "mix"}:
             raise ValueError(f"bad length spec {self.spec!r}: {' '.join(self.__doc__.split())}")
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:

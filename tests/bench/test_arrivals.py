@@ -64,5 +64,5 @@ def test_infinite_rate_and_infinite_burstiness():
 
 @pytest.mark.parametrize(("rate", "burst"), [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.0)])
 def test_bad_parameters(rate, burst):
-    with pytest.raises(ValueError, match="--request-rate|--burstiness"):
+    with pytest.raises(ValueError, match=r"--request-rate|--burstiness"):
         interarrival_gaps(3, rate, burst)

@@ -44,9 +44,9 @@ def test_metrics_match_the_script(scripted):
         assert len(r.chunk_times) == 3  # the role-only chunk is not a token
         # Causality (exact): a chunk is stamped after the server sent it, and the server never
         # sends early, so TTFT and each gap are at least what the script says.
-        assert all(c >= t for c, t in zip(r.chunk_times, s.chunk_times))
+        assert all(c >= t for c, t in zip(r.chunk_times, s.chunk_times, strict=True))
         assert r.ttft >= 0.15
-        assert all(c - t < TOL for c, t in zip(r.chunk_times, s.chunk_times))
+        assert all(c - t < TOL for c, t in zip(r.chunk_times, s.chunk_times, strict=True))
         # Definitions against what the server actually did.
         assert r.ttft == pytest.approx(s.chunk_times[0] - r.start_time, abs=TOL)
         assert r.itl == pytest.approx([b - a for a, b in itertools.pairwise(s.chunk_times)], abs=TOL)
@@ -83,7 +83,7 @@ def test_request_rate_schedule_is_followed(scripted):
     run = _run(go())
     offsets = arrival_offsets(10, 20.0, 1.0, seed=4)
     sent = sorted(r.scheduled_time - run.start_time for r in run.records)
-    assert all(s >= o - 1e-3 for s, o in zip(sent, offsets))  # never early
+    assert all(s >= o - 1e-3 for s, o in zip(sent, offsets, strict=True))  # never early
     assert run.duration >= offsets[-1]
     assert sorted(s.arrival for s in srv.served) == pytest.approx(
         sorted(r.start_time for r in run.records), abs=TOL

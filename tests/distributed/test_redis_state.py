@@ -218,7 +218,7 @@ def test_unreachable_redis_is_a_readable_error_not_a_free_pass():
 
     async def main():
         b = RedisBudget(f"redis://127.0.0.1:{port}/0", rpm=60, unavailable_timeout_s=0.5)
-        with pytest.raises(BudgetUnavailable, match="unreachable.*run without --redis"):
+        with pytest.raises(BudgetUnavailable, match=r"unreachable.*run without --redis"):
             await b.acquire()
         await b.close()
 

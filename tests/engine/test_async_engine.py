@@ -30,7 +30,7 @@ def test_streams_match_offline_and_report_usage(tiny, h):
             return streams, eng.stats()
 
     streams, stats = asyncio.run(main())
-    for p, ds, ref in zip(ps, streams, offline):
+    for p, ds, ref in zip(ps, streams, offline, strict=True):
         assert [t for d in ds for t in d.token_ids] == ref
         assert len(ds) == 9 and all(not d.finished for d in ds[:-1])
         last = ds[-1]

@@ -31,7 +31,7 @@ def test_greedy_matches_transformers_batched(tiny, h, budget, extra):
                             params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
             for i, p in enumerate(ps)]
     outs = llm.generate(reqs)
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.token_ids == h.hf_greedy(model, p, 12)
         assert out.finish_reason == "length"
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
@@ -51,5 +51,5 @@ def test_greedy_matches_transformers_variants(h, overrides, attention):
     ps = h.prompts(2, [3, 30, 70])
     cfg = h.engine_config(max_num_batched_tokens=32, block_size=8, extra={"attention": attention})
     outs, _ = run(loaded, cfg, ps, 8)
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out == h.hf_greedy(model, p, 8)

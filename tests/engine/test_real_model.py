@@ -20,7 +20,7 @@ def test_smollm2_greedy_matches_hf_reference():
                                          params=SamplingParams(temperature=0, max_tokens=16))
                          for i, m in enumerate(messages)])
     hf = loader.hf_reference_model(loaded, torch.float32)
-    for m, out in zip(messages, outs):
+    for m, out in zip(messages, outs, strict=True):
         text = loaded.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
         ids = loaded.tokenizer.encode(text, add_special_tokens=False)
         assert out.prompt_token_ids == ids

@@ -20,7 +20,8 @@ print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(
 def write(path, n):
     with open(path, "w") as f:
         f.writelines(json.dumps({"custom_id": f"task-{i:08d}", "temperature": 0, "max_tokens": 4,
-                                "messages": [{"role": "user", "content": f"review {i}: " + "words " * 20}]}) + "\n" for i in range(n))
+                                "messages": [{"role": "user", "content": f"review {i}: " + "words " * 20}]}) + "\n"
+                               for i in range(n))
 
 
 def peak_rss_kb(src, out, n):

@@ -15,7 +15,8 @@ def test_engine_run_writes_openai_batch_output(engine, tmp_path):
     src = tmp_path / "in.jsonl"
     with open(src, "w") as f:
         f.writelines(json.dumps({"custom_id": f"c{i}", "temperature": 0, "max_tokens": 5,
-                                "messages": [{"role": "user", "content": f"Is review {i} positive?"}]}) + "\n" for i in range(12))
+                                "messages": [{"role": "user", "content": f"Is review {i} positive?"}]}) + "\n"
+                               for i in range(12))
         f.write(json.dumps({"custom_id": "p", "prompt": "Once upon a time", "max_tokens": 3}) + "\n")
     out = tmp_path / "out.jsonl"
     s = run_batch(src, out, engine=engine, cache="off")

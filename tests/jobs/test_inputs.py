@@ -44,7 +44,8 @@ def test_openai_batch_format_and_output_shape(tmp_path):
     src = tmp_path / "batch.jsonl"
     with open(src, "w") as f:
         f.writelines(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                "body": {"model": "x", "messages": [{"role": "user", "content": f"q{i}"}]}}) + "\n" for i in range(3))
+                                "body": {"model": "x", "messages": [{"role": "user", "content": f"q{i}"}]}}) + "\n"
+                               for i in range(3))
     out = tmp_path / "out.jsonl"
     run_batch(src, out, dry_run=True, cache="off")
     for d in lines(out):

@@ -20,7 +20,8 @@ from carpool.testing.fault_server import Fault, FaultConfig
 def write_tasks(path, n, temperature=0.0, prefix=""):
     with open(path, "w") as f:
         f.writelines(json.dumps({"custom_id": f"t{i}", "temperature": temperature, "max_tokens": 4,
-                                "messages": [{"role": "user", "content": f"{prefix}task {i}"}]}) + "\n" for i in range(n))
+                                "messages": [{"role": "user", "content": f"{prefix}task {i}"}]}) + "\n"
+                               for i in range(n))
 
 
 def read(path):

@@ -12,7 +12,8 @@ server_mod = pytest.importorskip("carpool.server")
 def write(path, n):
     with open(path, "w") as f:
         f.writelines(json.dumps({"custom_id": f"s{i}", "temperature": 0, "max_tokens": 6,
-                                "messages": [{"role": "user", "content": f"Summarise item {i}"}]}) + "\n" for i in range(n))
+                                "messages": [{"role": "user", "content": f"Summarise item {i}"}]}) + "\n"
+                               for i in range(n))
 
 
 def texts(path):

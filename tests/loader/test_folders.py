@@ -114,7 +114,7 @@ def test_dtype_auto_follows_cpu_flags(tokenizer):
 def test_readable_errors(tmp_path, tokenizer):
     with pytest.raises(ModelLoadError, match="not 'smollm2'"):
         load_model(str(tmp_path / "nope"))
-    with pytest.raises(ModelLoadError, match="config.json"):
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
         load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelLoadError, match="gpt2"):
@@ -124,7 +124,7 @@ def test_readable_errors(tmp_path, tokenizer):
     cfg = json.loads((path / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="model.layers.2"):
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.2"):
         load_model(str(path))
     with pytest.raises(ModelLoadError, match="seed"):
         load_model("tiny-random:abc")

@@ -119,7 +119,7 @@ def hostile_file(draw):
 def _check_file(engine, lines: list[tuple[bytes, object]]) -> None:
     # A known-good last line: the job must reach it whatever came before.
     sentinel_no = len(lines) + 1
-    lines = lines + [(json.dumps(_valid("sentinel", "the end")).encode(), "ok")]
+    lines = [*lines, (json.dumps(_valid("sentinel", "the end")).encode(), "ok")]
     with tempfile.TemporaryDirectory() as d:
         src, out = Path(d) / "in.jsonl", Path(d) / "out.jsonl"
         src.write_bytes(b"\n".join(raw for raw, _ in lines) + b"\n")

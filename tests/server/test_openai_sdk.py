@@ -90,7 +90,8 @@ def test_completions_stream(openai_client):
 
 def test_stop_string_ends_generation(openai_client):
     """A stop string taken from an unconstrained greedy run must cut the output before it."""
-    kwargs = {"model": "tiny-random", "prompt": "one two three", "max_tokens": 12, "temperature": 0, "extra_body": NO_EOS}
+    kwargs = {"model": "tiny-random", "prompt": "one two three", "max_tokens": 12, "temperature": 0,
+              "extra_body": NO_EOS}
     free = openai_client.completions.create(**kwargs).choices[0].text
     stop = free[len(free) // 2:][:3]
     if not stop.strip():

@@ -153,7 +153,7 @@ def oas_validators():
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_validator_agrees_with_openapi_validator(oas_validators, data):
-    for schema, validator in zip(_SCHEMAS, oas_validators):
+    for schema, validator in zip(_SCHEMAS, oas_validators, strict=True):
         _agree(schema, validator, data.draw(_bodies(schema)))
 
 
