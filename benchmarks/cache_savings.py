@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
     threshold = args.threshold or DEFAULT_THRESHOLD
     job = build_job(find_workload(args.workload), args.n, args.seed)
-    from carpool.engine.embedder import Embedder
+    from carpool.embed.embedder import Embedder
 
     embedder = Embedder()
     report: dict = {

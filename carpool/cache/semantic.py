@@ -90,7 +90,7 @@ def guards_pass(text: str, matched: str) -> bool:
 
 
 def _default_embedder():
-    from carpool.engine.embedder import Embedder
+    from carpool.embed.embedder import Embedder
 
     return Embedder()
 

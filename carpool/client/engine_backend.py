@@ -139,7 +139,7 @@ class EngineBackend:
         if self._batcher is None:
             if self._embedder_factory is None:
                 res.status_code, res.error_kind = 400, R.CLIENT_ERROR
-                res.error_message = "embedding tasks need the embedder (carpool.engine.embedder), not available"
+                res.error_message = "embedding tasks need the embedder (carpool.embed.embedder), not available"
                 return res
             self._batcher = self._embedder_factory()
         inp = req.body["input"]
@@ -166,8 +166,8 @@ class EngineBackend:
 
 def default_embedder_factory():
     """A DynamicBatcher over the packaged all-MiniLM-L6-v2 (imported only when needed)."""
-    from carpool.engine.dynamic_batcher import DynamicBatcher
-    from carpool.engine.embedder import Embedder
+    from carpool.embed.dynamic_batcher import DynamicBatcher
+    from carpool.embed.embedder import Embedder
 
     emb = Embedder()
     batcher = DynamicBatcher(emb, max_queue_delay_us=2000, preferred_batch_sizes=[8, 16, 32],

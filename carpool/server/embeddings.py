@@ -19,8 +19,8 @@ from carpool.server.openai_schema import SchemaError, validate
 
 async def make_batcher(cfg: ServerConfig, metrics: ServerMetrics) -> tuple[Any, Any]:
     """Load the embedding model (off the loop) and put the dynamic batcher in front of it."""
-    from carpool.engine.dynamic_batcher import DynamicBatcher
-    from carpool.engine.embedder import Embedder
+    from carpool.embed.dynamic_batcher import DynamicBatcher
+    from carpool.embed.embedder import Embedder
 
     loop = asyncio.get_running_loop()
     embedder = await loop.run_in_executor(None, lambda: Embedder(model=cfg.embedding_model))

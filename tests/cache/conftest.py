@@ -19,6 +19,6 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedder():
     """The engine's all-MiniLM-L6-v2 embedder (packaged weights, no network)."""
-    from carpool.engine.embedder import Embedder
+    from carpool.embed.embedder import Embedder
 
     return Embedder()

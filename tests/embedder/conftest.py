@@ -7,6 +7,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def embedder():
-    from carpool.engine.embedder import Embedder
+    from carpool.embed.embedder import Embedder
 
     return Embedder()

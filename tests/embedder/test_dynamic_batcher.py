@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from carpool.engine.dynamic_batcher import DynamicBatcher, QueueFullError, QueueTimeoutError
+from carpool.embed.dynamic_batcher import DynamicBatcher, QueueFullError, QueueTimeoutError
 
 
 class RecordingModel:

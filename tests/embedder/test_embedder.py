@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from carpool.engine.embedder import Embedder, EmbedderError
+from carpool.embed.embedder import Embedder, EmbedderError
 
 pytestmark = pytest.mark.real_model
 

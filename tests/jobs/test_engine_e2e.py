@@ -62,7 +62,7 @@ def test_engine_with_sqlite_cache_and_dedup(engine, tmp_path):
 
 
 def test_embedding_tasks_on_the_embedder(engine, tmp_path):
-    pytest.importorskip("carpool.engine.embedder")
+    pytest.importorskip("carpool.embed.embedder")
     src = tmp_path / "emb.jsonl"
     with open(src, "w") as f:
         f.writelines(json.dumps({"custom_id": f"e{i}", "input": f"sentence number {i}"}) + "\n" for i in range(5))

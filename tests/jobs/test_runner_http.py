@@ -223,7 +223,7 @@ def test_report_html_has_plots(fault_server, tmp_path):
 def test_semantic_cache_hits_a_paraphrase(fault_server, tmp_path):
     import pytest
 
-    pytest.importorskip("carpool.engine.embedder")
+    pytest.importorskip("carpool.embed.embedder")
     srv = fault_server(FaultConfig())
     texts = ["The battery lasts all day and I love this phone.",
              "I love this phone and the battery lasts all day.",

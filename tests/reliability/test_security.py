@@ -178,7 +178,7 @@ def test_exact_cache_never_serves_another_model_or_parameter_scope(logging_fault
 
 
 def test_semantic_cache_never_crosses_model_or_system_prompt(logging_fault_server, tmp_path):
-    pytest.importorskip("carpool.engine.embedder")
+    pytest.importorskip("carpool.embed.embedder")
     srv = logging_fault_server(FaultConfig())
     cache = f"sqlite:///{tmp_path / 'c' / 'results.sqlite'}"
 

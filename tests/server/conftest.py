@@ -15,7 +15,7 @@ TINY = EngineConfig(model="tiny-random", max_num_seqs=8, max_num_batched_tokens=
 
 def embedder_available() -> bool:
     return all(importlib.util.find_spec(m) is not None
-               for m in ("carpool.engine.embedder", "carpool.engine.dynamic_batcher"))
+               for m in ("carpool.embed.embedder", "carpool.embed.dynamic_batcher"))
 
 
 @pytest.fixture(scope="session")

@@ -111,7 +111,7 @@ def test_models_lists_served_names(openai_client, server):
 
 def _embedding_server(server):
     if not server.state.embedding_names:
-        pytest.skip("carpool.engine.embedder is not available")
+        pytest.skip("carpool.embed.embedder is not available")
 
 
 def test_embeddings_float_and_base64(openai_client, server):

