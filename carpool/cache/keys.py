@@ -28,12 +28,18 @@ body field except the ones listed in ``IGNORED_FIELDS`` -- so messages with role
 and tool calls, temperature, top_p, top_k, min_p, max_tokens, max_completion_tokens,
 stop, seed, n, response_format, tools, tool_choice, parallel_tool_calls, logit_bias,
 logprobs, top_logprobs, presence/frequency/repetition penalties, best_of, echo, suffix,
-dimensions, encoding_format, and any field carpool does not know (an unknown field might
-change the output, so it costs at most a missed hit, never a wrong one).
+dimensions, encoding_format, vLLM's extras (ignore_eos, stop_token_ids, min_tokens,
+return_token_ids, prompt_logprobs, guided_*, structured_outputs), extra_body, and any
+field carpool does not know (an unknown field might change the output, so it costs at
+most a missed hit, never a wrong one).
 
 Not in the key (they never change the output): api key, request id, custom_id, user,
 stream, stream_options, timeout, metadata, store, service_tier, prompt_cache_key,
-safety_identifier, extra_headers, priority.
+safety_identifier, extra_headers, priority.  ``stream`` is not in the key because the
+client rebuilds a streamed answer into exactly the body the server returns unstreamed
+(carpool/client/stream_accumulator.py), and the client always asks a stream for its usage
+chunk, so ``stream_options`` cannot change the stored body either.  What is stored under
+the key is that whole body.
 
 Other canonical choices: the order of top-level body fields and of fields inside a
 message does not matter; the order of items inside lists and nested objects (messages,
@@ -53,7 +59,10 @@ import re
 import unicodedata
 from typing import Any
 
-KEY_VERSION = "carpool-cache-v1"
+# v2: before it, a streamed answer was stored as rebuilt by a lossy accumulator (tool_calls,
+# logprobs, refusal, reasoning and provider fields dropped) under the same key as the plain
+# answer.  Bumping the version makes those entries unreachable instead of served.
+KEY_VERSION = "carpool-cache-v2"
 
 # Body fields that never change what the model returns.
 IGNORED_FIELDS = frozenset(

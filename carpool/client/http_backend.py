@@ -1,8 +1,10 @@
 """Calls an OpenAI-compatible endpoint over HTTP (carpool serve, vLLM, SGLang, OpenAI).
 
 Generation requests stream by default (``stream: true`` with usage in the last chunk)
-so TTFT and TPOT are measured per request; the streamed pieces are put back together
-into the ordinary non-streaming response body, which is what the output file holds.
+so TTFT and TPOT are measured per request; the streamed chunks are put back together
+(``stream_accumulator.py``) into the body the server returns without streaming, field for
+field, which is what the output file and the result cache hold.  An error sent inside a
+200 stream is an error, not a short answer.
 Every failure is mapped to one error kind of ``retry.py``, together with whether the
 request may already have run on the server.
 """
@@ -19,6 +21,8 @@ from carpool.client import retry as R
 from carpool.client.balancer import Balancer
 from carpool.client.base import CallResult, Request
 from carpool.client.pool import Timeouts, make_session
+from carpool.client.sse_reader import EventTooLarge, SSEReader
+from carpool.client.stream_accumulator import StreamAccumulator
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _loads = json.loads
@@ -55,8 +59,15 @@ class HttpBackend:
         body = req.body
         if self.model and "model" not in body:
             body = {**body, "model": self.model}
-        if self.stream and req.kind != "embedding" and "stream" not in body:
+        if req.kind == "embedding":
+            return body
+        if self.stream and "stream" not in body:
             body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        elif body.get("stream") and not (body.get("stream_options") or {}).get("include_usage"):
+            # A streamed answer without the usage chunk would be rebuilt without ``usage``,
+            # unlike the same answer not streamed; usage costs one chunk.
+            options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            body = {**body, "stream_options": {**options, "include_usage": True}}
         return body
 
     async def call(self, req: Request) -> CallResult:
@@ -143,22 +154,26 @@ class HttpBackend:
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, req: Request, res: CallResult, t0: float) -> None:
         acc = StreamAccumulator(chat=req.kind == "chat")
+        sse = SSEReader()
         done = False
-        async for line in resp.content:
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-                break
-            try:
-                chunk = _loads(payload)
-            except ValueError:
-                res.error_kind, res.error_message = R.BAD_RESPONSE, f"stream chunk is not JSON: {payload[:80]!r}"
-                return
-            if res.ttft_s is None and acc.has_content(chunk):
-                res.ttft_s = time.monotonic() - t0
-            acc.add(chunk)
+        try:
+            async for data in resp.content.iter_any():
+                for payload in sse.feed(data):
+                    done = self._take_event(payload, acc, res, t0)
+                    if done or res.error_kind:
+                        break
+                if done or res.error_kind:
+                    break
+            else:
+                for payload in sse.close():
+                    done = self._take_event(payload, acc, res, t0)
+                    if done or res.error_kind:
+                        break
+        except EventTooLarge as e:
+            res.error_kind, res.error_message = R.BAD_RESPONSE, str(e)
+            return
+        if res.error_kind:
+            return
         if not done:
             res.error_kind, res.error_message = R.TRUNCATED, "stream ended without [DONE]"
             res.endpoint_fault = True
@@ -169,6 +184,48 @@ class HttpBackend:
             res.completion_tokens = acc.pieces  # no usage chunk: count pieces (about one token each)
         res.ok = True
 
+    @staticmethod
+    def _take_event(payload: bytes, acc: StreamAccumulator, res: CallResult, t0: float) -> bool:
+        """Folds one event into ``acc``; True at ``[DONE]``; sets ``res.error_*`` on a bad or error event."""
+        payload = payload.strip()
+        if payload == b"[DONE]":
+            return True
+        if not payload:
+            return False
+        try:
+            chunk = _loads(payload)
+        except ValueError:
+            res.error_kind, res.error_message = R.BAD_RESPONSE, f"stream chunk is not JSON: {payload[:80]!r}"
+            return False
+        if not isinstance(chunk, dict):
+            res.error_kind, res.error_message = R.BAD_RESPONSE, f"stream chunk is not a JSON object: {payload[:80]!r}"
+            return False
+        if "error" in chunk and "choices" not in chunk:
+            # An error after the 200 headers (OpenAI, vLLM and carpool serve send it in-band):
+            # the answer so far is partial and must not pass for a whole one.
+            _in_band_error(res, chunk["error"])
+            return False
+        if res.ttft_s is None and acc.has_content(chunk):
+            res.ttft_s = time.monotonic() - t0
+        acc.add(chunk)
+        return False
+
+
+def _in_band_error(res: CallResult, err: object) -> None:
+    message = err.get("message") if isinstance(err, dict) else err
+    code = err.get("code") if isinstance(err, dict) else None
+    res.error_message = f"error inside the stream: {message}"
+    res.body = {"error": err}
+    res.endpoint_fault = True
+    if code in (429, "429"):
+        res.error_kind = R.RATE_LIMITED
+    elif code in (503, "503"):
+        res.error_kind = R.OVERLOADED
+    elif isinstance(code, int) and 400 <= code < 500:
+        res.error_kind, res.endpoint_fault = R.CLIENT_ERROR, False
+    else:
+        res.error_kind = R.SERVER_ERROR
+
 
 def _take_usage(res: CallResult, usage: dict | None) -> None:
     if isinstance(usage, dict):
@@ -176,53 +233,3 @@ def _take_usage(res: CallResult, usage: dict | None) -> None:
         res.completion_tokens = int(usage.get("completion_tokens") or 0)
         details = usage.get("prompt_tokens_details") or {}
         res.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-
-
-class StreamAccumulator:
-    """Rebuilds a chat.completion / text_completion body from its stream chunks."""
-
-    def __init__(self, chat: bool):
-        self.chat = chat
-        self.meta: dict = {}
-        self.texts: dict[int, list[str]] = {}
-        self.finish: dict[int, str | None] = {}
-        self.usage: dict | None = None
-        self.pieces = 0
-
-    def has_content(self, chunk: dict) -> bool:
-        for c in chunk.get("choices") or ():
-            piece = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
-            if piece:
-                return True
-        return False
-
-    def add(self, chunk: dict) -> None:
-        if not self.meta:
-            self.meta = {k: chunk.get(k) for k in ("id", "created", "model", "system_fingerprint")}
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for c in chunk.get("choices") or ():
-            i = c.get("index", 0)
-            piece = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
-            if piece:
-                self.texts.setdefault(i, []).append(piece)
-                self.pieces += 1
-            else:
-                self.texts.setdefault(i, [])
-            if c.get("finish_reason"):
-                self.finish[i] = c["finish_reason"]
-
-    def body(self) -> dict:
-        choices = []
-        for i in sorted(self.texts):
-            text = "".join(self.texts[i])
-            if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "finish_reason": self.finish.get(i)})
-            else:
-                choices.append({"index": i, "text": text, "finish_reason": self.finish.get(i)})
-        out = {"id": self.meta.get("id"), "object": "chat.completion" if self.chat else "text_completion",
-               "created": self.meta.get("created"), "model": self.meta.get("model"), "choices": choices}
-        if self.usage is not None:
-            out["usage"] = self.usage
-        return out

@@ -36,6 +36,7 @@ FAULT_KINDS = (
     "stall",  # sleep ``stall_s`` before answering (past the client's read timeout)
     "stall_mid_stream",  # send some chunks, then sleep ``stall_s``
     "truncate",  # stream part of the answer, then close without ``[DONE]``
+    "error_mid_stream",  # stream part of the answer, then an in-band ``{"error": ...}`` event and ``[DONE]``
     "invalid_json",  # 200 with a body that is not JSON
 )
 
@@ -267,9 +268,16 @@ class FaultServer:
         model = body.get("model", "fault-model")
         words = _words(key, n_tokens)
         for i, w in enumerate(words):
-            if fault is not None and fault.kind in ("truncate", "stall_mid_stream") and i == max(1, n_tokens // 2):
+            if fault is not None and fault.kind in ("truncate", "stall_mid_stream", "error_mid_stream") \
+                    and i == max(1, n_tokens // 2):
                 if fault.kind == "truncate":
                     _abort_connection(request)
+                    return resp
+                if fault.kind == "error_mid_stream":  # as vLLM and OpenAI report a failure after the headers
+                    err = {"error": {"message": "injected failure mid-stream", "type": "server_error", "code": 500}}
+                    await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+                    await resp.write_eof()
+                    self.status_counts[200] += 1
                     return resp
                 await asyncio.sleep(fault.stall_s)
             piece = w if i == 0 else " " + w

@@ -70,7 +70,7 @@ def test_500_retried_only_when_idempotent(fault_server):
     assert good.result.ok and good.attempts == 2
 
 
-@pytest.mark.parametrize("kind", ["reset_after_body", "truncate", "invalid_json"])
+@pytest.mark.parametrize("kind", ["reset_after_body", "truncate", "invalid_json", "error_mid_stream"])
 def test_maybe_executed_is_not_resent_for_sampled_tasks(fault_server, kind):
     srv = fault_server(FaultConfig(faults=[Fault(kind, times=1)]))
     (out,), _ = run([srv.url], [chat("s1", temperature=1.0)])
@@ -80,11 +80,22 @@ def test_maybe_executed_is_not_resent_for_sampled_tasks(fault_server, kind):
     assert srv.server.seen["s1"] == 1
 
 
-@pytest.mark.parametrize("kind", ["reset_before_body", "reset_after_body", "truncate", "invalid_json"])
+@pytest.mark.parametrize("kind", ["reset_before_body", "reset_after_body", "truncate", "invalid_json",
+                                  "error_mid_stream"])
 def test_idempotent_tasks_survive_resets_and_bad_bodies(fault_server, kind):
     srv = fault_server(FaultConfig(faults=[Fault(kind, times=1)]))
     (out,), _ = run([srv.url], [chat("g1", temperature=0.0)])
     assert out.result.ok and out.attempts == 2
+
+
+def test_an_error_inside_a_200_stream_is_an_error_not_a_short_answer(fault_server):
+    srv = fault_server(FaultConfig(completion_tokens=6, faults=[Fault("error_mid_stream", times=0)]))
+    (out,), _ = run([srv.url], [chat("e", temperature=0.0, max_tokens=6)],
+                    policy=R.RetryPolicy(max_attempts=2, base_s=0.01, cap_s=0.02))
+    res = out.result
+    assert not res.ok and res.error_kind == R.SERVER_ERROR and out.attempts == 2
+    assert "injected failure mid-stream" in res.error_message
+    assert res.body == {"error": {"message": "injected failure mid-stream", "type": "server_error", "code": 500}}
 
 
 def test_stall_past_read_timeout(fault_server):
