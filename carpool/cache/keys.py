@@ -37,7 +37,7 @@ Not in the key (they never change the output): api key, request id, custom_id, u
 stream, stream_options, timeout, metadata, store, service_tier, prompt_cache_key,
 safety_identifier, extra_headers, priority.  ``stream`` is not in the key because the
 client rebuilds a streamed answer into exactly the body the server returns unstreamed
-(carpool/client/stream_accumulator.py), and the client always asks a stream for its usage
+(carpool/openai/accumulator.py), and the client always asks a stream for its usage
 chunk, so ``stream_options`` cannot change the stored body either.  What is stored under
 the key is that whole body.
 

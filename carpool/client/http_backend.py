@@ -2,9 +2,9 @@
 
 Generation requests stream by default (``stream: true`` with usage in the last chunk)
 so TTFT and TPOT are measured per request; the streamed chunks are put back together
-(``stream_accumulator.py``) into the body the server returns without streaming, field for
-field, which is what the output file and the result cache hold.  An error sent inside a
-200 stream is an error, not a short answer.
+(``carpool/openai/accumulator.py``) into the body the server returns without streaming,
+field for field, which is what the output file and the result cache hold.  An error sent
+inside a 200 stream is an error, not a short answer.
 Every failure is mapped to one error kind of ``retry.py``, together with whether the
 request may already have run on the server.
 """
@@ -22,7 +22,7 @@ from carpool.client.balancer import Balancer
 from carpool.client.base import CallResult, Request
 from carpool.client.pool import Timeouts, make_session
 from carpool.client.sse_reader import EventTooLarge, SSEReader
-from carpool.client.stream_accumulator import StreamAccumulator
+from carpool.openai.accumulator import StreamAccumulator
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _loads = json.loads

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from carpool.client.sse_reader import EventTooLarge, SSEReader
-from carpool.client.stream_accumulator import StreamAccumulator
+from carpool.openai.accumulator import StreamAccumulator
 
 
 def _chat_chunk(choices, **top):
