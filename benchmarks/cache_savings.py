@@ -14,12 +14,13 @@ cache carries nothing from one pass to the next), the tasks in arrival order in 
 
 * ``no_cache``: every task goes to the engine;
 * ``exact``: SQLite exact cache in front (identical tasks inside one wave go once);
-* ``exact_semantic``: plus the semantic cache (all-MiniLM-L6-v2 + FAISS, threshold 0.95).
+* ``exact_semantic``: plus the semantic cache (all-MiniLM-L6-v2 + FAISS + the verification
+  stage, the cache's default threshold).
 
 Reported per pass: wall time, engine prompt/generation tokens, requests computed, hits,
 the similarity of semantic hits, how many semantic hits matched a different source review,
 and agreement of each answer with the uncached pass.  Also the labelled-pair precision /
-recall of the semantic rule (carpool/cache/pairs.py).  Prints one JSON object.
+recall of the semantic rule on both splits (carpool/cache/pairs.py).  Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class _Pass:
             for task, hit in zip(sem_wanted, hits, strict=False):
                 if hit is None:
                     continue
-                response, similarity, _ = hit
+                response, similarity = hit.response, hit.similarity
                 self._serve(self.pending.pop(task["_group"]), response["choices"][0]["message"]["content"],
                             "semantic")
                 self.similarities.append(similarity)
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from carpool.cache import SemanticCache, open_cache
-    from carpool.cache.pairs import score, similarities
+    from carpool.cache.pairs import decide, load_pairs, score, similarities, verdicts
     from carpool.cache.semantic import DEFAULT_THRESHOLD
 
     threshold = args.threshold or DEFAULT_THRESHOLD
@@ -322,12 +323,16 @@ def main(argv: list[str] | None = None) -> int:
         "semantic_threshold": threshold,
         "embedder": embedder.name,
     }
-    sims = similarities(embedder.embed)
-    report["labelled_pairs"] = {
-        str(t): {k: round(v, 3) if isinstance(v, float) else v
-                 for k, v in score(sims, t).items() if k in ("precision", "recall", "false_hits", "missed")}
-        for t in (0.90, 0.92, threshold, 0.97)
-    }
+    report["labelled_pairs"] = {}
+    for split in ("tune", "heldout"):
+        pairs = load_pairs(split)
+        sims, checked = similarities(embedder.embed, pairs), verdicts(pairs)
+        report["labelled_pairs"][split] = {
+            str(t): {k: round(v, 3) if isinstance(v, float) else v
+                     for k, v in score(decide(sims, t, pairs, checked=checked), pairs).items()
+                     if k in ("precision", "recall", "false_hits", "missed")}
+            for t in sorted({0.5, threshold, 0.9, 0.95})
+        }
     driver = args.driver
     if driver is None:
         try:

@@ -3,8 +3,11 @@
 A request's final user text (``keys.semantic_text``) is embedded with all-MiniLM-L6-v2
 (L2-normalised, so inner product = cosine similarity) and searched in a FAISS
 ``IndexFlatIP`` holding only the entries of the same *scope* (``keys.scope_key``: model,
-endpoint, system prompt, earlier turns, every parameter).  A hit needs cosine similarity
->= ``threshold``; every hit reports its similarity and the stored text it matched.
+endpoint, system prompt, earlier turns, every parameter).  The nearest entries with cosine
+similarity >= ``threshold`` are candidates; a candidate is a hit only when the verification
+stage (``verify.py``: an alignment of the two texts' words) finds no difference that can change
+the answer -- a sentence embedding cannot see swapped roles, antonyms or "all"/"some" (issue 23).
+Every hit reports its similarity, the stored text and that entry's id.
 
 Storage, in one directory (by default ``<cache dir>/semantic`` beside results.sqlite):
 
@@ -27,14 +30,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Self
+from typing import NamedTuple, Self
 
 import faiss
 import numpy as np
 
 from carpool.cache.keys import normalize_text
+from carpool.cache.verify import verify as verify_pair
 
-DEFAULT_THRESHOLD = 0.95  # chosen from carpool/cache/pairs.py; see docs/cache.md
+# The similarity floor for candidates.  With the verification stage deciding, the floor only
+# has to let misspelt copies through (MiniLM scores "manaul"/"manual" 0.48, "Love it!!!"/
+# "Love it." 0.66): chosen on the tune split of carpool/cache/data (docs/cache.md).
+DEFAULT_THRESHOLD = 0.5
 # all-MiniLM-L6-v2 reads 256 word pieces including [CLS] and [SEP]; the engine's Embedder
 # counts both and truncates, so a count this high means the text may have been cut and two
 # texts differing only after the cut would embed alike.  Such texts are not cached.
@@ -56,9 +63,10 @@ CREATE INDEX IF NOT EXISTS entries_scope_text ON entries(scope, text);
 """
 
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
-_CANDIDATES = 4  # nearest entries checked per lookup; the first that passes the guards wins
+_CANDIDATES = 8  # nearest entries verified per lookup, best first; the first that passes wins
 
-# A sentence embedding barely moves when "not" is added or a number changes, yet the
+# The checks before issue 23, kept for comparison (benchmarks/semantic_quality.py): a sentence
+# embedding barely moves when "not" is added or a number changes, yet the
 # answer flips ("would recommend" / "would not recommend" score 0.94, "order 1234" /
 # "order 1235" near 0.99).  So a hit also needs the same count of negation words and,
 # when both texts hold numbers, the same numbers.
@@ -80,13 +88,22 @@ def _guard_features(text: str) -> tuple[int, tuple[str, ...]]:
     return negations, numbers
 
 
-def guards_pass(text: str, matched: str) -> bool:
-    """The lexical checks a hit needs besides the similarity threshold (see above)."""
+def legacy_guards_pass(text: str, matched: str) -> bool:
+    """The negation and number checks of before issue 23 (the verification stage replaced them)."""
     neg_a, num_a = _guard_features(text)
     neg_b, num_b = _guard_features(matched)
     if neg_a != neg_b:
         return False
     return not (num_a and num_b and num_a != num_b)
+
+
+class SemanticHit(NamedTuple):
+    """A semantic hit: the stored answer, how near it was, and which entry it came from."""
+
+    response: dict
+    similarity: float
+    matched: str  # the stored (normalised) text
+    entry_id: int  # the row id in semantic.sqlite: marks the hit in the output line
 
 
 def _default_embedder():
@@ -103,7 +120,7 @@ class SemanticCache:
         path_or_dir: str | Path,
         threshold: float = DEFAULT_THRESHOLD,
         embedder=None,
-        guards: bool = True,
+        verify: bool = True,
     ) -> None:
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"semantic cache threshold {threshold}: must be a cosine similarity in (0, 1]")
@@ -115,8 +132,10 @@ class SemanticCache:
         self.index_dir = self.dir / "index"
         self.index_dir.mkdir(parents=True, exist_ok=True)
         self.threshold = float(threshold)
-        self.guards = guards
-        self.guard_rejections = 0
+        self.verify = verify
+        self.verify_rejections: dict[str, int] = {}  # reason -> candidates the verifier turned down
+        self.verify_calls = 0
+        self.verify_seconds = 0.0
         self._embedder = embedder
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(str(self.db_path), timeout=30, isolation_level=None, check_same_thread=False)
@@ -216,11 +235,11 @@ class SemanticCache:
     def lookup(self, scope: str, text: str) -> tuple[dict, float] | None:
         """The stored response whose text is nearest to ``text`` in ``scope``, with its similarity."""
         result = self.lookup_many([(scope, text)])[0]
-        return None if result is None else (result[0], result[1])
+        return None if result is None else (result.response, result.similarity)
 
-    def lookup_many(self, items: Sequence[tuple[str, str]]) -> list[tuple[dict, float, str] | None]:
-        """Batched lookup: one embedding call for all items.  Each hit: (response, similarity, matched text)."""
-        results: list[tuple[dict, float, str] | None] = [None] * len(items)
+    def lookup_many(self, items: Sequence[tuple[str, str]]) -> list[SemanticHit | None]:
+        """Batched lookup: one embedding call for all items; a ``SemanticHit`` or None per item."""
+        results: list[SemanticHit | None] = [None] * len(items)
         texts = [normalize_text(t) for _, t in items]
         wanted = []
         with self._lock:
@@ -246,26 +265,34 @@ class SemanticCache:
                 for similarity, position in zip(sims[0].tolist(), pos[0].tolist(), strict=False):
                     if position < 0 or similarity < self.threshold:
                         break  # results come best first
+                    entry_id = self._ids[scope][position]
                     stored = self._conn.execute(
-                        "SELECT text, response FROM entries WHERE id = ?", (self._ids[scope][position],)
+                        "SELECT text, response FROM entries WHERE id = ?", (entry_id,)
                     ).fetchone()
                     if stored is None:  # cleared by another process meanwhile
                         continue
-                    if not self.guards or guards_pass(texts[i], stored[0]):
-                        found = (min(similarity, 1.0), stored)
+                    if not self.verify or self._verified(texts[i], stored[0]):
+                        found = (min(similarity, 1.0), stored, entry_id)
                         break
-                    self.guard_rejections += 1
                 if found is None:
                     self.misses += 1
                     continue
-                similarity, stored = found
+                similarity, stored, entry_id = found
                 self.hits += 1
                 if len(self.hit_log) < _HIT_LOG_LIMIT:
-                    self.hit_log.append(
-                        {"scope": scope, "similarity": similarity, "text": texts[i], "matched": stored[0]}
-                    )
-                results[i] = (json.loads(stored[1]), similarity, stored[0])
+                    self.hit_log.append({"scope": scope, "similarity": similarity, "text": texts[i],
+                                         "matched": stored[0], "entry_id": entry_id})
+                results[i] = SemanticHit(json.loads(stored[1]), similarity, stored[0], entry_id)
         return results
+
+    def _verified(self, text: str, matched: str) -> bool:
+        start = time.perf_counter()
+        verdict = verify_pair(text, matched)
+        self.verify_seconds += time.perf_counter() - start
+        self.verify_calls += 1
+        if not verdict:
+            self.verify_rejections[verdict.reason] = self.verify_rejections.get(verdict.reason, 0) + 1
+        return verdict.same
 
     def add(self, scope: str, text: str, response: dict) -> bool:
         """Remember ``response`` for ``text`` in ``scope``.  False when not stored (too long, known)."""
@@ -337,7 +364,11 @@ class SemanticCache:
                 "hits": self.hits,
                 "misses": self.misses,
                 "skipped_too_long": self.skipped,
-                "guard_rejections": self.guard_rejections,
+                "verify": self.verify,
+                "verify_calls": self.verify_calls,
+                "verify_rejections": sum(self.verify_rejections.values()),
+                "verify_rejections_by_reason": dict(sorted(self.verify_rejections.items())),
+                "verify_ms_per_call": 1e3 * self.verify_seconds / self.verify_calls if self.verify_calls else None,
                 "adds": self.adds,
                 "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
                 "hit_similarity_min": min(sims) if sims else None,

@@ -1,0 +1,100 @@
+"""The semantic cache's verification stage (carpool/cache/verify.py), without the embedder."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.cache.pairs import DIFF_KINDS, SAME_KINDS, SPLITS, load_pairs
+from carpool.cache.verify import tiles, tokens, verify
+
+# The two false hits of issue 23, and more of their kind: each must be refused, with the reason.
+REFUSED = [
+    ("Who wrote the letter, Alice or Bob? Alice wrote to Bob.",
+     "Who wrote the letter, Alice or Bob? Bob wrote to Alice.", "order"),
+    ("Which is larger, a cat or a dog?", "Which is smaller, a cat or a dog?", "comparative"),
+    ("The quick brown fox chased the lazy old dog.", "The lazy old dog chased the quick brown fox.", "order"),
+    ("Convert USD EUR", "Convert EUR USD", "order"),
+    ("Is 5 > 3?", "Is 5 < 3?", "word"),
+    ("Is -5 less than 3?", "Is 5 less than 3?", "number"),
+    ("It costs $20.", "It costs \u20ac20.", "word"),
+    ("\U0001f44d", "\U0001f44e", "word"),
+    ("Is the form signed?", "Is the from signed?", "word"),  # both real words: not a typo
+    ("Does it treat hypothyroidism?", "Does it treat hyperthyroidism?", "word"),  # both rare: not a typo
+    ("Is the dosage safe?", "Is the dosage unsafe?", "negation"),
+    ("I would recommend it.", "I wouldn't recommend it.", "negation"),
+    ("Are all seats taken?", "Are some seats taken?", "quantifier"),
+    ("You must sign here.", "You may sign here.", "modality"),
+    ("Order 1234 is late.", "Order 1235 is late.", "number"),
+    ("Does the hotel have parking?", "Does the hotel have free parking?", "word"),
+    ("Is the bag waterproof?", "Was the bag waterproof?", "word"),
+]
+
+ACCEPTED = [
+    ("Which is larger, a cat or a dog?", "Which is larger, a dog or a cat?"),
+    ("The coffee tastes burnt and bitter.", "The coffee tastes bitter and burnt."),
+    ("The staff was friendly and the room was clean.", "The room was clean and the staff was friendly."),
+    ("Yesterday my card was charged twice.", "My card was charged twice yesterday."),
+    ("Please cancel my subscription.", "Cancel my subscription, please!"),
+    ("WHERE IS MY REFUND", "where is my refund?"),
+    ("Where is my package?", "Where's my package?"),
+    ("My package hasn't arrived.", "My package hasnt arrived."),
+    ("I recieved the wrong size.", "I received the wrong size."),
+    ("The battery is long-lasting.", "The battery is long lasting."),
+    ("The colour faded.", "The color faded."),
+    ("The refund took three weeks.", "The refund took 3 weeks."),
+    ("Nobody helped me.", "Nobody helped me at all."),
+    ("How do I reset my password?", "How can I reset my password?"),
+    ("The laptop overheats when I play games.", "The laptop overheats when I am playing games."),
+]
+
+
+@pytest.mark.parametrize("query,stored,reason", REFUSED)
+def test_different_questions_are_refused_with_the_reason(query, stored, reason):
+    for a, b in ((query, stored), (stored, query)):  # the check is the same both ways
+        verdict = verify(a, b)
+        assert not verdict.same, (a, b)
+        assert verdict.reason == reason, verdict
+        assert verdict.detail
+
+
+@pytest.mark.parametrize("query,stored", ACCEPTED)
+def test_the_same_question_written_differently_is_accepted(query, stored):
+    assert verify(query, stored).same
+    assert verify(stored, query).same
+
+
+def test_tiles_follow_moved_runs():
+    a = tokens("the dog chased the cat")
+    b = tokens("the cat chased the dog")
+    runs = tiles(a, b)
+    assert sum(k for _, _, k in runs) == 5  # every word aligned, in runs that moved
+    assert sorted(runs) == runs
+
+
+def test_a_long_text_with_one_word_changed_is_refused():
+    text = " ".join(f"word{i} is fine" for i in range(60))
+    assert verify(text, text.replace("word30 is fine", "word30 is bad")).reason == "word"
+    assert verify(text, text + "!").same
+
+
+def test_the_labelled_set_is_big_and_covers_every_kind_in_both_splits():
+    pairs = load_pairs()
+    assert len(pairs) >= 200
+    for split in SPLITS:
+        kinds = {p.kind for p in load_pairs(split)}
+        assert kinds == set(SAME_KINDS + DIFF_KINDS), split
+    # No pair is in both splits: the held-out figures are not tuned ones.
+    tune = {(p.a, p.b) for p in load_pairs("tune")}
+    assert not tune & {(p.a, p.b) for p in load_pairs("heldout")}
+
+
+def test_a_malformed_pair_line_names_the_file_and_line(tmp_path, monkeypatch):
+    import carpool.cache.pairs as pairs_mod
+
+    (tmp_path / "pairs_tune.txt").write_text("# header\nparaphrase | same | only three fields\n")
+    monkeypatch.setattr(pairs_mod, "DATA_DIR", tmp_path)
+    with pytest.raises(ValueError, match=r"pairs_tune.txt:2"):
+        pairs_mod.load_pairs("tune")
+    (tmp_path / "pairs_tune.txt").write_text("negation | same | a | b\n")
+    with pytest.raises(ValueError, match="labelled 'same'"):
+        pairs_mod.load_pairs("tune")
