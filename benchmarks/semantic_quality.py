@@ -186,10 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="cost rounds (each: every lookup, verify on and off)")
     args = ap.parse_args(argv)
 
-    try:
-        from carpool.embed.embedder import Embedder  # where the embedder is moving to
-    except ImportError:
-        from carpool.engine.embedder import Embedder
+    from carpool.embed.embedder import Embedder
 
     embedder = Embedder()
     report = {"benchmark": "semantic_quality", "embedder": embedder.name}

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from carpool.cache import SemanticCache, scope_key, semantic_text
-from carpool.cache.pairs import PAIRS, score, similarities
-from carpool.cache.semantic import DEFAULT_THRESHOLD, guards_pass
+from carpool.cache.pairs import decide, load_pairs, score, similarities, verdicts
+from carpool.cache.semantic import DEFAULT_THRESHOLD
 
 pytestmark = pytest.mark.real_model
 
@@ -23,32 +23,58 @@ def chat(text: str, system: str = "Answer positive, negative or neutral.", **par
 
 
 @pytest.fixture(scope="module")
-def pair_sims(embedder):
-    return similarities(embedder.embed)
+def labelled(embedder):
+    out = {}
+    for split in ("tune", "heldout"):
+        pairs = load_pairs(split)
+        out[split] = (pairs, similarities(embedder.embed, pairs), verdicts(pairs))
+    return out
 
 
-def test_labelled_pairs_at_the_default_threshold(pair_sims):
-    result = score(pair_sims, DEFAULT_THRESHOLD)
+def test_the_bar_on_the_labelled_set_at_the_default_settings(labelled):
+    # Issue 23's bar: precision >= 0.99 at recall >= 0.8 on the set tuned on.  Measured with
+    # all-MiniLM-L6-v2 (docs/cache.md): tune 1.000 / 0.813, held-out 1.000 / 0.759.
+    pairs, sims, checked = labelled["tune"]
+    result = score(decide(sims, DEFAULT_THRESHOLD, pairs, checked=checked), pairs)
     print(json.dumps(result))
-    # Figures measured with all-MiniLM-L6-v2 (docs/cache.md): precision 0.95, recall 0.91.
-    assert result["precision"] >= 0.9
+    assert result["precision"] >= 0.99
     assert result["recall"] >= 0.8
-    assert result["false_hits"] <= 1  # the word-order swap no threshold below 0.996 catches
+    # The held-out split was never tuned on: no false hit there either.
+    pairs, sims, checked = labelled["heldout"]
+    held = score(decide(sims, DEFAULT_THRESHOLD, pairs, checked=checked), pairs)
+    print(json.dumps(held))
+    assert held["precision"] >= 0.99
+    assert held["recall"] >= 0.7
 
 
-@pytest.mark.parametrize("a,b", [(a, b) for a, b, same in PAIRS if not same and ("not" in b or "never" in b)])
-def test_negations_miss_at_the_default_threshold(pair_sims, a, b):
-    i = next(i for i, p in enumerate(PAIRS) if p[:2] == (a, b))
-    assert not (pair_sims[i] >= DEFAULT_THRESHOLD and guards_pass(a, b))
+def test_no_threshold_alone_separates_the_near_misses(labelled):
+    # Why the verification stage exists: with similarity alone some near miss scores above
+    # every threshold that keeps recall (role swaps reach 0.999).
+    pairs, sims, checked = labelled["tune"]
+    for threshold in (0.95, 0.98):
+        plain = score(decide(sims, threshold, pairs, verify=False), pairs)
+        legacy = score(decide(sims, threshold, pairs, verify="legacy"), pairs)
+        assert plain["false_hits"] > 0 and legacy["false_hits"] > 0, threshold
 
 
-def test_guards_are_needed_for_some_negations(pair_sims):
-    # Without the negation guard at least one negated pair scores above the threshold;
-    # this pins why the guard exists (and fails if the embedding ever stops needing it).
-    plain = score(pair_sims, DEFAULT_THRESHOLD, guards=False)
-    guarded = score(pair_sims, DEFAULT_THRESHOLD, guards=True)
-    assert plain["false_hits"] > guarded["false_hits"]
-    assert plain["true_hits"] == guarded["true_hits"]
+def test_the_two_false_hits_of_the_issue_are_misses_and_paraphrases_still_hit(tmp_path, embedder):
+    sem = SemanticCache(tmp_path / "sem", embedder=embedder)
+    stored = ["Who wrote the letter, Alice or Bob? Alice wrote to Bob.", "Which is larger, a cat or a dog?"]
+    sem.add_many([("s", t, {"answer": i}) for i, t in enumerate(stored)])
+    # The two false hits of issue 23 (similarity 0.999 and 0.971 to the stored texts).
+    assert sem.lookup("s", "Who wrote the letter, Alice or Bob? Bob wrote to Alice.") is None
+    assert sem.lookup("s", "Which is smaller, a cat or a dog?") is None
+    assert sem.stats()["verify_rejections_by_reason"] == {"comparative": 1, "order": 1}
+    # The same questions re-written still hit, and say which entry answered.
+    hits = sem.lookup_many([("s", "who wrote the letter - Alice or Bob?  Alice wrote to Bob!"),
+                            ("s", "Which is larger, a dog or a cat?"),
+                            ("s", "Wich is larger, a cat or a dog")])
+    assert [h.response if h else None for h in hits] == [{"answer": 0}, {"answer": 1}, {"answer": 1}]
+    first = sem.lookup_many([("s", stored[0])])[0]
+    assert hits[0].entry_id == first.entry_id != hits[1].entry_id
+    assert all(DEFAULT_THRESHOLD <= h.similarity <= 1.0 for h in hits)
+    assert sem.hit_log[-1]["entry_id"] == first.entry_id
+    sem.close()
 
 
 def test_paraphrase_hits_with_its_similarity_and_negation_misses(tmp_path, embedder):
@@ -142,7 +168,7 @@ def test_numbers_must_match(tmp_path, embedder):
     sem.add("s", "Order 1234 has not arrived yet.", {"label": "late"})
     assert sem.lookup("s", "Order 1235 has not arrived yet.") is None
     assert sem.lookup("s", "Order 1234 has not arrived yet!") is not None
-    assert sem.stats()["guard_rejections"] == 1
+    assert sem.stats()["verify_rejections_by_reason"] == {"number": 1}
     sem.close()
 
 
