@@ -50,7 +50,7 @@ def test_the_bar_on_the_labelled_set_at_the_default_settings(labelled):
 def test_no_threshold_alone_separates_the_near_misses(labelled):
     # Why the verification stage exists: with similarity alone some near miss scores above
     # every threshold that keeps recall (role swaps reach 0.999).
-    pairs, sims, checked = labelled["tune"]
+    pairs, sims, _ = labelled["tune"]
     for threshold in (0.95, 0.98):
         plain = score(decide(sims, threshold, pairs, verify=False), pairs)
         legacy = score(decide(sims, threshold, pairs, verify="legacy"), pairs)
