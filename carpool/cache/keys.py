@@ -259,6 +259,9 @@ def is_cacheable(body: dict, cache_sampled: bool = False) -> bool:
 # ---------------------------------------------------------------------------------------
 # Semantic cache: scope and text.
 
+# The semantic cache's default similarity floor for candidates (semantic.py says why); here
+# so that the CLI can show it without importing FAISS.
+SEMANTIC_THRESHOLD = 0.4
 # Longest final user text the semantic cache will embed.  all-MiniLM-L6-v2 reads at most
 # 256 word pieces; two long texts that differ only after the cut would look identical.
 SEMANTIC_MAX_CHARS = 1000

@@ -35,13 +35,14 @@ from typing import NamedTuple, Self
 import faiss
 import numpy as np
 
-from carpool.cache.keys import normalize_text
+from carpool.cache.keys import SEMANTIC_THRESHOLD, normalize_text
 from carpool.cache.verify import verify as verify_pair
 
 # The similarity floor for candidates.  With the verification stage deciding, the floor only
 # has to let misspelt copies through (MiniLM scores "manaul"/"manual" 0.48, "Love it!!!"/
-# "Love it." 0.66): chosen on the tune split of carpool/cache/data (docs/cache.md).
-DEFAULT_THRESHOLD = 0.5
+# "Love it." 0.66): the highest threshold with the most recall on the tune split of
+# carpool/cache/data (docs/cache.md).
+DEFAULT_THRESHOLD = SEMANTIC_THRESHOLD
 # all-MiniLM-L6-v2 reads 256 word pieces including [CLS] and [SEP]; the engine's Embedder
 # counts both and truncates, so a count this high means the text may have been cut and two
 # texts differing only after the cut would embed alike.  Such texts are not cached.
