@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
 from carpool.client.pool import Timeouts
 from carpool.jobs.readers import FORMATS
 from carpool.jobs.tasks import TaskDefaults, Template
@@ -59,8 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "(default: the SQLite file in ~/.cache/carpool)")
     g.add_argument("--cache-ttl", type=float, help="seconds a cached result stays valid")
     g.add_argument("--cache-sampled", action="store_true", help="also cache temperature > 0 results")
-    g.add_argument("--semantic-cache", type=float, metavar="THRESHOLD",
-                   help="reuse results of near-identical label-like tasks (cosine >= THRESHOLD, e.g. 0.95)")
+    g.add_argument("--semantic-cache", type=float, metavar="THRESHOLD", nargs="?", const=SEMANTIC_DEFAULT,
+                   help="reuse results of near-identical label-like tasks: candidates with cosine >= THRESHOLD "
+                        f"(default {SEMANTIC_DEFAULT}) that the verification stage finds asking the same thing")
+    g.add_argument("--semantic-audit", type=int, default=0, metavar="N",
+                   help="after the job, re-ask N random semantic hits for real and report how many disagreed")
     g.add_argument("--no-dedup", action="store_true", help="send identical tasks separately")
     g = p.add_argument_group("reporting")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
@@ -97,7 +101,8 @@ def options_from_args(args: argparse.Namespace):
         timeouts=Timeouts(args.connect_timeout, args.read_timeout, args.total_timeout),
         max_attempts=args.max_attempts, ordered=args.ordered, prefix_order=args.prefix_order,
         prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
-        cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, dedup=not args.no_dedup,
+        cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, semantic_audit=args.semantic_audit,
+        dedup=not args.no_dedup,
         fresh=args.fresh, progress=args.progress, report=args.report, max_pending=args.max_pending,
         dry_run=args.dry_run, argv=["run", *_original_argv()], quiet=args.quiet,
     )

@@ -78,6 +78,7 @@ class RunOptions:
     cache_ttl: float | None = None
     cache_sampled: bool = False
     semantic_cache: float | None = None  # cosine threshold, opt-in
+    semantic_audit: int = 0  # re-ask this many random semantic hits after the job (carpool/cache/audit.py)
     dedup: bool = True
     fresh: bool = False
     progress: bool | None = None  # None: when stderr is a terminal
@@ -125,6 +126,7 @@ class Runner:
         self._recent: collections.OrderedDict[str, CallResult] = collections.OrderedDict()
         self._store = None
         self._sem = None
+        self._audit = None
         self._owned_engine = None
         self._warned_cache = False
         self._write_failed = False
@@ -189,6 +191,13 @@ class Runner:
             except Exception as e:  # noqa: BLE001  (no embedder or FAISS: run without it)
                 self.messages.append(f"semantic cache disabled: {e}")
                 self._sem = None
+        if o.semantic_audit and self._sem is None:
+            self.messages.append("--semantic-audit: no semantic cache in this run (give --semantic-cache); "
+                                 "nothing audited")
+        elif o.semantic_audit:
+            from carpool.cache.audit import SemanticAudit
+
+            self._audit = SemanticAudit(o.semantic_audit)
 
     def _endpoint_identity(self) -> str:
         if self.opts.endpoints:
@@ -272,6 +281,8 @@ class Runner:
             await self._produce(reader, done, writer)
             while self._pending:
                 await asyncio.gather(*list(self._pending), return_exceptions=True)
+            if self._audit is not None and not self._stop:
+                await self._run_audit()
         finally:
             ticker.cancel()
             for t in list(self._pending):
@@ -299,6 +310,25 @@ class Runner:
 
             write_report(o.report, self.stats, self.limiter, self._sem)
         return self.stats
+
+    async def _run_audit(self) -> None:
+        """Re-ask the sampled semantic hits, bypassing both caches; the output file is not changed."""
+        from carpool.cache.audit import SemanticAudit
+
+        audit: SemanticAudit = self._audit
+
+        async def ask(item) -> None:
+            try:
+                res = (await self.executor.execute(item.request)).result
+            except Stopped:
+                return
+            audit.record(item, res.body if res.ok else None,
+                         None if res.ok else (res.error_message or f"status {res.status_code}"))
+
+        await asyncio.gather(*(ask(item) for item in audit.sample))
+        self.stats.semantic_audit = audit.report()
+        self.messages.append(f"semantic audit: re-asked {audit.asked} of {audit.seen} semantic hits: "
+                             f"{audit.disagreed} disagreed, {audit.failed} failed")
 
     async def _close(self) -> None:
         try:
@@ -496,7 +526,7 @@ class Runner:
                 fut = asyncio.get_running_loop().create_future()
                 self._inflight[key] = fut
         try:
-            sem_text = sem_scope = None
+            sem_text = sem_scope = sem_hit = None
             precheck = None
             if self._sem is not None and key is not None:
                 sem_text = _cache.semantic_text(req.body)
@@ -507,11 +537,12 @@ class Runner:
                     async def precheck() -> CallResult | None:
                         # Looked up once this task holds a slot, so near-duplicates that finished
                         # while it waited are found.
-                        found = await asyncio.to_thread(self._sem.lookup, sem_scope, sem_text)
-                        if found is None:
+                        nonlocal sem_hit
+                        sem_hit = (await asyncio.to_thread(self._sem.lookup_many, [(sem_scope, sem_text)]))[0]
+                        if sem_hit is None:
                             return None
-                        body, sim = found
-                        return CallResult(ok=True, status_code=200, body=body, request_id=f"cache:semantic:{sim:.3f}")
+                        return CallResult(ok=True, status_code=200, body=sem_hit.response,
+                                          request_id=f"cache:semantic:{sem_hit.similarity:.3f}")
             async def after(res: CallResult) -> None:
                 # Stored while the slot is still held: a near-duplicate waiting for this slot
                 # finds it.  Errors of the store never fail the task.
@@ -530,10 +561,17 @@ class Runner:
                 st.semantic_hits += 1
                 st.saved_tokens += _usage_tokens(res.body)
                 if len(st.semantic_similarities) < 1000:
-                    st.semantic_similarities.append((req.custom_id, float(res.request_id.rsplit(":", 1)[1])))
+                    st.semantic_similarities.append((req.custom_id, sem_hit.similarity))
+                if self._audit is not None:
+                    from carpool.cache.audit import AuditItem
+
+                    self._audit.offer(AuditItem(req.custom_id, req, res.body, sem_hit.similarity, sem_hit.entry_id))
                 self._finish_leader(key, fut, res)
                 fut = None
-                writer.emit(seq, success_line(req.custom_id, 200, res.request_id, res.body), False, self._written)
+                # The line says the answer is borrowed, how near the stored text was, and which entry.
+                mark = {"similarity": round(sem_hit.similarity, 4), "matched_id": sem_hit.entry_id}
+                writer.emit(seq, success_line(req.custom_id, 200, res.request_id, res.body, semantic=mark), False,
+                            self._written)
                 return
             st.sent += 1
             res = outcome.result

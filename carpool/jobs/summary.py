@@ -48,6 +48,7 @@ class JobStats:
     cache_hits: int = 0
     semantic_hits: int = 0
     semantic_similarities: list = field(default_factory=list)  # (custom_id, similarity), first 1000
+    semantic_audit: dict | None = None  # --semantic-audit N: carpool.cache.audit.SemanticAudit.report()
     dedup_fanouts: int = 0
     saved_tokens: int = 0
     sent: int = 0  # requests that went to the backend (first attempts)
@@ -123,6 +124,7 @@ class JobStats:
             "dedup_fanouts": self.dedup_fanouts, "saved_tokens": self.saved_tokens,
             "saved_time_s": round(self.saved_time_s(), 2), "interrupted": self.interrupted,
             "backend": self.backend, "cache": self.cache_backend,
+            **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
         }
 
 
@@ -161,4 +163,7 @@ def render_summary(stats: JobStats, console=None) -> None:
     t.add_row("cache hits / semantic / dedup", f"{d['cache_hits']:,} / {d['semantic_hits']:,} / {d['dedup_fanouts']:,}")
     if d["saved_tokens"]:
         t.add_row("saved", f"{d['saved_tokens']:,} tokens, ~{d['saved_time_s']:.1f} s")
+    if stats.semantic_audit is not None:
+        a = stats.semantic_audit
+        t.add_row("semantic audit", f"{a['asked']:,} re-asked, {a['disagreed']:,} disagreed, {a['failed']:,} failed")
     console.print(t)
