@@ -1,8 +1,9 @@
-"""The carpool command line: one verb per room, each room owns its flags.
+"""The carpool command line: one verb a module of carpool/commands, each owning its flags.
 
-Each verb lives in a module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
-the modules are imported only when their verb runs, so ``carpool run`` never pays
-for importing the server or Ray.
+This file only dispatches.  Each verb's module (``carpool.commands.<verb>``) exposes
+``add_arguments(parser)`` and ``main(args) -> int`` and owns its flags and its printing;
+it is imported only when its verb runs, so ``carpool run`` never pays for importing the
+server or Ray.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import importlib
 import sys
 
 VERBS: dict[str, tuple[str, str]] = {
-    "run": ("carpool.jobs.cli", "run every task of a file (JSONL/Batch/CSV/Parquet)"),
-    "serve": ("carpool.server.cli", "OpenAI-compatible server over the engine"),
-    "bench": ("carpool.bench.cli", "load-test an endpoint or the embedded engine"),
-    "diagnose": ("carpool.bench.diagnose_cli", "explain where the time goes"),
-    "simulate": ("carpool.tune.simulate_cli", "discrete-event simulation of a serving engine"),
-    "tune": ("carpool.tune.tune_cli", "find the settings with the best goodput under an SLO"),
-    "cache": ("carpool.cache.cli", "inspect or clear the result cache"),
+    "run": ("carpool.commands.run", "run every task of a file (JSONL/Batch/CSV/Parquet)"),
+    "serve": ("carpool.commands.serve", "OpenAI-compatible server over the engine"),
+    "bench": ("carpool.commands.bench", "load-test an endpoint or the embedded engine"),
+    "diagnose": ("carpool.commands.diagnose", "explain where the time goes"),
+    "simulate": ("carpool.commands.simulate", "discrete-event simulation of a serving engine"),
+    "tune": ("carpool.commands.tune", "find the settings with the best goodput under an SLO"),
+    "cache": ("carpool.commands.cache", "inspect or clear the result cache"),
 }
 
 

@@ -21,17 +21,20 @@ system every node sees (NFS, a mounted bucket); see docs/distributed.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
-import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
+
+if TYPE_CHECKING:
+    from carpool.jobs.runner import RunOptions
 
 
 @dataclass
@@ -118,11 +121,14 @@ def _combine(summaries: list[dict]) -> dict:
     return out
 
 
-def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
-    """Run the job described by ``opts`` (``carpool.jobs.runner.RunOptions``) on Ray.
+def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
+               on_shard: Callable[[dict], None] | None = None) -> dict:
+    """Run the job described by ``opts`` on Ray.
 
     Returns the combined summary (``complete`` says whether every shard finished and the
-    output was merged).  Starts a local Ray if none is running, and stops it again.
+    output was merged).  ``on_shard`` is called with each shard's summary as it finishes
+    (``carpool run --ray`` prints a line).  Starts a local Ray if none is running, and
+    stops it again.
     """
     import ray
 
@@ -195,7 +201,7 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
         if pending:
             try:
                 _run_pending(ray, pending, {"opts": job_opts, "shared": shared, "workdir": str(workdir)},
-                             min(workers, len(pending)), ray_opts, quiet=opts.quiet)
+                             min(workers, len(pending)), ray_opts, on_shard)
             except Exception as e:  # noqa: BLE001  (a worker crashed: finished shards are kept)
                 run_error = e
         summaries, missing = [], []
@@ -240,7 +246,8 @@ def run_on_ray(opts, ray_opts: RayOptions | None = None) -> dict:
             ray.shutdown()
 
 
-def _run_pending(ray, pending: list[Shard], job: dict, workers: int, ray_opts: RayOptions, quiet: bool) -> None:
+def _run_pending(ray: Any, pending: list[Shard], job: dict, workers: int, ray_opts: RayOptions,
+                 on_shard: Callable[[dict], None] | None) -> None:
     from carpool.distributed.worker import ShardWorker
 
     ctx = ray.data.DataContext.get_current()
@@ -262,14 +269,8 @@ def _run_pending(ray, pending: list[Shard], job: dict, workers: int, ray_opts: R
         num_gpus=ray_opts.gpus_per_worker or None,
     )
     for row in out.iter_rows():
-        s = json.loads(row["summary"])
-        for msg in s.get("messages", []):
-            if msg.startswith(f"shard {s['shard']}:"):
-                print(f"carpool run --ray: {msg}", file=sys.stderr, flush=True)
-        if not quiet:
-            st = s["stats"]
-            print(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
-                  f"({st['done']} written, {st['skipped_done_before']} resumed)", file=sys.stderr, flush=True)
+        if on_shard is not None:
+            on_shard(json.loads(row["summary"]))
 
 
 def _finished_before(output: Path, input_path: Path) -> dict | None:
@@ -295,75 +296,6 @@ def _write_state(output: Path, input_path: Path, opts) -> None:
     from carpool.jobs.journal import Journal
 
     Journal(output, opts.errors).write_state(str(input_path), finished=True, argv=opts.argv)
-
-
-# -- command line ---------------------------------------------------------------------------
-
-
-def _ray_address(value: str) -> str:
-    if value.endswith((".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".parquet", ".pq")):
-        raise argparse.ArgumentTypeError(
-            f"{value!r} looks like the input file, not a Ray address: put --ray after the input "
-            "(carpool run tasks.jsonl --ray) or give the address (--ray auto)")
-    return value
-
-
-def add_ray_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``--ray`` flags of ``carpool run`` (imports nothing heavy)."""
-    g = p.add_argument_group("distributed (Ray)")
-    g.add_argument("--ray", nargs="?", const="local", default=None, type=_ray_address, metavar="ADDRESS",
-                   help="run on Ray: no ADDRESS = this machine (or its running cluster), 'auto', "
-                        "HOST:6379 or ray://HOST:10001; put it after the input file")
-    g.add_argument("--ray-workers", type=int, help="worker actors (default: cluster CPUs / --ray-cpus)")
-    g.add_argument("--ray-shards", type=int, help="pieces the input is cut into (default 4 per worker)")
-    g.add_argument("--ray-cpus", type=float, default=1.0, help="CPUs per worker (default 1)")
-    g.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per worker (embedded engine on GPU nodes)")
-    g.add_argument("--ray-workdir", help="shard outputs and plan (default <output>.ray; shared by all nodes)")
-    g.add_argument("--ray-keep-workdir", action="store_true", help="keep the shard files after the merge")
-    g.add_argument("--redis", help="redis://HOST:6379/0 shared by all workers: one --rpm/--tpm budget for "
-                                   "the whole job and shared endpoint cooldowns")
-    g.add_argument("--budget-name", help="with --redis: jobs with the same name share one budget "
-                                         "(default: derived from the endpoints and model)")
-    g.add_argument("--rpm-window", type=float, default=60.0,
-                   help="seconds the provider counts --rpm/--tpm over (default 60; 1 if it enforces per second)")
-
-
-def ray_options_from_args(args: argparse.Namespace) -> RayOptions:
-    return RayOptions(address=args.ray, workers=args.ray_workers, shards=args.ray_shards,
-                      cpus_per_worker=args.ray_cpus, gpus_per_worker=args.ray_gpus, workdir=args.ray_workdir,
-                      redis=args.redis, budget_name=args.budget_name, rpm_window_s=args.rpm_window,
-                      keep_workdir=args.ray_keep_workdir)
-
-
-def main(args: argparse.Namespace) -> int:
-    """``carpool run ... --ray``: the same flags as ``carpool run`` plus the Ray ones."""
-    from carpool.jobs.cli import options_from_args
-
-    try:
-        opts = options_from_args(args)
-        result = run_on_ray(opts, ray_options_from_args(args))
-    except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
-        print(f"carpool run --ray: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        # Finished shards and the partial shard outputs (their journals) stay in the workdir.
-        print("\ncarpool run --ray: interrupted; finished work is kept. Resume with the same command.",
-              file=sys.stderr)
-        return 130
-    for msg in result.pop("messages", []):
-        print(msg, file=sys.stderr)
-    if getattr(args, "summary_json", None):
-        doc = json.dumps(result, indent=None if args.summary_json == "-" else 2)
-        if args.summary_json == "-":
-            print(doc)
-        else:
-            Path(args.summary_json).write_text(doc + "\n")
-    if not args.quiet:
-        print(f"carpool run --ray: {result['shards_done']}/{result['shards']} shards on {result['workers']} "
-              f"workers, {result['succeeded']:,} succeeded, {sum(result['errors'].values()):,} errors, "
-              f"{result['elapsed_s']:.1f} s" + (f"; results: {opts.output}" if result["complete"] else ""),
-              file=sys.stderr)
-    return 0 if result["complete"] else 1
 
 
 def run_batch_on_ray(input: str, output: str, *, address: str | None = None, workers: int | None = None,

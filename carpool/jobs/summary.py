@@ -1,4 +1,4 @@
-"""Job statistics, kept in bounded memory, and the end-of-job summary table.
+"""Job statistics, kept in bounded memory (the summary table is ``carpool.commands.run``'s).
 
 Latencies go into fixed-size reservoirs (uniform samples) so percentiles of a
 10-million-task job cost the same memory as those of a small one; the timeline keeps
@@ -126,44 +126,3 @@ class JobStats:
             "backend": self.backend, "cache": self.cache_backend,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
         }
-
-
-def render_summary(stats: JobStats, console=None) -> None:
-    """The summary table (rich) on stderr."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(stderr=True)
-    d = stats.to_dict()
-
-    def f(v, unit=""):
-        return "-" if v is None else f"{v:,}{unit}" if isinstance(v, int) else f"{v:,.2f}{unit}"
-
-    t = Table(title="carpool run" + (" (interrupted)" if stats.interrupted else ""), show_header=False)
-    t.add_column("metric", style="bold")
-    t.add_column("value", justify="right")
-    t.add_row("backend", d["backend"])
-    total = "?" if d["total"] is None else f"{d['total']:,}"
-    t.add_row("tasks written / total", f"{d['done']:,} / {total}")
-    if d["skipped_done_before"]:
-        t.add_row("already done (resumed)", f(d["skipped_done_before"]))
-    cached = d["succeeded"] - d["ok"]
-    t.add_row("succeeded", f(d["succeeded"]) + (f" ({cached:,} from the cache)" if cached else ""))
-    t.add_row("errors", f(stats.n_errors))
-    for kind, n in sorted(stats.errors.items(), key=lambda kv: -kv[1]):
-        t.add_row(f"  {kind}", f(n))
-    t.add_row("elapsed", f(d["elapsed_s"], " s"))
-    t.add_row("throughput", f"{f(d['requests_per_s'])} req/s, {f(d['tokens_per_s'])} tok/s "
-                            f"({f(d['output_tokens_per_s'])} out tok/s)")
-    t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
-    t.add_row("TTFT P50 / P99", f"{f(d['ttft_ms_p50'])} / {f(d['ttft_ms_p99'])} ms")
-    t.add_row("TPOT P50 / P99", f"{f(d['tpot_ms_p50'])} / {f(d['tpot_ms_p99'])} ms")
-    t.add_row("retries", ", ".join(f"{k} {v}" for k, v in stats.retries.items()) or "0")
-    t.add_row("cache", d["cache"])
-    t.add_row("cache hits / semantic / dedup", f"{d['cache_hits']:,} / {d['semantic_hits']:,} / {d['dedup_fanouts']:,}")
-    if d["saved_tokens"]:
-        t.add_row("saved", f"{d['saved_tokens']:,} tokens, ~{d['saved_time_s']:.1f} s")
-    if stats.semantic_audit is not None:
-        a = stats.semantic_audit
-        t.add_row("semantic audit", f"{a['asked']:,} re-asked, {a['disagreed']:,} disagreed, {a['failed']:,} failed")
-    console.print(t)

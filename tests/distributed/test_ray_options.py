@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from carpool.commands import run as run_command
 from carpool.distributed.ray_runner import (
     RayOptions,
     RayRunError,
@@ -14,7 +15,6 @@ from carpool.distributed.ray_runner import (
     run_on_ray,
 )
 from carpool.distributed.worker import ShardReader
-from carpool.jobs import cli as jobs_cli
 from carpool.jobs.api import run_batch
 from carpool.jobs.runner import RunOptions
 from carpool.jobs.tasks import Template
@@ -22,7 +22,7 @@ from carpool.jobs.tasks import Template
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    jobs_cli.add_arguments(p)  # carpool run's own parser carries the --ray flags
+    run_command.add_arguments(p)  # carpool run's own parser carries the --ray flags
     return p
 
 

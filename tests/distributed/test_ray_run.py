@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from carpool.commands import run as run_command
 from carpool.distributed.ray_runner import RayOptions, run_batch_on_ray, run_on_ray
-from carpool.jobs import cli as jobs_cli
 from carpool.jobs.api import run_batch
 from carpool.jobs.runner import RunOptions
 from carpool.jobs.tasks import TaskDefaults
@@ -67,12 +67,12 @@ def test_ray_run_writes_the_same_lines_as_one_process(ray_cluster, zero_server, 
 
     # The Ray side goes through the command line, as a user would run it.
     parser = argparse.ArgumentParser()
-    jobs_cli.add_arguments(parser)
+    run_command.add_arguments(parser)
     out = tmp_path / "ray.jsonl"
     args = parser.parse_args([str(tasks), "-o", str(out), "--endpoint", zero_server.url, "--model", "m",
                               "--ordered", "--cache", "off", "--ray", "--ray-workers", "2", "--ray-shards", "5",
                               "--quiet"])
-    assert jobs_cli.main(args) == 0  # `carpool run ... --ray` dispatches to Ray
+    assert run_command.main(args) == 0  # `carpool run ... --ray` dispatches to Ray
     assert normalised(out) == normalised(single)
     # The bad lines are reported with their line numbers in the whole file, not in a shard.
     errors = [json.loads(x)["error"] for x in out.read_text().splitlines() if json.loads(x)["error"]]

@@ -12,8 +12,9 @@ import time
 import pytest
 from rich.console import Console
 
+from carpool.commands.run import render_summary
 from carpool.jobs.api import run_batch
-from carpool.jobs.summary import JobStats, render_summary
+from carpool.jobs.summary import JobStats
 from carpool.testing.fault_server import Fault, FaultConfig
 
 

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 
-from carpool.tune import simulate_cli as sc
+from carpool.commands import simulate as sc
 from carpool.tune.measure import SLO
 from carpool.tune.tuner import Setting, SimEvaluator, TuneResult, grid, tune, vllm_command
 

@@ -1,0 +1,282 @@
+"""``carpool run``: run every task of a file, against the embedded engine or endpoints.
+
+The flags (the Ray ones included), the translation of flags into ``RunOptions`` /
+``RayOptions``, and everything the command prints: the summary table, the messages the
+job collected, ``--summary-json``, and the per-shard lines of a ``--ray`` run.  The job
+itself is ``carpool.jobs.runner`` (one process) or ``carpool.distributed.ray_runner``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
+from carpool.client.pool import Timeouts
+from carpool.jobs.readers import FORMATS
+from carpool.jobs.tasks import TaskDefaults, Template
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from carpool.distributed.ray_runner import RayOptions
+    from carpool.jobs.runner import RunOptions
+    from carpool.jobs.summary import JobStats
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("input", help="tasks file: .jsonl (plain or OpenAI Batch format), .csv, .parquet")
+    p.add_argument("-o", "--output", help="results JSONL (default: <input>.results.jsonl); "
+                                          "running again with the same output resumes")
+    p.add_argument("--errors", help="write failed tasks here instead of into the output")
+    g = p.add_argument_group("input")
+    g.add_argument("--format", choices=FORMATS, help="default: from the file extension")
+    g.add_argument("--template", help="CSV/Parquet: build the prompt from columns, e.g. 'Classify: {review}'")
+    g.add_argument("--system", help="with --template: a system message")
+    g.add_argument("--id-column", help="with --template: the column holding custom_id")
+    g.add_argument("--kind", choices=("chat", "completion", "embedding"), default="chat",
+                   help="with --template: the task kind (default chat)")
+    g.add_argument("--max-tokens", type=int, help="for tasks that do not set max_tokens")
+    g.add_argument("--temperature", type=float, help="for tasks that do not set temperature")
+    g = p.add_argument_group("target")
+    g.add_argument("--endpoint", action="append", default=[],
+                   help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (repeat for several); "
+                        "default: the embedded engine in-process")
+    g.add_argument("--model", help="with --endpoint: the model name sent; without: the embedded engine's "
+                                   "model (smollm2, tiny-random or a HF folder; default smollm2)")
+    g.add_argument("--api-key", default=None, help="default: $CARPOOL_API_KEY or $OPENAI_API_KEY")
+    g.add_argument("--max-num-seqs", type=int, help="embedded engine: requests batched per step")
+    g.add_argument("--no-stream", action="store_true", help="HTTP: do not stream (no TTFT/TPOT)")
+    g = p.add_argument_group("throughput")
+    g.add_argument("--concurrency", type=int, help="fixed number of requests in flight (default: adaptive)")
+    g.add_argument("--max-concurrency", type=int, help="cap for the adaptive limiter")
+    g.add_argument("--rpm", type=float, help="requests per minute budget")
+    g.add_argument("--tpm", type=float, help="tokens per minute budget")
+    g.add_argument("--ordered", action="store_true", help="write results in input order")
+    g.add_argument("--prefix-order", action="store_true",
+                   help="send tasks sharing a prompt prefix together (within --prefix-window tasks)")
+    g.add_argument("--prefix-window", type=int, default=1024)
+    g.add_argument("--max-pending", type=int, default=2048, help="tasks held in memory at once")
+    g = p.add_argument_group("reliability")
+    g.add_argument("--max-attempts", type=int, default=6)
+    g.add_argument("--idempotent", choices=("auto", "on", "off"), default="auto",
+                   help="may a request that might have run be sent again? auto: yes for temperature 0 "
+                        "and embeddings")
+    g.add_argument("--connect-timeout", type=float, default=10.0)
+    g.add_argument("--read-timeout", type=float, default=60.0, help="seconds between two chunks")
+    g.add_argument("--total-timeout", type=float, default=600.0, help="seconds for one attempt")
+    g.add_argument("--fresh", action="store_true", help="ignore (delete) an earlier output instead of resuming")
+    g = p.add_argument_group("cache")
+    g.add_argument("--cache", default=None, help="sqlite:///path, redis://host:6379/0 or off "
+                                                 "(default: the SQLite file in ~/.cache/carpool)")
+    g.add_argument("--cache-ttl", type=float, help="seconds a cached result stays valid")
+    g.add_argument("--cache-sampled", action="store_true", help="also cache temperature > 0 results")
+    g.add_argument("--semantic-cache", type=float, metavar="THRESHOLD", nargs="?", const=SEMANTIC_DEFAULT,
+                   help="reuse results of near-identical label-like tasks: candidates with cosine >= THRESHOLD "
+                        f"(default {SEMANTIC_DEFAULT}) that the verification stage finds asking the same thing")
+    g.add_argument("--semantic-audit", type=int, default=0, metavar="N",
+                   help="after the job, re-ask N random semantic hits for real and report how many disagreed")
+    g.add_argument("--no-dedup", action="store_true", help="send identical tasks separately")
+    g = p.add_argument_group("reporting")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--report", help="write an HTML report with plots")
+    g.add_argument("--summary-json", help="write the summary as JSON here ('-': stdout)")
+    g.add_argument("--dry-run", action="store_true", help="validate and write without calling any model")
+    g.add_argument("--quiet", action="store_true")
+    _add_ray_arguments(p)
+
+
+def _ray_address(value: str) -> str:
+    if value.endswith((".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".parquet", ".pq")):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} looks like the input file, not a Ray address: put --ray after the input "
+            "(carpool run tasks.jsonl --ray) or give the address (--ray auto)")
+    return value
+
+
+def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--ray`` flags (they import nothing heavy; Ray only when ``--ray`` runs)."""
+    g = p.add_argument_group("distributed (Ray)")
+    g.add_argument("--ray", nargs="?", const="local", default=None, type=_ray_address, metavar="ADDRESS",
+                   help="run on Ray: no ADDRESS = this machine (or its running cluster), 'auto', "
+                        "HOST:6379 or ray://HOST:10001; put it after the input file")
+    g.add_argument("--ray-workers", type=int, help="worker actors (default: cluster CPUs / --ray-cpus)")
+    g.add_argument("--ray-shards", type=int, help="pieces the input is cut into (default 4 per worker)")
+    g.add_argument("--ray-cpus", type=float, default=1.0, help="CPUs per worker (default 1)")
+    g.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per worker (embedded engine on GPU nodes)")
+    g.add_argument("--ray-workdir", help="shard outputs and plan (default <output>.ray; shared by all nodes)")
+    g.add_argument("--ray-keep-workdir", action="store_true", help="keep the shard files after the merge")
+    g.add_argument("--redis", help="redis://HOST:6379/0 shared by all workers: one --rpm/--tpm budget for "
+                                   "the whole job and shared endpoint cooldowns")
+    g.add_argument("--budget-name", help="with --redis: jobs with the same name share one budget "
+                                         "(default: derived from the endpoints and model)")
+    g.add_argument("--rpm-window", type=float, default=60.0,
+                   help="seconds the provider counts --rpm/--tpm over (default 60; 1 if it enforces per second)")
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    from carpool.jobs.runner import RunOptions
+
+    template = None
+    if args.template:
+        template = Template(args.template, system=args.system, id_column=args.id_column, kind=args.kind)
+    endpoints = list(args.endpoint or [])
+    defaults = TaskDefaults(model=args.model if endpoints else None, max_tokens=args.max_tokens,
+                            temperature=args.temperature, idempotent=args.idempotent)
+    engine_config = {}
+    if args.max_num_seqs:
+        engine_config["max_num_seqs"] = args.max_num_seqs
+    output = args.output or (os.path.splitext(args.input)[0] + ".results.jsonl")
+    return RunOptions(
+        input=args.input, output=output, errors=args.errors, fmt=args.format, template=template,
+        defaults=defaults, endpoints=endpoints,
+        api_key=args.api_key or os.environ.get("CARPOOL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        engine_model=(args.model if not endpoints and args.model else "smollm2"), engine_config=engine_config,
+        concurrency=args.concurrency, max_concurrency=args.max_concurrency, rpm=args.rpm, tpm=args.tpm,
+        stream=not args.no_stream,
+        timeouts=Timeouts(args.connect_timeout, args.read_timeout, args.total_timeout),
+        max_attempts=args.max_attempts, ordered=args.ordered, prefix_order=args.prefix_order,
+        prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
+        cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, semantic_audit=args.semantic_audit,
+        dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
+        max_pending=args.max_pending, dry_run=args.dry_run, argv=["run", *_original_argv()], quiet=args.quiet,
+    )
+
+
+def ray_options_from_args(args: argparse.Namespace) -> RayOptions:
+    from carpool.distributed.ray_runner import RayOptions
+
+    return RayOptions(address=args.ray, workers=args.ray_workers, shards=args.ray_shards,
+                      cpus_per_worker=args.ray_cpus, gpus_per_worker=args.ray_gpus, workdir=args.ray_workdir,
+                      redis=args.redis, budget_name=args.budget_name, rpm_window_s=args.rpm_window,
+                      keep_workdir=args.ray_keep_workdir)
+
+
+def _original_argv() -> list[str]:
+    argv = sys.argv[1:]
+    return argv[1:] if argv and argv[0] == "run" else argv
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def write_summary_json(doc: dict, target: str) -> None:
+    """``--summary-json PATH`` (indented) or ``-`` (one line on stdout)."""
+    text = json.dumps(doc, indent=None if target == "-" else 2)
+    if target == "-":
+        print(text)
+    else:
+        with open(target, "w") as f:
+            f.write(text + "\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        return _main_ray(args)
+    from carpool.jobs.runner import OutputError, Runner, run_with_signals
+
+    try:
+        opts = options_from_args(args)
+        runner = Runner(opts)
+        stats = run_with_signals(runner)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"carpool run: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the output cannot be written (disk full, a path under a file, ...)
+        what = str(e) if isinstance(e, OutputError) else f"cannot write the output: {e}"
+        print(f"carpool run: {what}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        render_summary(stats)
+    for msg in runner.messages:
+        print(msg, file=sys.stderr)
+    if args.summary_json:
+        write_summary_json(stats.to_dict(), args.summary_json)
+    if not args.quiet:
+        print(f"results: {opts.output}" + (f", errors: {opts.errors}" if opts.errors else "")
+              + (f", report: {opts.report}" if opts.report else ""), file=sys.stderr)
+    if stats.interrupted:
+        return 130
+    return 0
+
+
+def _main_ray(args: argparse.Namespace) -> int:
+    """``carpool run ... --ray``: the same flags as ``carpool run`` plus the Ray ones."""
+    from carpool.distributed.ray_runner import RayRunError, run_on_ray
+    from carpool.distributed.shards import PlanMismatch
+
+    def shard_done(s: dict) -> None:
+        for msg in s.get("messages", []):
+            if msg.startswith(f"shard {s['shard']}:"):
+                _say(f"carpool run --ray: {msg}")
+        if not args.quiet:
+            st = s["stats"]
+            _say(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
+                 f"({st['done']} written, {st['skipped_done_before']} resumed)")
+
+    try:
+        opts = options_from_args(args)
+        result = run_on_ray(opts, ray_options_from_args(args), on_shard=shard_done)
+    except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
+        print(f"carpool run --ray: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        # Finished shards and the partial shard outputs (their journals) stay in the workdir.
+        print("\ncarpool run --ray: interrupted; finished work is kept. Resume with the same command.",
+              file=sys.stderr)
+        return 130
+    for msg in result.pop("messages", []):
+        print(msg, file=sys.stderr)
+    if args.summary_json:
+        write_summary_json(result, args.summary_json)
+    if not args.quiet:
+        print(f"carpool run --ray: {result['shards_done']}/{result['shards']} shards on {result['workers']} "
+              f"workers, {result['succeeded']:,} succeeded, {sum(result['errors'].values()):,} errors, "
+              f"{result['elapsed_s']:.1f} s" + (f"; results: {opts.output}" if result["complete"] else ""),
+              file=sys.stderr)
+    return 0 if result["complete"] else 1
+
+
+def render_summary(stats: JobStats, console: Console | None = None) -> None:
+    """The summary table (rich) on stderr."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(stderr=True)
+    d = stats.to_dict()
+
+    def f(v: float | None, unit: str = "") -> str:
+        return "-" if v is None else f"{v:,}{unit}" if isinstance(v, int) else f"{v:,.2f}{unit}"
+
+    t = Table(title="carpool run" + (" (interrupted)" if stats.interrupted else ""), show_header=False)
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("backend", d["backend"])
+    total = "?" if d["total"] is None else f"{d['total']:,}"
+    t.add_row("tasks written / total", f"{d['done']:,} / {total}")
+    if d["skipped_done_before"]:
+        t.add_row("already done (resumed)", f(d["skipped_done_before"]))
+    cached = d["succeeded"] - d["ok"]
+    t.add_row("succeeded", f(d["succeeded"]) + (f" ({cached:,} from the cache)" if cached else ""))
+    t.add_row("errors", f(stats.n_errors))
+    for kind, n in sorted(stats.errors.items(), key=lambda kv: -kv[1]):
+        t.add_row(f"  {kind}", f(n))
+    t.add_row("elapsed", f(d["elapsed_s"], " s"))
+    t.add_row("throughput", f"{f(d['requests_per_s'])} req/s, {f(d['tokens_per_s'])} tok/s "
+                            f"({f(d['output_tokens_per_s'])} out tok/s)")
+    t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
+    t.add_row("TTFT P50 / P99", f"{f(d['ttft_ms_p50'])} / {f(d['ttft_ms_p99'])} ms")
+    t.add_row("TPOT P50 / P99", f"{f(d['tpot_ms_p50'])} / {f(d['tpot_ms_p99'])} ms")
+    t.add_row("retries", ", ".join(f"{k} {v}" for k, v in stats.retries.items()) or "0")
+    t.add_row("cache", d["cache"])
+    t.add_row("cache hits / semantic / dedup", f"{d['cache_hits']:,} / {d['semantic_hits']:,} / {d['dedup_fanouts']:,}")
+    if d["saved_tokens"]:
+        t.add_row("saved", f"{d['saved_tokens']:,} tokens, ~{d['saved_time_s']:.1f} s")
+    if stats.semantic_audit is not None:
+        a = stats.semantic_audit
+        t.add_row("semantic audit", f"{a['asked']:,} re-asked, {a['disagreed']:,} disagreed, {a['failed']:,} failed")
+    console.print(t)
