@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Self
 
+from carpool.paths import cache_dir
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     key         TEXT PRIMARY KEY,
@@ -40,7 +42,7 @@ _FLUSH_EVERY = 256  # counted events between writes of the lifetime counters
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("CARPOOL_CACHE_DIR") or Path.home() / ".cache" / "carpool")
+    return cache_dir()
 
 
 def default_cache_path() -> Path:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from carpool.client.retry import ErrorKind
+
 PATHS = {"chat": "/chat/completions", "completion": "/completions", "embedding": "/embeddings"}
 
 
@@ -27,7 +29,7 @@ class CallResult:
     status_code: int = 0
     body: dict | None = None  # the response body in the non-streaming OpenAI shape
     request_id: str = ""
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
     error_message: str = ""
     retry_after: float | None = None
     endpoint_fault: bool = False  # the endpoint looks unwell (for the balancer)
@@ -52,7 +54,7 @@ class Outcome:
     request: Request
     result: CallResult
     attempts: int = 1
-    retried_kinds: list[str] = field(default_factory=list)
+    retried_kinds: list[ErrorKind] = field(default_factory=list)
 
 
 class Backend(Protocol):

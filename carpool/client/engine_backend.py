@@ -12,8 +12,8 @@ import itertools
 import time
 import uuid
 
-from carpool.client import retry as R
 from carpool.client.base import CallResult, Request
+from carpool.client.retry import ErrorKind
 from carpool.engine.protocol import EngineError, GenerateRequest, SamplingParams
 
 
@@ -92,7 +92,7 @@ class EngineBackend:
         try:
             greq = to_generate_request(req, rid)
         except (KeyError, TypeError, ValueError) as e:
-            res.status_code, res.error_kind, res.error_message = 400, R.CLIENT_ERROR, f"bad request: {e}"
+            res.status_code, res.error_kind, res.error_message = 400, ErrorKind.CLIENT_ERROR, f"bad request: {e}"
             return res
         pieces: list[str] = []
         finish = None
@@ -108,12 +108,12 @@ class EngineBackend:
                 if delta.finished:
                     finish, usage = delta.finish_reason, delta.usage
         except EngineError as e:
-            res.status_code, res.error_kind, res.error_message = 400, R.CLIENT_ERROR, str(e)
+            res.status_code, res.error_kind, res.error_message = 400, ErrorKind.CLIENT_ERROR, str(e)
             res.e2e_s = time.monotonic() - t0
             return res
         res.e2e_s = time.monotonic() - t0
         if finish is None or finish == "abort":
-            res.error_kind, res.error_message = R.TRUNCATED, "the engine aborted the request"
+            res.error_kind, res.error_message = ErrorKind.TRUNCATED, "the engine aborted the request"
             return res
         text = "".join(pieces)
         res.prompt_tokens = usage.prompt_tokens if usage else 0
@@ -138,7 +138,7 @@ class EngineBackend:
         res = CallResult(ok=False, request_id=f"emb-{next(self._ids)}", endpoint="engine")
         if self._batcher is None:
             if self._embedder_factory is None:
-                res.status_code, res.error_kind = 400, R.CLIENT_ERROR
+                res.status_code, res.error_kind = 400, ErrorKind.CLIENT_ERROR
                 res.error_message = "embedding tasks need the embedder (carpool.embed.embedder), not available"
                 return res
             self._batcher = self._embedder_factory()
@@ -148,7 +148,7 @@ class EngineBackend:
             vecs = await self._batcher.embed(texts)
         except Exception as e:  # noqa: BLE001  (QueueFullError / QueueTimeoutError, or an embedder failure)
             name = type(e).__name__
-            kind = R.OVERLOADED if "Queue" in name else R.ENGINE_ERROR
+            kind = ErrorKind.OVERLOADED if "Queue" in name else ErrorKind.ENGINE_ERROR
             res.status_code, res.error_kind, res.error_message = 503, kind, f"{name}: {e}"
             res.retry_after = getattr(e, "retry_after_s", None)
             res.e2e_s = time.monotonic() - t0

@@ -11,12 +11,12 @@ import asyncio
 import random
 from collections import Counter
 
-from carpool.client import retry as R
 from carpool.client.base import Backend, CallResult, Outcome, Request
 from carpool.client.budget import Budget, NoBudget
 from carpool.client.limiter import FixedLimiter
+from carpool.client.retry import ErrorKind, RetryPolicy, decide
 
-_DROP_KINDS = (R.RATE_LIMITED, R.OVERLOADED)
+_DROP_KINDS = (ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED)
 
 
 class Stopped(Exception):
@@ -25,16 +25,16 @@ class Stopped(Exception):
 
 class Executor:
     def __init__(self, backend: Backend, limiter: FixedLimiter, budget: Budget | None = None,
-                 policy: R.RetryPolicy | None = None, latency_signal: str = "per_token", seed: int | None = None):
+                 policy: RetryPolicy | None = None, latency_signal: str = "per_token", seed: int | None = None):
         """``latency_signal``: what the adaptive limiter watches: "per_token" (end-to-end
         latency per output token: it includes time queued in the server, which TPOT alone
         would miss), "tpot" or "ttft"."""
         self.backend = backend
         self.limiter = limiter
         self.budget = budget or NoBudget()
-        self.policy = policy or R.RetryPolicy()
+        self.policy = policy or RetryPolicy()
         self.latency_signal = latency_signal
-        self.retries: Counter[str] = Counter()  # error kind -> retries made
+        self.retries: Counter[ErrorKind] = Counter()  # error kind -> retries made
         self.attempts = 0
         self._rng = random.Random(seed)
         self.stopping = False  # set on Ctrl-C: requests not yet sent are not sent
@@ -75,7 +75,7 @@ class Executor:
                 self.limiter.release()
                 raise
             except Exception as e:  # noqa: BLE001  (a bug or an unexpected library error: a value, not a crash)
-                res = CallResult(ok=False, error_kind=R.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
+                res = CallResult(ok=False, error_kind=ErrorKind.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
             dropped = res.error_kind in _DROP_KINDS
             if res.ok and after is not None:
                 try:
@@ -89,13 +89,14 @@ class Executor:
                 if used and req.est_tokens:
                     self.budget.adjust(used - req.est_tokens)
                 return Outcome(req, res, attempt, retried)
-            decision = R.decide(res.error_kind or R.SERVER_ERROR, req.idempotent)
+            kind = res.error_kind or ErrorKind.SERVER_ERROR
+            decision = decide(kind, req.idempotent)
             if not decision.retry or attempt >= self.policy.max_attempts:
                 res.error_kind = decision.kind
-                if decision.kind == R.MAYBE_EXECUTED:
+                if decision.kind == ErrorKind.MAYBE_EXECUTED:
                     res.error_message = ("not retried: a non-idempotent request may already have run "
                                          f"({res.error_message}); rerun it explicitly if wanted")
                 return Outcome(req, res, attempt, retried)
-            self.retries[res.error_kind] += 1
-            retried.append(res.error_kind)
+            self.retries[kind] += 1
+            retried.append(kind)
             await asyncio.sleep(self.policy.backoff(attempt, res.retry_after, self._rng))

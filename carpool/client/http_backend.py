@@ -17,10 +17,10 @@ import time
 
 import aiohttp
 
-from carpool.client import retry as R
 from carpool.client.balancer import Balancer
 from carpool.client.base import CallResult, Request
 from carpool.client.pool import Timeouts, make_session
+from carpool.client.retry import ErrorKind, parse_retry_after
 from carpool.client.sse_reader import EventTooLarge, SSEReader
 from carpool.openai.accumulator import StreamAccumulator
 
@@ -79,7 +79,8 @@ class HttpBackend:
                 await self._call(ep.url, req, res, t0)
         except TimeoutError:
             if res.error_kind is None:
-                res.error_kind, res.error_message = R.TOTAL_TIMEOUT, f"no answer within {self.timeouts.total_s:g}s"
+                res.error_kind = ErrorKind.TOTAL_TIMEOUT
+                res.error_message = f"no answer within {self.timeouts.total_s:g}s"
                 res.endpoint_fault = True
         res.e2e_s = time.monotonic() - t0
         self.balancer.done(ep, res.ok, res.endpoint_fault)
@@ -107,30 +108,31 @@ class HttpBackend:
                     try:
                         res.body = _loads(raw)
                     except ValueError:
-                        res.error_kind, res.error_message = R.BAD_RESPONSE, f"response is not JSON: {raw[:80]!r}"
+                        res.error_kind = ErrorKind.BAD_RESPONSE
+                        res.error_message = f"response is not JSON: {raw[:80]!r}"
                         return
                     if not isinstance(res.body, dict):
-                        res.error_kind, res.error_message = R.BAD_RESPONSE, "response is not a JSON object"
+                        res.error_kind, res.error_message = ErrorKind.BAD_RESPONSE, "response is not a JSON object"
                         return
                     _take_usage(res, res.body.get("usage"))
                     res.ok = True
         except aiohttp.ClientConnectorError as e:  # refused, DNS, unreachable: never sent
-            res.error_kind, res.error_message, res.endpoint_fault = R.CONNECT, str(e), True
+            res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.CONNECT, str(e), True
         except aiohttp.ConnectionTimeoutError as e:
-            res.error_kind, res.error_message, res.endpoint_fault = R.CONNECT, f"connect timeout: {e}", True
+            res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.CONNECT, f"connect timeout: {e}", True
         except aiohttp.SocketTimeoutError:
-            res.error_kind = R.READ_TIMEOUT
+            res.error_kind = ErrorKind.READ_TIMEOUT
             res.error_message = f"no data for {self.timeouts.read_s:g}s"
             res.endpoint_fault = True
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                 ConnectionResetError) as e:
             res.endpoint_fault = True
             if got_headers:
-                res.error_kind, res.error_message = R.TRUNCATED, f"connection dropped mid-response: {e!r}"
+                res.error_kind, res.error_message = ErrorKind.TRUNCATED, f"connection dropped mid-response: {e!r}"
             else:
-                res.error_kind, res.error_message = R.RESET, f"connection dropped before a response: {e!r}"
+                res.error_kind, res.error_message = ErrorKind.RESET, f"connection dropped before a response: {e!r}"
         except aiohttp.ClientError as e:
-            res.error_kind, res.error_message, res.endpoint_fault = R.RESET, repr(e), True
+            res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.RESET, repr(e), True
 
     async def _http_error(self, resp: aiohttp.ClientResponse, res: CallResult) -> None:
         raw = await resp.read()
@@ -142,15 +144,15 @@ class HttpBackend:
         if isinstance(res.body, dict) and isinstance(res.body.get("error"), dict):
             msg = str(res.body["error"].get("message", msg))
         res.error_message = f"HTTP {resp.status}: {msg}"
-        res.retry_after = R.parse_retry_after(resp.headers.get("Retry-After"))
+        res.retry_after = parse_retry_after(resp.headers.get("Retry-After"))
         if resp.status == 429:
-            res.error_kind = R.RATE_LIMITED
+            res.error_kind = ErrorKind.RATE_LIMITED
         elif resp.status == 503:
-            res.error_kind, res.endpoint_fault = R.OVERLOADED, True
+            res.error_kind, res.endpoint_fault = ErrorKind.OVERLOADED, True
         elif resp.status >= 500:
-            res.error_kind, res.endpoint_fault = R.SERVER_ERROR, True
+            res.error_kind, res.endpoint_fault = ErrorKind.SERVER_ERROR, True
         else:
-            res.error_kind = R.CLIENT_ERROR
+            res.error_kind = ErrorKind.CLIENT_ERROR
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, req: Request, res: CallResult, t0: float) -> None:
         acc = StreamAccumulator(chat=req.kind == "chat")
@@ -170,12 +172,12 @@ class HttpBackend:
                     if done or res.error_kind:
                         break
         except EventTooLarge as e:
-            res.error_kind, res.error_message = R.BAD_RESPONSE, str(e)
+            res.error_kind, res.error_message = ErrorKind.BAD_RESPONSE, str(e)
             return
         if res.error_kind:
             return
         if not done:
-            res.error_kind, res.error_message = R.TRUNCATED, "stream ended without [DONE]"
+            res.error_kind, res.error_message = ErrorKind.TRUNCATED, "stream ended without [DONE]"
             res.endpoint_fault = True
             return
         res.body = acc.body()
@@ -195,10 +197,11 @@ class HttpBackend:
         try:
             chunk = _loads(payload)
         except ValueError:
-            res.error_kind, res.error_message = R.BAD_RESPONSE, f"stream chunk is not JSON: {payload[:80]!r}"
+            res.error_kind, res.error_message = ErrorKind.BAD_RESPONSE, f"stream chunk is not JSON: {payload[:80]!r}"
             return False
         if not isinstance(chunk, dict):
-            res.error_kind, res.error_message = R.BAD_RESPONSE, f"stream chunk is not a JSON object: {payload[:80]!r}"
+            res.error_kind = ErrorKind.BAD_RESPONSE
+            res.error_message = f"stream chunk is not a JSON object: {payload[:80]!r}"
             return False
         if "error" in chunk and "choices" not in chunk:
             # An error after the 200 headers (OpenAI, vLLM and carpool serve send it in-band):
@@ -218,13 +221,13 @@ def _in_band_error(res: CallResult, err: object) -> None:
     res.body = {"error": err}
     res.endpoint_fault = True
     if code in (429, "429"):
-        res.error_kind = R.RATE_LIMITED
+        res.error_kind = ErrorKind.RATE_LIMITED
     elif code in (503, "503"):
-        res.error_kind = R.OVERLOADED
+        res.error_kind = ErrorKind.OVERLOADED
     elif isinstance(code, int) and 400 <= code < 500:
-        res.error_kind, res.endpoint_fault = R.CLIENT_ERROR, False
+        res.error_kind, res.endpoint_fault = ErrorKind.CLIENT_ERROR, False
     else:
-        res.error_kind = R.SERVER_ERROR
+        res.error_kind = ErrorKind.SERVER_ERROR
 
 
 def _take_usage(res: CallResult, usage: dict | None) -> None:

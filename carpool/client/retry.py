@@ -16,41 +16,53 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from enum import StrEnum
 
-# Error kinds, as they appear in the output file and the summary.
-CONNECT = "connect_error"  # never reached the server
-RATE_LIMITED = "rate_limited"  # 429
-OVERLOADED = "overloaded"  # 503
-SERVER_ERROR = "server_error"  # other 5xx
-CLIENT_ERROR = "invalid_request"  # 4xx other than 429: our fault, do not retry
-READ_TIMEOUT = "read_timeout"
-TOTAL_TIMEOUT = "total_timeout"
-RESET = "connection_reset"  # the connection dropped after the request was sent
-TRUNCATED = "truncated_stream"
-BAD_RESPONSE = "invalid_response"
-MAYBE_EXECUTED = "maybe_executed"
-INVALID_INPUT = "invalid_input"
-ENGINE_ERROR = "engine_error"
-INTERNAL = "internal_error"  # a bug in carpool while handling the task (the job goes on)
+
+class ErrorKind(StrEnum):
+    """Why a task failed, as written in the output file (``error.code``) and the summary.
+
+    The values are the strings on disk: a StrEnum member is that string to ``json``,
+    ``==``, hashing and f-strings, so changing a value changes every output file.
+    """
+
+    CONNECT = "connect_error"  # never reached the server
+    RATE_LIMITED = "rate_limited"  # 429
+    OVERLOADED = "overloaded"  # 503
+    SERVER_ERROR = "server_error"  # other 5xx
+    CLIENT_ERROR = "invalid_request"  # 4xx other than 429: our fault, do not retry
+    READ_TIMEOUT = "read_timeout"
+    TOTAL_TIMEOUT = "total_timeout"
+    RESET = "connection_reset"  # the connection dropped after the request was sent
+    TRUNCATED = "truncated_stream"
+    BAD_RESPONSE = "invalid_response"
+    MAYBE_EXECUTED = "maybe_executed"
+    INVALID_INPUT = "invalid_input"
+    ENGINE_ERROR = "engine_error"
+    INTERNAL = "internal_error"  # a bug in carpool while handling the task (the job goes on)
+
 
 # Failures where the server may have run the request.
-_MAY_HAVE_RUN = {SERVER_ERROR, READ_TIMEOUT, TOTAL_TIMEOUT, RESET, TRUNCATED, BAD_RESPONSE}
+_MAY_HAVE_RUN = {ErrorKind.SERVER_ERROR, ErrorKind.READ_TIMEOUT, ErrorKind.TOTAL_TIMEOUT, ErrorKind.RESET,
+                 ErrorKind.TRUNCATED, ErrorKind.BAD_RESPONSE}
+# Failures where the server refused the work without doing it: always safe to send again.
+_NOT_RUN = {ErrorKind.CONNECT, ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED}
 
 
 @dataclass
 class Decision:
     retry: bool
-    kind: str  # the error kind to report if we give up now
+    kind: ErrorKind  # the error kind to report if we give up now
 
 
-def decide(kind: str, idempotent: bool) -> Decision:
+def decide(kind: ErrorKind, idempotent: bool) -> Decision:
     """Whether a failure of ``kind`` may be retried for a task of this idempotency."""
-    if kind in (CONNECT, RATE_LIMITED, OVERLOADED):
+    if kind in _NOT_RUN:
         return Decision(True, kind)
     if kind in _MAY_HAVE_RUN:
         if idempotent:
             return Decision(True, kind)
-        return Decision(False, MAYBE_EXECUTED)
+        return Decision(False, ErrorKind.MAYBE_EXECUTED)
     return Decision(False, kind)
 
 

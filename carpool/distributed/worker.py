@@ -272,7 +272,7 @@ def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path
     merged output is the one a single process writes.  (Such a task was sent once in vain.)
     Returns how many lines were rewritten.
     """
-    from carpool.client import retry as R
+    from carpool.client.retry import ErrorKind
     from carpool.jobs.journal import SeenIds
     from carpool.jobs.writer import error_line
 
@@ -301,7 +301,7 @@ def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path
                         bad = BadLine(n, f"{cid}#line-{n}", "custom_id",
                                       f"duplicate custom_id {cid!r}: it was used on an earlier line; "
                                       "custom_ids must be unique in a file")
-                        line = error_line(bad.custom_id, R.INVALID_INPUT, bad.message, n, "custom_id")
+                        line = error_line(bad.custom_id, ErrorKind.INVALID_INPUT, bad.message, n, "custom_id")
                         fixed += 1
                         if p == out and err is not None:
                             moved.append(line)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from carpool.engine.config import ModelConfig
+from carpool.paths import cache_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -91,7 +92,7 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("CARPOOL_CACHE_DIR") or Path.home() / ".cache" / "carpool")
+    return cache_dir()
 
 
 def _source_key(path: Path) -> str:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from carpool.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -217,7 +219,7 @@ _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 def _cache_dir() -> Path:
     key = hashlib.sha256("|".join([_SOURCE, *_CFLAGS, torch.__version__]).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("CARPOOL_CACHE_DIR") or Path.home() / ".cache" / "carpool")
+    root = cache_dir()
     return root / "kernels" / f"paged_attention-{key}"
 
 

@@ -21,12 +21,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from carpool.client import retry as R
 from carpool.client.base import CallResult, Request
 from carpool.client.budget import make_budget
 from carpool.client.executor import Executor, Stopped
 from carpool.client.limiter import FixedLimiter, make_limiter
 from carpool.client.pool import Timeouts
+from carpool.client.retry import ErrorKind, RetryPolicy
 from carpool.jobs.journal import DoneSet, Journal, SeenIds
 from carpool.jobs.progress import Progress
 from carpool.jobs.readers import Reader
@@ -269,7 +269,7 @@ class Runner:
         self.limiter = self._make_limiter()
         budget = o.budget if o.budget is not None else make_budget(o.rpm, o.tpm)
         self.executor = Executor(self.backend, self.limiter, budget,
-                                 R.RetryPolicy(max_attempts=o.max_attempts), latency_signal=o.latency_signal)
+                                 RetryPolicy(max_attempts=o.max_attempts), latency_signal=o.latency_signal)
         self._open_caches()
         progress = Progress(self.stats, o.progress if not o.quiet else False)
         progress.start()
@@ -398,16 +398,16 @@ class Runner:
             s, seq = seq, seq + 1
             if isinstance(item, BadLine):
                 self.stats.bad_lines += 1
-                self.stats.errors[R.INVALID_INPUT] += 1
-                writer.emit(s, error_line(item.custom_id, R.INVALID_INPUT, item.message, item.line_no, item.field),
-                            True, written)
+                self.stats.errors[ErrorKind.INVALID_INPUT] += 1
+                writer.emit(s, error_line(item.custom_id, ErrorKind.INVALID_INPUT, item.message, item.line_no,
+                                          item.field), True, written)
                 continue
             problem = check(item.request) if check is not None else None
             if problem is not None:
                 self.stats.bad_lines += 1
-                self.stats.errors[R.INVALID_INPUT] += 1
+                self.stats.errors[ErrorKind.INVALID_INPUT] += 1
                 msg = f"line {item.line_no}: field '{problem[0]}': {problem[1]}"
-                writer.emit(s, error_line(item.custom_id, R.INVALID_INPUT, msg, item.line_no, problem[0]),
+                writer.emit(s, error_line(item.custom_id, ErrorKind.INVALID_INPUT, msg, item.line_no, problem[0]),
                             True, written)
                 continue
             if o.prefix_order:
@@ -486,9 +486,10 @@ class Runner:
             if once.used:  # its line is written already: the failure came after (a stats update)
                 self.messages.append(f"line {task.line_no}: internal error after writing its result: {e!r}")
                 return
-            self.stats.errors[R.INTERNAL] += 1
+            self.stats.errors[ErrorKind.INTERNAL] += 1
             msg = f"line {task.line_no}: internal error in carpool ({type(e).__name__}: {e}); please report it"
-            once.emit(seq, error_line(task.request.custom_id, R.INTERNAL, msg, task.line_no), True, self._written)
+            line = error_line(task.request.custom_id, ErrorKind.INTERNAL, msg, task.line_no)
+            once.emit(seq, line, True, self._written)
 
     async def _handle_one(self, seq: int, task: Task, writer: _OnceWriter) -> None:
         req = task.request
@@ -617,7 +618,7 @@ class Runner:
             rid = "dedup:" + res.request_id if fanout else res.request_id
             writer.emit(seq, success_line(req.custom_id, res.status_code or 200, rid, res.body), False, self._written)
             return
-        kind = res.error_kind or R.SERVER_ERROR
+        kind = res.error_kind or ErrorKind.SERVER_ERROR
         self.stats.errors[kind] += 1
         msg = f"line {task.line_no}: {res.error_message}" if res.error_message else f"line {task.line_no}: {kind}"
         # An OpenAI-style refusal names the field at fault in error.param: keep it.

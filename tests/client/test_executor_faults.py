@@ -4,26 +4,26 @@ import asyncio
 
 import pytest
 
-from carpool.client import retry as R
 from carpool.client.balancer import Balancer
 from carpool.client.base import Request
 from carpool.client.executor import Executor
 from carpool.client.http_backend import HttpBackend
 from carpool.client.limiter import FixedLimiter
 from carpool.client.pool import Timeouts
+from carpool.client.retry import ErrorKind, RetryPolicy, is_idempotent
 from carpool.testing.fault_server import Fault, FaultConfig
 
 
 def chat(cid: str, temperature: float = 0.0, max_tokens: int = 4) -> Request:
     body = {"messages": [{"role": "user", "content": f"hello {cid}"}], "max_tokens": max_tokens,
             "temperature": temperature}
-    return Request(cid, "chat", body, idempotent=R.is_idempotent(body, "chat"))
+    return Request(cid, "chat", body, idempotent=is_idempotent(body, "chat"))
 
 
 def run(urls, reqs, stream=True, timeouts=None, policy=None, limit=4, balancer=None):
     async def go():
         be = HttpBackend(urls, model="m", stream=stream, timeouts=timeouts, balancer=balancer)
-        ex = Executor(be, FixedLimiter(limit), policy=policy or R.RetryPolicy(base_s=0.01, cap_s=0.05), seed=1)
+        ex = Executor(be, FixedLimiter(limit), policy=policy or RetryPolicy(base_s=0.01, cap_s=0.05), seed=1)
         try:
             return await asyncio.gather(*(ex.execute(r) for r in reqs)), ex
         finally:
@@ -51,7 +51,7 @@ def test_429_with_retry_after_is_retried_and_honoured(fault_server):
     assert out.attempts == 3 and out.retried_kinds == ["rate_limited", "rate_limited"]
     assert ex.retries["rate_limited"] == 2
     # Backoff never waits less than Retry-After.
-    assert R.RetryPolicy().backoff(1, 0.2) >= 0.2
+    assert RetryPolicy().backoff(1, 0.2) >= 0.2
 
 
 def test_503_retried_even_for_sampled_generation(fault_server):
@@ -64,7 +64,7 @@ def test_500_retried_only_when_idempotent(fault_server):
     srv = fault_server(FaultConfig(faults=[Fault("500", times=0, match="sampled")]))
     srv2 = fault_server(FaultConfig(faults=[Fault("500", times=1)]))
     (bad,), _ = run([srv.url], [chat("sampled", temperature=0.8)])
-    assert not bad.result.ok and bad.result.error_kind == R.MAYBE_EXECUTED
+    assert not bad.result.ok and bad.result.error_kind == ErrorKind.MAYBE_EXECUTED
     assert srv.server.seen["sampled"] == 1  # not sent twice
     (good,), _ = run([srv2.url], [chat("greedy", temperature=0.0)])
     assert good.result.ok and good.attempts == 2
@@ -75,7 +75,7 @@ def test_maybe_executed_is_not_resent_for_sampled_tasks(fault_server, kind):
     srv = fault_server(FaultConfig(faults=[Fault(kind, times=1)]))
     (out,), _ = run([srv.url], [chat("s1", temperature=1.0)])
     assert not out.result.ok
-    assert out.result.error_kind == R.MAYBE_EXECUTED
+    assert out.result.error_kind == ErrorKind.MAYBE_EXECUTED
     assert "may already have run" in out.result.error_message
     assert srv.server.seen["s1"] == 1
 
@@ -91,9 +91,9 @@ def test_idempotent_tasks_survive_resets_and_bad_bodies(fault_server, kind):
 def test_an_error_inside_a_200_stream_is_an_error_not_a_short_answer(fault_server):
     srv = fault_server(FaultConfig(completion_tokens=6, faults=[Fault("error_mid_stream", times=0)]))
     (out,), _ = run([srv.url], [chat("e", temperature=0.0, max_tokens=6)],
-                    policy=R.RetryPolicy(max_attempts=2, base_s=0.01, cap_s=0.02))
+                    policy=RetryPolicy(max_attempts=2, base_s=0.01, cap_s=0.02))
     res = out.result
-    assert not res.ok and res.error_kind == R.SERVER_ERROR and out.attempts == 2
+    assert not res.ok and res.error_kind == ErrorKind.SERVER_ERROR and out.attempts == 2
     assert "injected failure mid-stream" in res.error_message
     assert res.body == {"error": {"message": "injected failure mid-stream", "type": "server_error", "code": 500}}
 
@@ -103,7 +103,7 @@ def test_stall_past_read_timeout(fault_server):
     t = Timeouts(connect_s=2, read_s=0.3, total_s=10)
     (greedy, sampled), _ = run([srv.url], [chat("g", 0.0), chat("s", 1.0)], timeouts=t, limit=1)
     # The first request (greedy) hit the stall: timed out and retried; the second went through.
-    assert greedy.result.ok and greedy.retried_kinds == [R.READ_TIMEOUT]
+    assert greedy.result.ok and greedy.retried_kinds == [ErrorKind.READ_TIMEOUT]
     assert sampled.result.ok and sampled.attempts == 1
 
 
@@ -111,14 +111,14 @@ def test_stall_on_sampled_is_reported_not_resent(fault_server):
     srv = fault_server(FaultConfig(faults=[Fault("stall_mid_stream", times=1, stall_s=1.2)]))
     t = Timeouts(connect_s=2, read_s=0.3, total_s=10)
     (out,), _ = run([srv.url], [chat("s", 1.0, max_tokens=6)], timeouts=t)
-    assert out.result.error_kind == R.MAYBE_EXECUTED
+    assert out.result.error_kind == ErrorKind.MAYBE_EXECUTED
     assert srv.server.seen["s"] == 1
 
 
 def test_4xx_is_not_retried(fault_server):
     srv = fault_server(FaultConfig(faults=[Fault("400", times=0)]))
     (out,), _ = run([srv.url], [chat("a")])
-    assert out.result.error_kind == R.CLIENT_ERROR and out.attempts == 1
+    assert out.result.error_kind == ErrorKind.CLIENT_ERROR and out.attempts == 1
     assert out.result.status_code == 400
 
 
@@ -130,9 +130,9 @@ def test_connection_refused_retried_then_reported():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    (out,), ex = run([f"http://127.0.0.1:{port}/v1"], [chat("a", 1.0)], policy=R.RetryPolicy(3, 0.01, 0.02))
-    assert out.result.error_kind == R.CONNECT and out.attempts == 3
-    assert ex.retries[R.CONNECT] == 2
+    (out,), ex = run([f"http://127.0.0.1:{port}/v1"], [chat("a", 1.0)], policy=RetryPolicy(3, 0.01, 0.02))
+    assert out.result.error_kind == ErrorKind.CONNECT and out.attempts == 3
+    assert ex.retries[ErrorKind.CONNECT] == 2
 
 
 def test_balancer_cools_down_dead_endpoint(fault_server):

@@ -3,12 +3,12 @@
 import asyncio
 import random
 
-from carpool.client import retry as R
 from carpool.client.base import Request
 from carpool.client.budget import TokenBuckets
 from carpool.client.executor import Executor
 from carpool.client.http_backend import HttpBackend
 from carpool.client.limiter import AdaptiveLimiter, FixedLimiter, make_limiter
+from carpool.client.retry import Decision, ErrorKind, RetryPolicy, decide, is_idempotent, parse_retry_after
 from carpool.testing.fault_server import FaultConfig
 
 
@@ -82,7 +82,7 @@ def test_adaptive_finds_capacity_with_few_429s(fault_server):
     async def go():
         be = HttpBackend([srv.url], model="m", stream=False)
         lim = AdaptiveLimiter(initial=2, max_limit=64)
-        ex = Executor(be, lim, policy=R.RetryPolicy(base_s=0.01, cap_s=0.05), seed=0)
+        ex = Executor(be, lim, policy=RetryPolicy(base_s=0.01, cap_s=0.05), seed=0)
         reqs = [Request(f"t{i}", "chat", {"messages": [{"role": "user", "content": "x"}], "temperature": 0},
                         idempotent=True) for i in range(600)]
         outs = await asyncio.gather(*(ex.execute(r) for r in reqs))
@@ -123,7 +123,7 @@ def test_tpm_debt_and_adjust():
 
 
 def test_full_jitter_backoff_bounds():
-    pol = R.RetryPolicy(base_s=0.5, cap_s=4.0)
+    pol = RetryPolicy(base_s=0.5, cap_s=4.0)
     rng = random.Random(0)
     waits = [pol.backoff(n, None, rng) for n in range(1, 10) for _ in range(50)]
     assert min(waits) >= 0 and max(waits) <= 4.0
@@ -131,14 +131,14 @@ def test_full_jitter_backoff_bounds():
 
 
 def test_retry_rules():
-    assert R.decide(R.CONNECT, False).retry
-    assert R.decide(R.RATE_LIMITED, False).retry and R.decide(R.OVERLOADED, False).retry
-    assert R.decide(R.SERVER_ERROR, True).retry
-    assert R.decide(R.SERVER_ERROR, False) == R.Decision(False, R.MAYBE_EXECUTED)
-    assert R.decide(R.READ_TIMEOUT, False).kind == R.MAYBE_EXECUTED
-    assert not R.decide(R.CLIENT_ERROR, True).retry
-    assert R.is_idempotent({"temperature": 0}, "chat")
-    assert not R.is_idempotent({}, "chat")  # absent temperature is 1.0
-    assert R.is_idempotent({"input": "x"}, "embedding")
-    assert R.is_idempotent({}, "chat", mode="on") and not R.is_idempotent({"temperature": 0}, "chat", "off")
-    assert R.parse_retry_after("2.5") == 2.5 and R.parse_retry_after("Wed, 21 Oct") is None
+    assert decide(ErrorKind.CONNECT, False).retry
+    assert decide(ErrorKind.RATE_LIMITED, False).retry and decide(ErrorKind.OVERLOADED, False).retry
+    assert decide(ErrorKind.SERVER_ERROR, True).retry
+    assert decide(ErrorKind.SERVER_ERROR, False) == Decision(False, ErrorKind.MAYBE_EXECUTED)
+    assert decide(ErrorKind.READ_TIMEOUT, False).kind == ErrorKind.MAYBE_EXECUTED
+    assert not decide(ErrorKind.CLIENT_ERROR, True).retry
+    assert is_idempotent({"temperature": 0}, "chat")
+    assert not is_idempotent({}, "chat")  # absent temperature is 1.0
+    assert is_idempotent({"input": "x"}, "embedding")
+    assert is_idempotent({}, "chat", mode="on") and not is_idempotent({"temperature": 0}, "chat", "off")
+    assert parse_retry_after("2.5") == 2.5 and parse_retry_after("Wed, 21 Oct") is None
