@@ -87,7 +87,7 @@ def main() -> None:
 
     from carpool.distributed.ray_runner import RayOptions, run_on_ray
     from carpool.jobs.api import run_batch
-    from carpool.jobs.runner import RunOptions
+    from carpool.jobs.options import RunOptions
     from carpool.jobs.tasks import TaskDefaults
     from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 

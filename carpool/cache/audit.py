@@ -17,6 +17,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from carpool.client.base import Request
+
 _SHOWN = 20  # disagreements listed in the report
 
 
@@ -45,7 +47,7 @@ def same_answer(borrowed: dict | None, fresh: dict | None) -> bool:
 @dataclass
 class AuditItem:
     custom_id: str
-    request: object  # the task's Request, sent again as it was
+    request: Request  # the task's request, sent again as it was
     borrowed: dict  # the body the semantic cache served
     similarity: float
     matched_id: int

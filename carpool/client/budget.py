@@ -4,7 +4,7 @@ The interface is deliberately tiny so a shared implementation (a Redis-backed bu
 for several machines, issue 8) can replace the local one:
 
     class Budget(Protocol):
-        async def acquire(self, requests: int = 1, tokens: int = 0) -> None: ...
+        async def acquire(self, requests: int = 1, tokens: int = 0) -> float | None: ...  # may say seconds waited
         def adjust(self, tokens: int) -> None: ...   # correct an estimate afterwards
 
 ``TokenBuckets`` is two token buckets refilled continuously.  A waiter computes how long
@@ -20,7 +20,9 @@ from typing import Protocol
 
 
 class Budget(Protocol):
-    async def acquire(self, requests: int = 1, tokens: int = 0) -> None: ...
+    async def acquire(self, requests: int = 1, tokens: int = 0) -> float | None:
+        """Wait until the budget allows this much; may return the seconds waited."""
+        ...
 
     def adjust(self, tokens: int) -> None: ...
 

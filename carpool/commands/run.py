@@ -9,8 +9,11 @@ itself is ``carpool.jobs.runner`` (one process) or ``carpool.distributed.ray_run
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -23,7 +26,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from carpool.distributed.ray_runner import RayOptions
-    from carpool.jobs.runner import RunOptions
+    from carpool.jobs.options import RunOptions
+    from carpool.jobs.runner import Runner
     from carpool.jobs.summary import JobStats
 
 
@@ -118,7 +122,7 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
-    from carpool.jobs.runner import RunOptions
+    from carpool.jobs.options import RunOptions
 
     template = None
     if args.template:
@@ -177,11 +181,12 @@ def write_summary_json(doc: dict, target: str) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.ray is not None:
         return _main_ray(args)
-    from carpool.jobs.runner import OutputError, Runner, run_with_signals
+    from carpool.jobs.pipeline import OutputError
+    from carpool.jobs.runner import Runner
 
     try:
         opts = options_from_args(args)
-        runner = Runner(opts)
+        runner = Runner(opts, notify=_say)
         stats = run_with_signals(runner)
     except (FileNotFoundError, ValueError) as e:
         print(f"carpool run: {e}", file=sys.stderr)
@@ -202,6 +207,19 @@ def main(args: argparse.Namespace) -> int:
     if stats.interrupted:
         return 130
     return 0
+
+
+def run_with_signals(runner: Runner) -> JobStats:
+    """Run the job on a fresh event loop; Ctrl-C (SIGINT) and SIGTERM stop it gracefully."""
+
+    async def main() -> JobStats:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+                loop.add_signal_handler(sig, runner.request_stop)
+        return await runner.run()
+
+    return asyncio.run(main())
 
 
 def _main_ray(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ class CarpoolMapper:
 
     def __init__(self, template: str | None = None, system: str | None = None, kind: str = "chat",
                  id_column: str | None = None, **options: Any):
-        from carpool.jobs.runner import RunOptions
+        from carpool.jobs.options import RunOptions
         from carpool.jobs.tasks import Template
 
         self.template = Template(template, system=system, id_column=id_column, kind=kind) if template else None
@@ -95,26 +95,32 @@ class CarpoolMapper:
         return rec
 
     def __call__(self, batch: Any) -> dict:
-        from carpool.jobs.runner import Runner
+        from carpool.jobs.parts import build_parts, job_defaults
+        from carpool.jobs.pipeline import Pipeline
+        from carpool.jobs.readers import RecordSource
 
         rows = _rows(batch)
         self.batches += 1
-        src, dst = self.tmp / f"in-{self.batches}.jsonl", self.tmp / f"out-{self.batches}.jsonl"
+        dst = self.tmp / f"out-{self.batches}.jsonl"  # the pipeline's journal: one batch, then deleted
         ids: list[str] = []
         early: dict[int, str] = {}
-        with open(src, "wb") as f:
-            for k, row in enumerate(rows, 1):
-                rec = self._record(row, k)
-                if isinstance(rec, str):
-                    early[k - 1] = _dumps({"code": "invalid_input", "message": rec})
-                    ids.append(f"row-{k}")
-                    f.write(b"\n")  # keeps the line numbers of the rows after it
-                    continue
-                ids.append(rec["custom_id"])
-                f.write((_dumps(rec) + "\n").encode())
-        opts = dataclasses.replace(self.opts, input=str(src), output=str(dst), progress=False, quiet=True,
-                                   fresh=True, ordered=True, engine=self._engine())
-        self.loop.run_until_complete(Runner(opts).run())
+        records: list[tuple[int, dict]] = []
+        for k, row in enumerate(rows, 1):
+            rec = self._record(row, k)
+            if isinstance(rec, str):
+                early[k - 1] = _dumps({"code": "invalid_input", "message": rec})
+                ids.append(f"row-{k}")
+                continue
+            ids.append(rec["custom_id"])
+            records.append((k, rec))
+        opts = dataclasses.replace(self.opts, output=str(dst), progress=False, quiet=True, fresh=True, ordered=True,
+                                   engine=self._engine())
+        source = RecordSource(records, job_defaults(opts))
+
+        async def run() -> None:
+            await Pipeline(build_parts(opts, source=source), opts).run()
+
+        self.loop.run_until_complete(run())
         by_id: dict[str, list[dict]] = {}
         for line in dst.read_text().splitlines():
             doc = json.loads(line)
@@ -130,7 +136,6 @@ class CarpoolMapper:
             body = (doc.get("response") or {}).get("body") if not doc.get("error") else None
             responses.append(_dumps(body) if body is not None else None)
             errors.append(_dumps(doc["error"]) if doc.get("error") else None)
-        src.unlink(missing_ok=True)
         dst.unlink(missing_ok=True)
         Path(f"{dst}.carpool.json").unlink(missing_ok=True)
         out = {c: [r.get(c) for r in rows] for c in (rows[0] if rows else {})}

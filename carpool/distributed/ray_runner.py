@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
 
 if TYPE_CHECKING:
-    from carpool.jobs.runner import RunOptions
+    from carpool.jobs.options import RunOptions
 
 
 @dataclass

@@ -1,13 +1,13 @@
-"""What runs inside one Ray worker: the batch runner's pipeline on one shard of the input.
+"""What runs inside one Ray worker: the batch pipeline on one shard of the input.
 
-``ShardRunner`` is ``carpool.jobs.runner.Runner`` with three changes, none of which
-copies its code:
-- it reads only its shard's lines (``ShardReader``), numbered as in the whole file, so
-  errors say the same line and default custom_ids (``line-<n>``) are the same as in a
-  single-process run;
+``ShardWorker`` composes ``carpool.jobs.pipeline.Pipeline`` from the default parts of
+the job's ``RunOptions`` (``carpool.jobs.parts.build_parts``) with three of its own:
+- the source is its shard's lines only (``ShardReader``), numbered as in the whole file,
+  so errors say the same line and default custom_ids (``line-<n>``) are the same as in
+  a single-process run;
 - its RPM/TPM budget is the Redis one shared by every worker (``RedisBudget``);
 - with several endpoints, its balancer shares cooldowns through Redis (``SharedBalancer``).
-Its output file is the shard's output *and* its journal (the runner's design), so a
+Its output file is the shard's output *and* its journal (the pipeline's design), so a
 shard that was cut short resumes where it stopped, on whichever worker gets it next.
 """
 
@@ -19,15 +19,25 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from carpool.client.retry import ErrorKind
 from carpool.distributed.shards import Shard, iter_shard_lines
-from carpool.jobs.journal import _line_id  # the journal's own cheap custom_id decoder
+from carpool.jobs.journal import SeenIds, line_id
+from carpool.jobs.options import RunOptions
+from carpool.jobs.parts import build_parts, job_defaults
+from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.readers import Reader, parse_jsonl_lines
-from carpool.jobs.runner import Runner, RunOptions
-from carpool.jobs.tasks import BadLine, Task
+from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template
+from carpool.jobs.writer import error_line
+
+if TYPE_CHECKING:
+    from carpool.client.balancer import Balancer
+    from carpool.client.budget import Budget
+    from carpool.engine.protocol import EngineClient
 
 
 @dataclass
@@ -49,8 +59,8 @@ def default_budget_name(opts: RunOptions) -> str:
 class ShardReader(Reader):
     """A ``Reader`` that yields only the lines of one shard (JSONL) or rows (Parquet)."""
 
-    def __init__(self, path: str | os.PathLike, shard: Shard, fmt: str | None = None, template=None,
-                 defaults=None):
+    def __init__(self, path: str | os.PathLike, shard: Shard, fmt: str | None = None,
+                 template: Template | None = None, defaults: TaskDefaults | None = None):
         super().__init__(path, fmt, template, defaults)
         self.shard = shard
         self.yielded = 0  # tasks (and bad lines) handed to the pipeline: each must get a line
@@ -85,64 +95,30 @@ class ShardReader(Reader):
                 yield n, row
 
 
-class ShardRunner(Runner):
-    """``opts.input`` is the shard's small stand-in file (see ``ShardWorker``); the tasks
-    come from ``source`` = (the real input, its format) through ``ShardReader``."""
+async def _shared_parts(opts: RunOptions, shared: SharedState | None
+                        ) -> tuple[Budget | None, Balancer | None, list[Callable[[], Awaitable[None]]]]:
+    """The budget and balancer the workers share through Redis (None: the local ones), and
+    how to close them (the balancer first: it flushes into the cooldown client)."""
+    if shared is None or not shared.redis:
+        return None, None, []
+    budget: Budget | None = None
+    balancer: Balancer | None = None
+    closers: list[Callable[[], Awaitable[None]]] = []
+    if len(opts.endpoints) > 1 and not opts.dry_run:
+        from carpool.distributed.redis_cooldown import RedisCooldown, SharedBalancer
 
-    def __init__(self, opts: RunOptions, shard: Shard, source: tuple[str, str | None],
-                 shared: SharedState | None = None):
-        super().__init__(opts)
-        self.shard = shard
-        self.source = source
-        self.shared = shared
-        self._redis_parts: list = []
+        cooldown = RedisCooldown(shared.redis, name=shared.budget_name)
+        shared_balancer = SharedBalancer(opts.endpoints, cooldown)
+        balancer = shared_balancer
+        closers += [shared_balancer.flush, cooldown.close]
+    if opts.rpm or opts.tpm:
+        from carpool.distributed.redis_budget import RedisBudget
 
-    def make_shard_reader(self) -> ShardReader:
-        o = self.opts
-        return ShardReader(self.source[0], self.shard, self.source[1], o.template, o.defaults)
-
-    async def _make_backend(self):
-        backend = await super()._make_backend()
-        balancer = getattr(backend, "balancer", None)
-        if self.shared and self.shared.redis and balancer is not None and len(self.opts.endpoints) > 1:
-            from carpool.distributed.redis_cooldown import RedisCooldown, SharedBalancer
-
-            cooldown = RedisCooldown(self.shared.redis, name=self.shared.budget_name)
-            backend.balancer = SharedBalancer(self.opts.endpoints, cooldown)
-            self._redis_parts += [backend.balancer, cooldown]
-        return backend
-
-    async def _produce(self, reader, done, writer) -> None:
-        # Called by Runner.run once the executor exists: swap in the shared budget and the
-        # shard's own reader, then run the unchanged pipeline.
-        o = self.opts
-        if self.shared and self.shared.redis and (o.rpm or o.tpm):
-            from carpool.distributed.redis_budget import RedisBudget
-
-            budget = RedisBudget(self.shared.redis, rpm=o.rpm, tpm=o.tpm, name=self.shared.budget_name,
-                                 window_s=self.shared.window_s, burst_s=self.shared.burst_s)
-            self.executor.budget = budget
-            self._redis_parts.append(budget)
-        self.shard_reader = self.make_shard_reader()
-        await super()._produce(self.shard_reader, done, writer)
-
-    @property
-    def unwritten(self) -> int:
-        """Tasks read but without a line in the output (a task that crashed): not finished."""
-        reader = getattr(self, "shard_reader", None)
-        if reader is None:
-            return 0
-        return max(0, reader.yielded - self.stats.done - self.stats.skipped)
-
-    async def _close(self) -> None:
-        try:
-            await super()._close()
-        finally:
-            for part in self._redis_parts:  # balancer first: it flushes into the cooldown client
-                if hasattr(part, "flush"):
-                    await part.flush()
-                if hasattr(part, "close"):
-                    await part.close()
+        redis_budget = RedisBudget(shared.redis, rpm=opts.rpm, tpm=opts.tpm, name=shared.budget_name,
+                                   window_s=shared.window_s, burst_s=shared.burst_s)
+        budget = redis_budget
+        closers.append(redis_budget.close)
+    return budget, balancer, closers
 
 
 def shard_paths(workdir: Path, shard: Shard, with_errors: bool) -> tuple[Path, Path | None, Path]:
@@ -163,7 +139,7 @@ def reorder_by_input(path: Path, reader: Reader) -> None:
     with open(path, "rb") as f:
         offset = 0
         for line in f:
-            cid = _line_id(line)
+            cid = line_id(line)
             index.setdefault(cid or "", []).append((offset, len(line)))
             offset += len(line)
     tmp = path.with_name(path.name + ".ordered")
@@ -184,7 +160,7 @@ def reorder_by_input(path: Path, reader: Reader) -> None:
     os.replace(tmp, path)
 
 
-def start_embedded_engine(opts: RunOptions, loop: asyncio.AbstractEventLoop):
+def start_embedded_engine(opts: RunOptions, loop: asyncio.AbstractEventLoop) -> EngineClient | None:
     """The in-process engine ``opts`` asks for, started on ``loop``; None when the job goes to
     endpoints or is a dry run. Shared by ``ShardWorker`` and ``ray_data.CarpoolMapper``,
     which each keep the one they get for all their shards or batches."""
@@ -209,38 +185,47 @@ class ShardWorker:
         self.shared: SharedState | None = job.get("shared")
         self.workdir = Path(job["workdir"])
         self.loop = asyncio.new_event_loop()
-        self.engine = None
+        self.engine: EngineClient | None = None
 
-    def _engine(self):
+    def _engine(self) -> EngineClient | None:
         if self.engine is None:
             self.engine = start_embedded_engine(self.opts, self.loop)
         return self.engine
+
+    def _reader(self, shard: Shard) -> ShardReader:
+        o = self.opts
+        return ShardReader(o.input, shard, o.fmt, o.template, job_defaults(o))
+
+    async def _run(self, opts: RunOptions, source: ShardReader) -> Pipeline:
+        budget, balancer, closers = await _shared_parts(opts, self.shared)
+        parts = build_parts(opts, source=source, budget=budget, balancer=balancer)
+        parts.closers += closers
+        pipeline = Pipeline(parts, opts)
+        await pipeline.run()
+        return pipeline
 
     def run_shard(self, shard: Shard) -> dict:
         out, err, marker = shard_paths(self.workdir, shard, bool(self.opts.errors))
         if marker.exists():
             return json.loads(marker.read_text())
-        # The runner opens (and counts, for its progress bar) ``opts.input`` itself; a one-line
-        # stand-in describing the shard keeps it from scanning the whole input once per shard.
-        stand_in = self.workdir / f"{shard.name}.input.jsonl"
-        if not stand_in.exists():
-            stand_in.write_text(json.dumps({"input": self.opts.input, **dataclasses.asdict(shard)}) + "\n")
-        opts = dataclasses.replace(self.opts, input=str(stand_in), fmt="jsonl", output=str(out),
-                                   errors=str(err) if err else None, progress=False, quiet=True, report=None,
-                                   fresh=False, engine=self._engine())
-        runner = ShardRunner(opts, shard, (self.opts.input, self.opts.fmt), self.shared)
+        opts = dataclasses.replace(self.opts, output=str(out), errors=str(err) if err else None, progress=False,
+                                   quiet=True, report=None, fresh=False, engine=self._engine())
+        source = self._reader(shard)
         started = time.time()
-        stats = self.loop.run_until_complete(runner.run())
+        pipeline = self.loop.run_until_complete(self._run(opts, source))
+        stats = pipeline.stats
         if opts.ordered and stats.skipped:
             for path in (out, err):
                 if path is not None:
-                    reorder_by_input(path, runner.make_shard_reader())
-        summary = {"shard": shard.index, "stats": stats.to_dict(), "messages": runner.messages,
+                    reorder_by_input(path, self._reader(shard))
+        summary: dict[str, Any] = {"shard": shard.index, "stats": stats.to_dict(), "messages": pipeline.messages,
                    "pid": os.getpid(), "host": os.uname().nodename, "started": started, "finished": time.time()}
-        if runner.unwritten:
-            summary["messages"].append(f"shard {shard.index}: {runner.unwritten} tasks got no output line; "
+        # Tasks read but without a line in the output (a task that crashed): not finished.
+        unwritten = max(0, source.yielded - stats.done - stats.skipped)
+        if unwritten:
+            summary["messages"].append(f"shard {shard.index}: {unwritten} tasks got no output line; "
                                        "the shard is not marked finished (run again to resume)")
-        if not stats.interrupted and not runner.unwritten:
+        if not stats.interrupted and not unwritten:
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps(summary))
             os.replace(tmp, marker)
@@ -257,13 +242,13 @@ class ShardWorker:
 def _ids(path: Path) -> Iterator[str]:
     with open(path, "rb") as f:
         for line in f:
-            cid = _line_id(line)
+            cid = line_id(line)
             if cid is not None:
                 yield cid
 
 
 def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path | None, Path]],
-                               make_reader) -> int:
+                               make_reader: Callable[[Shard], Reader]) -> int:
     """Give a custom_id used in an earlier shard the single-process treatment.
 
     Each shard's runner refuses repeats inside its shard, but cannot see the others'. Here,
@@ -272,10 +257,6 @@ def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path
     merged output is the one a single process writes.  (Such a task was sent once in vain.)
     Returns how many lines were rewritten.
     """
-    from carpool.client.retry import ErrorKind
-    from carpool.jobs.journal import SeenIds
-    from carpool.jobs.writer import error_line
-
     earlier = SeenIds()
     fixed = 0
     for shard, (out, err, _marker) in zip(shards, parts, strict=True):
@@ -294,7 +275,7 @@ def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path
             tmp = p.with_name(p.name + ".dedup")
             with open(p, "rb") as src, open(tmp, "wb") as dst:
                 for line in src:
-                    cid = _line_id(line)
+                    cid = line_id(line)
                     if cid in dups:
                         n = line_of.get(cid, 0)
                         # The same words as the runner's own refusal (carpool/jobs/runner.py).
@@ -308,7 +289,7 @@ def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path
                             continue
                     dst.write(line)
             os.replace(tmp, p)
-        if moved:
+        if moved and err is not None:
             with open(err, "ab") as f:
                 f.writelines(moved)
     return fixed

@@ -1,7 +1,7 @@
 """Python API: ``run_batch("tasks.jsonl", "results.jsonl", endpoints=[...])``.
 
 The same pipeline as ``carpool run``; keyword arguments are the fields of
-``carpool.jobs.runner.RunOptions`` (``concurrency``, ``cache``, ``ordered``, ``engine``...).
+``carpool.jobs.options.RunOptions`` (``concurrency``, ``cache``, ``ordered``, ``engine``...).
 Returns the job summary as a dict (``JobStats.to_dict()``).
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from carpool.jobs.runner import Runner, RunOptions
+from carpool.jobs.options import RunOptions
+from carpool.jobs.runner import Runner
 from carpool.jobs.tasks import TaskDefaults
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from carpool.jobs.writer import Appender, ResultWriter
+
 _DECODER = json.JSONDecoder()
 _HEAD = '{"custom_id":'
 
@@ -77,7 +79,8 @@ class SeenIds:
         return True
 
 
-def _line_id(line: bytes) -> str | None:
+def line_id(line: bytes) -> str | None:
+    """The custom_id of one output line (cheap: only that string is decoded when it comes first)."""
     text = line.decode("utf-8", "replace")
     if text.startswith(_HEAD):
         try:
@@ -103,7 +106,7 @@ def recover_file(path: Path) -> tuple[list[int], int]:
             if not line.endswith(b"\n"):
                 break
             good_end += len(line)
-            cid = _line_id(line)
+            cid = line_id(line)
             if cid is not None:
                 hashes.append(id_hash(cid))
     size = path.stat().st_size
@@ -120,6 +123,29 @@ class Journal:
         self.state_path = Path(str(output) + ".carpool.json")
         self.done = DoneSet()
         self.cut_bytes = 0
+
+    def open(self, input_path: str | None, *, fresh: bool, argv: list[str] | None) -> tuple[DoneSet, list[str]]:
+        """Start a run into this journal: ``fresh`` deletes it, else the done set is recovered
+        (a half-written last line cut).  Returns the done set and what the user should know.
+        The state file records the input and the command (a resume of another input warns)."""
+        notes: list[str] = []
+        done = DoneSet()
+        if fresh:
+            self.reset()
+        elif self.exists():
+            warning = self.check_state(input_path)
+            if warning:
+                notes.append("warning: " + warning)
+            done = self.recover()
+            if self.cut_bytes:
+                notes.append(f"cut a half-written last line ({self.cut_bytes} bytes) from the output")
+        self.write_state(input_path, finished=False, argv=argv)
+        return done, notes
+
+    def open_writer(self, ordered: bool) -> ResultWriter:
+        """The appending writer of this journal's files (results, and errors if separate)."""
+        errors = Appender(self.paths[1]) if len(self.paths) > 1 else None
+        return ResultWriter(Appender(self.paths[0]), errors, ordered=ordered)
 
     def exists(self) -> bool:
         return any(p.exists() and p.stat().st_size > 0 for p in self.paths)
@@ -139,8 +165,10 @@ class Journal:
             if p.exists():
                 p.unlink()
 
-    def check_state(self, input_path: str) -> str | None:
+    def check_state(self, input_path: str | None) -> str | None:
         """A warning when the previous run used another input file, else None."""
+        if input_path is None:
+            return None
         try:
             old = json.loads(self.state_path.read_text())
         except (OSError, ValueError):
@@ -152,10 +180,11 @@ class Journal:
                     "use --fresh to start over")
         return None
 
-    def write_state(self, input_path: str, finished: bool, argv: list[str] | None = None) -> None:
-        st = os.stat(input_path)
-        doc = {"input": os.path.abspath(input_path), "input_size": st.st_size, "finished": finished,
-               "argv": argv if argv is not None else sys.argv}
+    def write_state(self, input_path: str | None, finished: bool, argv: list[str] | None = None) -> None:
+        """``input_path`` None: the tasks did not come from a file (records in memory)."""
+        doc = {"input": os.path.abspath(input_path) if input_path is not None else None,
+               "input_size": os.stat(input_path).st_size if input_path is not None else None,
+               "finished": finished, "argv": argv if argv is not None else sys.argv}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.state_path)

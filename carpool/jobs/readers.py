@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from carpool.jobs.tasks import (
     BadLine,
@@ -19,11 +20,23 @@ from carpool.jobs.tasks import (
     TaskDefaults,
     Template,
     build_from_row,
+    build_record,
     build_task,
     parse_json_line,
 )
 
 FORMATS = ("jsonl", "batch", "csv", "parquet")
+
+
+class TaskSource(Protocol):
+    """Where a job's tasks come from: ``Reader`` (a file), ``ShardReader`` (one shard of it),
+    and any other iterable of tasks (a list of dicts, a DataFrame) that can say its size."""
+
+    def __iter__(self) -> Iterator[Task | BadLine]: ...
+
+    def count(self) -> int | None:
+        """How many records, for the progress bar (None: unknown); called off the event loop."""
+        ...
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -47,6 +60,22 @@ def parse_jsonl_lines(lines: Iterable[tuple[int, bytes]], defaults: TaskDefaults
         item = parse_json_line(text, line_no, defaults)
         if item is not None:
             yield item
+
+
+class RecordSource:
+    """Tasks from records already in memory: (line number, task record) pairs, validated
+    as the lines of a file are (``carpool.distributed.ray_data`` feeds a Ray batch so)."""
+
+    def __init__(self, records: Sequence[tuple[int, dict]], defaults: TaskDefaults | None = None):
+        self.records = records
+        self.defaults = defaults or TaskDefaults()
+
+    def __iter__(self) -> Iterator[Task | BadLine]:
+        for line_no, rec in self.records:
+            yield build_record(rec, line_no, self.defaults)
+
+    def count(self) -> int | None:
+        return len(self.records)
 
 
 class Reader:

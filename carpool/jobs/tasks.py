@@ -194,12 +194,19 @@ def parse_json_line(text: str | bytes, line_no: int, defaults: TaskDefaults) -> 
     except RecursionError:  # json's decoder recurses per nesting level
         return _bad(line_no, None, "", "not valid JSON: nested too deeply")
     if _SURROGATE_ESCAPE.search(text) is not None:
-        bad = _lone_surrogate_field(obj)
-        if bad is not None:
-            cid = obj.get("custom_id") if bad != "custom_id" else None
-            return _bad(line_no, cid if isinstance(cid, str) and cid else None, bad,
-                        "contains a lone surrogate escape (\\ud800-\\udfff without its pair): not Unicode "
-                        "text, it cannot be sent or written; fix the producer of this file")
+        return build_record(obj, line_no, defaults)
+    return build_task(obj, line_no, defaults)
+
+
+def build_record(obj: object, line_no: int, defaults: TaskDefaults) -> Task | BadLine:
+    """A record that did not come from JSON text (a row in memory): checked for text that
+    cannot be sent or written (a lone surrogate), then validated as a line is."""
+    bad = _lone_surrogate_field(obj)
+    if bad is not None:
+        cid = obj.get("custom_id") if isinstance(obj, dict) and bad != "custom_id" else None
+        return _bad(line_no, cid if isinstance(cid, str) and cid else None, bad,
+                    "contains a lone surrogate escape (\\ud800-\\udfff without its pair): not Unicode "
+                    "text, it cannot be sent or written; fix the producer of this file")
     return build_task(obj, line_no, defaults)
 
 

@@ -32,7 +32,8 @@ def _rid() -> str:
     return "batch_req_" + os.urandom(12).hex()
 
 
-def success_line(custom_id: str, status: int, request_id: str, body: dict, semantic: dict | None = None) -> bytes:
+def success_line(custom_id: str, status: int, request_id: str, body: dict | None,
+                 semantic: dict | None = None) -> bytes:
     """``semantic``: for an answer the semantic cache served, {"similarity", "matched_id"}."""
     doc = {"custom_id": custom_id, "id": _rid(),
            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}

@@ -16,7 +16,7 @@ from carpool.distributed.ray_runner import (
 )
 from carpool.distributed.worker import ShardReader
 from carpool.jobs.api import run_batch
-from carpool.jobs.runner import RunOptions
+from carpool.jobs.options import RunOptions
 from carpool.jobs.tasks import Template
 
 

@@ -11,7 +11,7 @@ import pytest
 from carpool.commands import run as run_command
 from carpool.distributed.ray_runner import RayOptions, run_batch_on_ray, run_on_ray
 from carpool.jobs.api import run_batch
-from carpool.jobs.runner import RunOptions
+from carpool.jobs.options import RunOptions
 from carpool.jobs.tasks import TaskDefaults
 from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 
@@ -125,7 +125,7 @@ def test_each_worker_runs_an_engine_of_its_own(ray_cluster, tmp_path):
 _DRIVER = r"""
 import sys
 from carpool.distributed.ray_runner import RayOptions, run_on_ray
-from carpool.jobs.runner import RunOptions
+from carpool.jobs.options import RunOptions
 from carpool.jobs.tasks import TaskDefaults
 address, tasks, out, url = sys.argv[1:5]
 run_on_ray(RunOptions(input=tasks, output=out, endpoints=[url], cache="off", ordered=True, concurrency=2,

@@ -251,9 +251,9 @@ def test_a_crash_inside_one_task_is_an_error_line_and_the_job_goes_on(fault_serv
     # A bug while handling a task (here: bookkeeping after the response) must neither hang
     # the job (its slot is released) nor lose the task (it gets an error line naming its
     # input line).  With 2 slots, three unreleased failures would stall the job for good.
-    from carpool.jobs import runner as runner_mod
+    from carpool.jobs.pipeline import Pipeline
 
-    real = runner_mod.Runner._account
+    real = Pipeline._account
     calls = {"n": 0}
 
     def flaky_account(self, res):
@@ -262,7 +262,7 @@ def test_a_crash_inside_one_task_is_an_error_line_and_the_job_goes_on(fault_serv
             raise RuntimeError("bookkeeping bug")
         return real(self, res)
 
-    monkeypatch.setattr(runner_mod.Runner, "_account", flaky_account)
+    monkeypatch.setattr(Pipeline, "_account", flaky_account)
     srv = fault_server(FaultConfig())
     src = tmp_path / "in.jsonl"
     write_tasks(src, 12)

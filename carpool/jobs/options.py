@@ -1,0 +1,65 @@
+"""``RunOptions``: everything a batch job can be told, typed, in one place.
+
+``carpool run`` fills it from its flags (``carpool.commands.run``), the Python API from
+keyword arguments (``carpool.jobs.api``), the Ray driver copies it per shard.  The
+default parts of a job are built from it by ``carpool.jobs.parts.build_parts``; the
+pipeline reads only its flow settings (order, windows, bounds, attempts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from carpool.client.pool import Timeouts
+from carpool.jobs.tasks import TaskDefaults, Template
+
+if TYPE_CHECKING:
+    from carpool.client.budget import Budget
+    from carpool.engine.protocol import EngineClient
+
+# Builds the embedding batcher on the first embedding task (loading MiniLM costs seconds);
+# what it returns is the in-process backend's business (``carpool.client.engine_backend``).
+EmbedderFactory = Callable[[], Any]
+
+
+@dataclass
+class RunOptions:
+    input: str
+    output: str
+    errors: str | None = None
+    fmt: str | None = None
+    template: Template | None = None
+    defaults: TaskDefaults = field(default_factory=TaskDefaults)
+    endpoints: list[str] = field(default_factory=list)  # empty: the embedded engine
+    api_key: str | None = None
+    engine_model: str = "smollm2"
+    engine_config: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
+    engine: EngineClient | None = None  # an engine already running (API / tests); not shut down here
+    embedder_factory: EmbedderFactory | None = None
+    concurrency: int | None = None
+    max_concurrency: int | None = None
+    rpm: float | None = None
+    tpm: float | None = None
+    budget: Budget | None = None  # e.g. the shared Redis one; None: local buckets from rpm/tpm
+    stream: bool = True
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_attempts: int = 6
+    ordered: bool = False
+    prefix_order: bool = False
+    prefix_window: int = 1024
+    cache: str | None = None  # None: the default SQLite file; "off"; sqlite:///...; redis://...
+    cache_ttl: float | None = None
+    cache_sampled: bool = False
+    semantic_cache: float | None = None  # cosine threshold, opt-in
+    semantic_audit: int = 0  # re-ask this many random semantic hits after the job (carpool/cache/audit.py)
+    dedup: bool = True
+    fresh: bool = False
+    progress: bool | None = None  # None: when stderr is a terminal
+    report: str | None = None
+    max_pending: int = 2048
+    dry_run: bool = False  # answer every task locally without a backend (memory / overhead runs)
+    latency_signal: str = "per_token"
+    argv: list[str] | None = None
+    quiet: bool = False

@@ -1,0 +1,146 @@
+"""The parts a job is made of, and the default ones ``RunOptions`` asks for.
+
+``JobParts`` is what ``carpool.jobs.pipeline.Pipeline`` runs: where the tasks come from
+(``source``), where their lines go (``journal``), what answers them (``backend``, with
+an optional admission ``check``), how many may be in flight (``limiter``), the RPM/TPM
+``budget`` and the result ``caches``.  ``build_parts(opts)`` makes the single-process
+ones; a caller that needs another part passes it in (the Ray worker: its shard's reader,
+the shared Redis budget, a balancer with shared cooldowns) and keeps the rest.
+
+Seams for what comes next: another kind of endpoint (an endpoints file, other auth
+headers) is ``make_backend``; another kind of input (a list of dicts, a DataFrame) is a
+``TaskSource``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from carpool.client import limiter
+from carpool.client.base import Backend, CallResult, Request
+from carpool.client.budget import Budget, make_budget
+from carpool.client.limiter import FixedLimiter
+from carpool.jobs.caching import TaskCache, open_task_cache
+from carpool.jobs.journal import Journal
+from carpool.jobs.options import RunOptions
+from carpool.jobs.readers import Reader, TaskSource
+from carpool.jobs.tasks import TaskDefaults
+
+if TYPE_CHECKING:
+    from carpool.client.balancer import Balancer
+
+# An admission check: (field, reason) for a request the backend would refuse, else None.
+Check = Callable[[Request], "tuple[str, str] | None"]
+
+
+class DryBackend:
+    """Answers at once with a fixed tiny body: the pipeline without any model or network."""
+
+    name = "dry-run"
+
+    async def call(self, req: Request) -> CallResult:
+        body = {"id": "dry", "object": "chat.completion", "model": "dry-run",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+        return CallResult(ok=True, status_code=200, body=body, request_id="dry", ttft_s=0.0)
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class JobParts:
+    source: TaskSource
+    journal: Journal
+    backend: Backend
+    limiter: FixedLimiter
+    budget: Budget
+    caches: TaskCache
+    check: Check | None = None
+    label: str = ""  # the backend as the summary names it
+    # Closed in order after the backend (the engine this job started, shared Redis state).
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # said to the user after the run
+
+
+def job_defaults(opts: RunOptions) -> TaskDefaults:
+    """The task defaults of ``opts``; a task sent to an endpoint must name its model."""
+    if opts.endpoints and not opts.dry_run and not opts.defaults.require_model:
+        return dataclasses.replace(opts.defaults, require_model=True)
+    return opts.defaults
+
+
+def job_limiter(opts: RunOptions) -> FixedLimiter:
+    if opts.dry_run and not opts.concurrency:
+        return FixedLimiter(256)
+    if not opts.endpoints and not opts.concurrency:
+        # In-process the engine's own scheduler batches: keep it fed (two per batch slot),
+        # nothing to learn from 429s that cannot happen.
+        seqs = int(opts.engine_config.get("max_num_seqs", 64))
+        n = 2 * seqs if not opts.max_concurrency else min(2 * seqs, opts.max_concurrency)
+        return FixedLimiter(n)
+    return limiter.make_limiter(opts.concurrency, opts.max_concurrency)
+
+
+@dataclass
+class _Target:
+    backend: Backend
+    label: str
+    model: str  # the model of tasks that name none (cache keys)
+    check: Check | None = None
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
+    """HTTP to ``opts.endpoints`` (through ``balancer`` when given), else the in-process
+    engine (``opts.engine``, or one started here and shut down with the job), or the dry run."""
+    if opts.dry_run:
+        return _Target(DryBackend(), "dry-run", opts.engine_model)
+    if opts.endpoints:
+        from carpool.client.http_backend import HttpBackend
+
+        http = HttpBackend(opts.endpoints, model=opts.defaults.model, api_key=opts.api_key, stream=opts.stream,
+                           timeouts=opts.timeouts, max_connections=opts.max_concurrency or 0, balancer=balancer)
+        return _Target(http, f"http {', '.join(opts.endpoints)}", opts.engine_model)
+    from carpool.client.engine_backend import EngineBackend, default_embedder_factory
+
+    closers: list[Callable[[], Awaitable[None]]] = []
+    engine = opts.engine
+    if engine is None:
+        from carpool.engine import AsyncEngine, EngineConfig
+
+        # Built on first use (the first generation task): a job of embeddings only never
+        # loads the generation model.
+        owned = AsyncEngine(EngineConfig(model=opts.engine_model, **opts.engine_config))
+        closers.append(owned.shutdown)
+        engine = owned
+    backend = EngineBackend(engine, opts.embedder_factory or default_embedder_factory)
+    model = str(backend.model_name)
+    return _Target(backend, f"engine {model}", model, backend.check, closers)
+
+
+def endpoint_identity(opts: RunOptions) -> str:
+    """What the cache keys name as the endpoint."""
+    if opts.endpoints:
+        return ",".join(sorted(opts.endpoints))
+    return "carpool-engine" if not opts.dry_run else "dry-run"
+
+
+def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: Budget | None = None,
+                balancer: Balancer | None = None) -> JobParts:
+    """The parts ``opts`` asks for; ``source``, ``budget`` and ``balancer`` replace the default
+    ones (the input file's reader, ``opts.budget`` or local RPM/TPM buckets, the local balancer)."""
+    messages: list[str] = []
+    if source is None:
+        source = Reader(opts.input, opts.fmt, opts.template, job_defaults(opts))
+    journal = Journal(opts.output, opts.errors)
+    target = make_backend(opts, balancer)
+    if budget is None:
+        budget = opts.budget if opts.budget is not None else make_budget(opts.rpm, opts.tpm)
+    caches = open_task_cache(opts, target.model, endpoint_identity(opts), messages)
+    return JobParts(source=source, journal=journal, backend=target.backend, limiter=job_limiter(opts),
+                    budget=budget, caches=caches, check=target.check, label=target.label,
+                    closers=target.closers, messages=messages)

@@ -1,0 +1,420 @@
+"""The batch pipeline: source -> journal (skip done) -> admission -> cache / dedup ->
+limiter -> backend (HTTP or the in-process engine) -> cache store -> writer (the journal).
+
+``Pipeline`` runs the ``JobParts`` it is given (``carpool.jobs.parts``) and builds none
+of them, so a caller composes the job it needs: ``carpool.jobs.runner.Runner`` the
+default parts of ``RunOptions``, the Ray worker its shard's reader and shared budget.
+
+Memory stays bounded whatever the file size: the source is a generator, and a task takes
+one of ``max_pending`` slots from the moment it is read until its line is in the output
+file, so at most that many tasks (and, with ``--ordered``, held-back lines) exist at once.
+Concurrency towards the backend is the limiter's business, below that bound.
+
+One task's way (``_run_task``): an exact cache hit is written at once; a duplicate of a
+task in flight waits for that task's answer (``carpool.jobs.dedup``); otherwise it is
+sent through the executor (budget, slot, retries), where the semantic cache may still
+answer it once it holds its slot; its answer is stored and written.  Whatever happens,
+each task read gets exactly one line, or none when the job stops before sending it (it
+is then done on resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+import time
+from collections.abc import Callable
+
+from carpool.cache.audit import AuditItem, SemanticAudit
+from carpool.client.base import CallResult, Request
+from carpool.client.executor import Executor, Stopped
+from carpool.client.retry import ErrorKind, RetryPolicy
+from carpool.jobs.caching import EXACT_HIT_ID
+from carpool.jobs.dedup import Dedup, Lead
+from carpool.jobs.journal import DoneSet, SeenIds
+from carpool.jobs.options import RunOptions
+from carpool.jobs.parts import JobParts
+from carpool.jobs.progress import Progress
+from carpool.jobs.summary import JobStats
+from carpool.jobs.tasks import BadLine, Task, prefix_key
+from carpool.jobs.writer import ResultWriter, error_line, success_line
+
+
+class OutputError(OSError):
+    """The output could not be written; the message says which file, why, and how to resume."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+class _TaskWriter:
+    """One task's view of the writer: its first line goes through and frees the task's slot,
+    any later one is dropped, so the catch-all in ``Pipeline._handle`` can never write a
+    task twice (or free its slot twice)."""
+
+    __slots__ = ("done", "seq", "used", "writer")
+
+    def __init__(self, writer: ResultWriter, seq: int, done: Callable[[], None]):
+        self.writer, self.seq, self.done = writer, seq, done
+        self.used = False
+
+    def emit(self, line: bytes, is_error: bool = False) -> None:
+        if not self.used:
+            self.used = True
+            self.writer.emit(self.seq, line, is_error, self.done)
+
+
+def _usage_tokens(body: dict | None) -> int:
+    u = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(u, dict):
+        return 0
+    return int(u.get("total_tokens") or (u.get("prompt_tokens") or 0) + (u.get("completion_tokens") or 0))
+
+
+class Pipeline:
+    def __init__(self, parts: JobParts, opts: RunOptions, notify: Callable[[str], None] | None = None):
+        """``opts``: the flow settings (order, prefix windows, ``max_pending``, attempts,
+        dedup) and the journal's state (input path, ``fresh``, ``argv``); ``notify``: told
+        at once what the user should see while the job runs (a stop in progress)."""
+        self.parts = parts
+        self.opts = opts
+        self.notify = notify
+        self.stats = JobStats()
+        self.messages = parts.messages  # what the user should read after the run (warnings, resume)
+        self.executor = Executor(parts.backend, parts.limiter, parts.budget,
+                                 RetryPolicy(max_attempts=opts.max_attempts), latency_signal=opts.latency_signal)
+        self.dedup = Dedup() if opts.dedup else None
+        self._slots = asyncio.Semaphore(opts.max_pending)
+        self._pending: set[asyncio.Task] = set()
+        self._stop = False
+        self._write_failed = False
+        self._seen = SeenIds()
+        self._seq = 0
+        self._input = opts.input or None  # the state file's input ("": records in memory)
+
+    # -- control --------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """First Ctrl-C: stop reading, let in-flight requests finish.  Second: stop now."""
+        self.stats.interrupted = True
+        if not self._stop:
+            self._stop = True
+            self.executor.stopping = True
+            if self.notify is not None:
+                self.notify(f"\ncarpool run: stopping; finishing {self.parts.limiter.in_flight} requests in flight "
+                            "(Ctrl-C again to stop at once)")
+            return
+        self._cancel_all()
+
+    def _stop_on_write_error(self) -> None:
+        """The output cannot be written (disk full, I/O error): stop at once.  Nothing more can
+        be journaled, so requests in flight are abandoned; they run again on resume."""
+        self._write_failed = True
+        self.stats.interrupted = True
+        self._stop = True
+        self.executor.stopping = True
+        self._cancel_all()
+
+    def _cancel_all(self) -> None:
+        for t in list(self._pending):
+            t.cancel()
+        self._slots.release()  # the reader may wait for a slot no cancelled task will free
+
+    def resume_command(self) -> str:
+        argv = self.opts.argv if self.opts.argv is not None else sys.argv[1:]
+        return "carpool " + shlex.join(a for a in argv if a != "--fresh")
+
+    # -- the run --------------------------------------------------------------------------
+    async def run(self) -> JobStats:
+        o, parts = self.opts, self.parts
+        try:
+            done, notes = parts.journal.open(self._input, fresh=o.fresh, argv=o.argv)
+            self.messages.extend(notes)
+            writer = parts.journal.open_writer(o.ordered)
+        except BaseException:
+            await self._close()
+            raise
+        st = self.stats
+        st.backend, st.cache_backend = parts.label, parts.caches.label
+        progress = Progress(st, o.progress if not o.quiet else False)
+        progress.start()
+        counter = asyncio.get_running_loop().run_in_executor(None, parts.source.count)
+        counter.add_done_callback(lambda f: setattr(st, "total", f.result()) if not f.exception() else None)
+        ticker = asyncio.create_task(self._tick(writer, progress))
+        st.started = time.monotonic()
+        try:
+            await self._produce(done, writer)
+            while self._pending:
+                await asyncio.gather(*list(self._pending), return_exceptions=True)
+            if parts.caches.audit is not None and not self._stop:
+                await self._run_audit(parts.caches.audit)
+        finally:
+            ticker.cancel()
+            for t in list(self._pending):
+                t.cancel()
+            writer.close()
+            st.finished = time.monotonic()
+            st.retries.update(self.executor.retries)
+            st.sample(parts.limiter.snapshot())
+            progress.stop()
+            await self._close()
+            if writer.error is not None:
+                st.interrupted = True
+                st.done -= writer.dropped
+            parts.journal.write_state(self._input, finished=not st.interrupted, argv=o.argv)
+        if writer.error is not None:
+            e = writer.error
+            raise OutputError(e.errno, f"cannot write {writer.error_path}: {e.strerror or e}. The complete "
+                              "lines already in it are kept; fix it (free space, another -o) and resume "
+                              f"with:\n  {self.resume_command()}")
+        if st.interrupted:
+            self.messages.append(f"interrupted: {st.done + st.skipped:,} tasks are in {o.output}. "
+                                 f"Resume with:\n  {self.resume_command()}")
+        return st
+
+    async def _run_audit(self, audit: SemanticAudit) -> None:
+        """Re-ask the sampled semantic hits, bypassing both caches; the output file is not changed."""
+
+        async def ask(item: AuditItem) -> None:
+            try:
+                res = (await self.executor.execute(item.request)).result
+            except Stopped:
+                return
+            audit.record(item, res.body if res.ok else None,
+                         None if res.ok else (res.error_message or f"status {res.status_code}"))
+
+        await asyncio.gather(*(ask(item) for item in audit.sample))
+        self.stats.semantic_audit = audit.report()
+        self.messages.append(f"semantic audit: re-asked {audit.asked} of {audit.seen} semantic hits: "
+                             f"{audit.disagreed} disagreed, {audit.failed} failed")
+
+    async def _close(self) -> None:
+        try:
+            await self.parts.backend.close()
+        finally:
+            try:
+                for close in self.parts.closers:
+                    await close()
+            finally:
+                self.parts.caches.close()
+
+    async def _tick(self, writer: ResultWriter, progress: Progress) -> None:
+        last_sample = 0.0
+        while True:
+            await asyncio.sleep(0.25)
+            writer.tick()
+            if writer.error is not None and not self._write_failed:
+                self._stop_on_write_error()
+            lim = self.parts.limiter.snapshot()
+            progress.update(f" conc {lim['in_flight']}/{lim['limit']:g}" if self.opts.endpoints else "")
+            now = time.monotonic()
+            if now - last_sample >= 1.0:
+                last_sample = now
+                self.stats.sample(lim)
+
+    # -- reading and admission ------------------------------------------------------------
+    async def _produce(self, done: DoneSet, writer: ResultWriter) -> None:
+        o = self.opts
+        window: list[tuple[_TaskWriter, Task]] = []
+        n = 0
+        for item in self.parts.source:
+            if self._stop:
+                break
+            n += 1
+            if n % 64 == 0:
+                await asyncio.sleep(0)  # let responses in while a fast reader runs ahead
+            item = self._refuse_repeat(item)
+            if len(done) and item.custom_id in done:
+                self.stats.skipped += 1
+                continue
+            await self._slots.acquire()
+            if self._stop:
+                break
+            out = _TaskWriter(writer, self._seq, self._written)
+            self._seq += 1
+            task = self._admit(item, out)
+            if task is None:
+                continue
+            if o.prefix_order:
+                window.append((out, task))
+                if len(window) >= o.prefix_window:
+                    self._dispatch_window(window)
+                    window = []
+                continue
+            self._dispatch(out, task)
+        if window:
+            self._dispatch_window(window)
+
+    def _refuse_repeat(self, item: Task | BadLine) -> Task | BadLine:
+        """A custom_id seen on an earlier line becomes an error under an id of its own.
+
+        The custom_id is the journal's key, so a repeat could not be resumed safely; it is
+        refused (as OpenAI's Batch API refuses it) as ``<id>#line-<n>``, so a resumed run
+        finds that error line done too."""
+        cid = item.custom_id
+        if self._seen.add(cid):
+            return item
+        return BadLine(item.line_no, f"{cid}#line-{item.line_no}", "custom_id",
+                       f"duplicate custom_id {cid!r}: it was used on an earlier line; "
+                       "custom_ids must be unique in a file")
+
+    def _admit(self, item: Task | BadLine, out: _TaskWriter) -> Task | None:
+        """The task, or None when its line is written already: a bad line, or a request the
+        backend's check refuses (a prompt past the engine's context)."""
+        if isinstance(item, BadLine):
+            self._invalid(out, item.custom_id, item.message, item.line_no, item.field)
+            return None
+        problem = self.parts.check(item.request) if self.parts.check is not None else None
+        if problem is not None:
+            msg = f"line {item.line_no}: field '{problem[0]}': {problem[1]}"
+            self._invalid(out, item.custom_id, msg, item.line_no, problem[0])
+            return None
+        return item
+
+    def _invalid(self, out: _TaskWriter, custom_id: str, msg: str, line_no: int, field: str) -> None:
+        self.stats.bad_lines += 1
+        self.stats.errors[ErrorKind.INVALID_INPUT] += 1
+        out.emit(error_line(custom_id, ErrorKind.INVALID_INPUT, msg, line_no, field), True)
+
+    def _written(self) -> None:
+        self._slots.release()
+        self.stats.done += 1
+
+    def _dispatch_window(self, window: list[tuple[_TaskWriter, Task]]) -> None:
+        # Stable sort by the start of the prompt: tasks sharing a prefix reach the server
+        # together, while its prefix cache still holds the shared blocks.
+        window.sort(key=lambda wt: prefix_key(wt[1]))
+        for out, task in window:
+            self._dispatch(out, task)
+
+    def _dispatch(self, out: _TaskWriter, task: Task) -> None:
+        t = asyncio.create_task(self._handle(out, task))
+        self._pending.add(t)
+        t.add_done_callback(self._pending.discard)
+
+    # -- one task -------------------------------------------------------------------------
+    async def _handle(self, out: _TaskWriter, task: Task) -> None:
+        try:
+            await self._run_task(out, task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one task's failure must not hang or end the job
+            # Without this line the task's slot would never be released (the job would stall
+            # once max_pending tasks had failed) and the task would be lost, not recorded.
+            if out.used:  # its line is written already: the failure came after (a stats update)
+                self.messages.append(f"line {task.line_no}: internal error after writing its result: {e!r}")
+                return
+            self.stats.errors[ErrorKind.INTERNAL] += 1
+            msg = f"line {task.line_no}: internal error in carpool ({type(e).__name__}: {e}); please report it"
+            out.emit(error_line(task.request.custom_id, ErrorKind.INTERNAL, msg, task.line_no), True)
+
+    def _shared_key(self, req: Request) -> str | None:
+        """The key under which this task's answer is shared (cache, dedup), or None."""
+        if self.parts.caches.active or self.dedup is not None:
+            return self.parts.caches.key(req)
+        return None
+
+    async def _run_task(self, out: _TaskWriter, task: Task) -> None:
+        key = self._shared_key(task.request)
+        lead: Lead | None = None
+        if key is not None:
+            hit = self.parts.caches.get(key)
+            if hit is not None:
+                self._write_cache_hit(out, task, hit)
+                return
+            if self.dedup is not None:
+                if await self._follow(out, task, self.dedup, key):
+                    return
+                lead = self.dedup.lead(key)
+        try:
+            await self._send(out, task, key, lead)
+        finally:
+            if lead is not None and self.dedup is not None:
+                self.dedup.abandon(lead)  # a no-op once it has its answer
+
+    def _write_cache_hit(self, out: _TaskWriter, task: Task, body: dict) -> None:
+        self.stats.cache_hits += 1
+        self.stats.saved_tokens += _usage_tokens(body)
+        out.emit(success_line(task.request.custom_id, 200, EXACT_HIT_ID, body))
+
+    async def _follow(self, out: _TaskWriter, task: Task, dedup: Dedup, key: str) -> bool:
+        """A duplicate of a task in flight, or just answered, takes that answer; False: it leads."""
+        found = dedup.find(key)
+        if found is None:
+            return False
+        if isinstance(found, CallResult):
+            res = found
+        else:
+            try:
+                res = await asyncio.shield(found)
+            except asyncio.CancelledError:
+                if not found.cancelled():
+                    raise  # we are cancelled ourselves
+                self._slots.release()  # the leader stopped unsent: so do we (resume redoes both)
+                return True
+        self.stats.dedup_fanouts += 1
+        self._write_result(out, task, res, 1, fanout=True)
+        return True
+
+    async def _send(self, out: _TaskWriter, task: Task, key: str | None, lead: Lead | None) -> None:
+        req = task.request
+        probe = self.parts.caches.semantic_probe(req) if key is not None else None
+        try:
+            outcome = await self.executor.execute(req, probe.lookup if probe else None,
+                                                  probe.store if probe else None)
+        except Stopped:
+            self._slots.release()
+            return  # not written: it is done on resume
+        res = outcome.result
+        if outcome.attempts == 0 and probe is not None and probe.hit is not None:  # the semantic cache answered
+            hit, st = probe.hit, self.stats
+            st.semantic_hits += 1
+            st.saved_tokens += _usage_tokens(res.body)
+            if len(st.semantic_similarities) < 1000:
+                st.semantic_similarities.append((req.custom_id, hit.similarity))
+            if self.parts.caches.audit is not None:
+                self.parts.caches.audit.offer(AuditItem(req.custom_id, req, hit.response, hit.similarity,
+                                                        hit.entry_id))
+            self._finish(lead, res)
+            out.emit(success_line(req.custom_id, 200, res.request_id, res.body, semantic=probe.mark()))
+            return
+        self.stats.sent += 1
+        self._account(res)
+        if res.ok and key is not None and res.body is not None:
+            self.parts.caches.put(key, res.body)
+        self._finish(lead, res)
+        self._write_result(out, task, res, outcome.attempts)
+
+    def _finish(self, lead: Lead | None, res: CallResult) -> None:
+        if lead is not None and self.dedup is not None:
+            self.dedup.finish(lead, res)
+
+    def _account(self, res: CallResult) -> None:
+        st = self.stats
+        if res.ok:
+            st.prompt_tokens += res.prompt_tokens
+            st.completion_tokens += res.completion_tokens
+            st.cached_prompt_tokens += res.cached_tokens
+            st.ttft.add(res.ttft_s)
+            st.tpot.add(res.tpot_s)
+            st.e2e.add(res.e2e_s)
+
+    def _write_result(self, out: _TaskWriter, task: Task, res: CallResult, attempts: int,
+                      fanout: bool = False) -> None:
+        req = task.request
+        if res.ok:
+            self.stats.ok += 1
+            if fanout:
+                self.stats.saved_tokens += res.prompt_tokens + res.completion_tokens
+            rid = "dedup:" + res.request_id if fanout else res.request_id
+            out.emit(success_line(req.custom_id, res.status_code or 200, rid, res.body))
+            return
+        kind = res.error_kind or ErrorKind.SERVER_ERROR
+        self.stats.errors[kind] += 1
+        msg = f"line {task.line_no}: {res.error_message}" if res.error_message else f"line {task.line_no}: {kind}"
+        # An OpenAI-style refusal names the field at fault in error.param: keep it.
+        err = res.body.get("error") if isinstance(res.body, dict) else None
+        param = err.get("param") if isinstance(err, dict) else None
+        field = param if isinstance(param, str) and param else None
+        out.emit(error_line(req.custom_id, kind, msg, task.line_no, field, res.status_code or None,
+                            res.body, attempts), True)
