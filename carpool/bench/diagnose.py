@@ -11,15 +11,8 @@ While phases run, the server's Prometheus /metrics is polled when it has one (vL
 num_requests_running/waiting, kv_cache_usage_perc, request_queue_time_seconds, prefix cache
 queries/hits); for the embedded engine its ``stats()`` plays that part.
 
-The verdict is the first of these that holds, and comes with the one change to try first:
-  rate-limited     some requests got HTTP 429
-  connection-cost  a new connection costs more than a quarter of a serial request
-  client-bound     C requests in flight ran ~C times as fast as one (or as fast per request)
-                   and 4C gained more: the server had spare capacity the client did not use
-  server-queueing  concurrency did not scale and the extra latency is waiting before the
-                   first token (server queue), confirmed by /metrics when present
-  decode-bound     concurrency did not scale and the extra latency is in decoding (TPOT grew)
-  prefill-bound    as above, but the time is in TTFT without a server queue
+The findings and the verdict (rate-limited, connection-cost, client-bound, server-queueing,
+decode-bound, prefill-bound), with the one change to try first, are ``carpool.bench.verdicts``'.
 """
 
 from __future__ import annotations
@@ -30,15 +23,15 @@ import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 from carpool.bench.datasets import BenchRequest
 from carpool.bench.loadgen import HttpBackend, RequestRecord, metrics_url, run_benchmark
 from carpool.bench.metrics import compute_metrics
+from carpool.bench.verdicts import Phase, ServerView, explain, has_headroom
 
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 COUNTERS = (
@@ -124,38 +117,6 @@ class ServerProbe:
         if data is None:
             self.available = False
         return data
-
-
-@dataclass
-class ServerView:
-    """What /metrics said during one phase."""
-
-    peak_running: float = 0.0
-    peak_waiting: float = 0.0
-    mean_waiting: float = 0.0
-    peak_kv_usage: float = 0.0
-    queue_time_mean_ms: float | None = None
-    prefix_hit_rate: float | None = None
-    preemptions: float = 0.0
-
-
-@dataclass
-class Phase:
-    name: str
-    concurrency: int
-    fresh_connections: bool
-    num_requests: int
-    duration: float
-    metrics: dict[str, Any]
-    rate_limited: int
-    errors: int
-    mean_connect_ms: float
-    server: ServerView | None = None
-    records: list[RequestRecord] = field(default_factory=list, repr=False)
-
-    @property
-    def throughput(self) -> float:
-        return self.metrics["request_throughput"]
 
 
 @dataclass
@@ -415,7 +376,7 @@ class Diagnoser:
             phases.append(first)
             if any(p.rate_limited for p in phases):
                 phases.append(await self._paced(reuse))
-            elif self.scale_up > 1 and _has_headroom(phases[0], first):
+            elif self.scale_up > 1 and has_headroom(phases[0], first):
                 phases.append(await concurrent(self.concurrency * self.scale_up))
         findings, verdict, change = explain(phases, probe_ok)
         return Diagnosis(
@@ -427,286 +388,3 @@ class Diagnoser:
             change=change,
             server_metrics=probe_ok,
         )
-
-
-@dataclass
-class _Typical:
-    """Median per-request figures of a phase (ms): robust to the odd request a busy box delays."""
-
-    ttft: float
-    decode: float
-    e2el: float
-    tpot: float
-
-    @classmethod
-    def of(cls, p: Phase) -> _Typical:
-        ok = [r for r in p.records if r.success]
-        if not ok:
-            return cls(0.0, 0.0, 0.0, 0.0)
-        tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-        return cls(
-            ttft=1000.0 * statistics.median(r.ttft for r in ok),
-            decode=1000.0 * statistics.median(r.latency - r.ttft for r in ok),
-            e2el=1000.0 * statistics.median(r.latency for r in ok),
-            tpot=1000.0 * statistics.median(tpots) if tpots else 0.0,
-        )
-
-
-def _latency_ratio(serial: Phase, conc: Phase) -> float:
-    """Median E2EL under concurrency over median E2EL alone (1.0: the server did not slow down)."""
-    return _Typical.of(conc).e2el / max(_Typical.of(serial).e2el, 1e-9)
-
-
-def _efficiency(serial: Phase, conc: Phase) -> float:
-    """Throughput at concurrency C over C times the serial throughput (1.0 = perfect scaling).
-    Serial throughput is 1 / median serial latency, so neither the interleaved fresh-connection
-    requests of the serial phase nor one delayed request dilute it."""
-    e2el = _Typical.of(serial).e2el / 1000.0
-    if e2el <= 0 or conc.concurrency <= 1:
-        return 0.0
-    return conc.throughput * e2el / conc.concurrency
-
-
-def _has_headroom(serial: Phase, conc: Phase) -> bool:
-    """The server kept up at concurrency C: throughput scaled, or latency barely moved (then
-    whatever kept throughput down was on the client's side)."""
-    return _efficiency(serial, conc) >= 0.6 or _latency_ratio(serial, conc) <= 1.3
-
-
-def _breakdown(p: Phase) -> str:
-    """Where one request's time went in a phase, in the order it happens (means, ms)."""
-    ok = [r for r in p.records if r.success]
-    if not ok:
-        return f"{p.name}: no request succeeded"
-    slot = 1000.0 * statistics.fmean(r.client_wait for r in ok)
-    conn = 1000.0 * statistics.fmean(r.connect_time for r in ok)
-    ttft = 1000.0 * statistics.fmean(r.ttft for r in ok)
-    decode = 1000.0 * statistics.fmean(r.latency - r.ttft for r in ok)
-    queue = p.server.queue_time_mean_ms if p.server is not None else None
-    parts = [f"{slot:.0f} ms waiting for a client slot"]
-    if conn >= 0.5:
-        parts.append(f"{conn:.0f} ms connecting")
-    if queue is not None:
-        parts.append(f"{queue:.0f} ms in the server queue")
-        parts.append(f"{max(ttft - queue - conn, 0.0):.0f} ms prefill to the first token")
-    else:
-        parts.append(f"{max(ttft - conn, 0.0):.0f} ms to the first token (queue + prefill)")
-    parts.append(f"{decode:.0f} ms decoding")
-    return f"where the time goes at {p.concurrency} in flight (mean per request): " + ", ".join(parts)
-
-
-def _server_line(p: Phase, source: str) -> str | None:
-    view = p.server
-    if view is None:
-        return None
-    parts = [f"peak running {view.peak_running:.0f}", f"peak waiting {view.peak_waiting:.0f}"]
-    if view.queue_time_mean_ms is not None:
-        parts.append(f"mean queue time {view.queue_time_mean_ms:.0f} ms")
-    parts.append(f"KV cache peak {100 * view.peak_kv_usage:.0f}%")
-    if view.prefix_hit_rate is not None:
-        parts.append(f"prefix cache hits {100 * view.prefix_hit_rate:.0f}%")
-    if view.preemptions:
-        parts.append(f"{view.preemptions:.0f} preemptions")
-    return f"{source} at concurrency {p.concurrency}: " + ", ".join(parts)
-
-
-def explain(phases: Sequence[Phase], server_metrics: bool) -> tuple[list[str], str, str]:
-    """Findings (one line each, with numbers), the verdict, and the one change to try first."""
-    serial = phases[0]
-    fresh = next((p for p in phases if p.fresh_connections), None)
-    concs = [p for p in phases if p.concurrency > 1]  # the paced phase runs one at a time
-    conc = concs[0]
-    big = concs[1] if len(concs) > 1 else None
-    s = _Typical.of(serial)
-    findings: list[str] = []
-    out_tokens = serial.metrics["total_output_tokens"] / max(1, serial.metrics["completed"])
-    findings.append(
-        f"one request alone (medians): TTFT {s.ttft:.0f} ms, then {s.decode:.0f} ms decoding "
-        f"{out_tokens:.0f} tokens (TPOT {s.tpot:.1f} ms); "
-        f"{100 * s.ttft / max(s.e2el, 1e-9):.0f}% of the time is before the first token"
-    )
-
-    # 1. Rate limits.
-    unpaced = [p for p in phases if not p.name.startswith("paced")]
-    total = sum(p.num_requests for p in unpaced)
-    limited = sum(p.rate_limited for p in unpaced)
-    if limited:
-        paced = next((p for p in phases if p.name.startswith("paced")), None)
-        if paced is not None and paced.metrics["completed"] >= 2:
-            accepted = paced.metrics["completed"] / max(paced.duration, 1e-9)
-        else:
-            accepted = conc.metrics["completed"] / max(conc.duration, 1e-9)
-        retry = [r.retry_after for p in phases for r in p.records if r.retry_after is not None]
-        ra = f", Retry-After ~{statistics.median(retry):.2f} s" if retry else ""
-        findings.append(
-            f"rate limit: {limited} of {total} requests got HTTP 429 ({conc.rate_limited} of "
-            f"{conc.num_requests} at concurrency {conc.concurrency}{ra}); waiting out each 429, the "
-            f"server accepted {accepted:.2f} req/s"
-        )
-        return (
-            findings,
-            "rate-limited",
-            (
-                f"pace the client to the accepted rate, {accepted:.2f} req/s (~{accepted * 60:.0f} "
-                f"requests/min), instead of sending {conc.concurrency} at once: requests past the limit "
-                f"are rejected ({100 * limited / total:.0f}% here) and retries only add load"
-            ),
-        )
-
-    # 2. Connection cost.
-    conn_ms = conn_verdict_ms = 0.0
-    if fresh is not None:
-        paired = [
-            f.latency - r.latency
-            for f, r in zip(fresh.records, serial.records, strict=False) if f.success and r.success
-        ]
-        # The lower quartile of the paired differences: a real per-connection cost shows in
-        # (nearly) every pair, scheduling noise on a busy client only in some.
-        conn_ms = max(1000.0 * statistics.median(paired) if paired else 0.0, fresh.mean_connect_ms)
-        conn_verdict_ms = max(
-            1000.0 * float(np.percentile(paired, 25)) if paired else 0.0, fresh.mean_connect_ms
-        )
-        findings.append(
-            f"connections: a new connection per request adds {conn_ms:.1f} ms "
-            f"({100 * conn_ms / max(s.e2el, 1e-9):.0f}% of a {s.e2el:.0f} ms request); "
-            "carpool's client keeps a pool of reused connections"
-        )
-
-    eff = _efficiency(serial, conc)
-    findings.append(
-        f"scaling: {conc.concurrency} in flight gave {conc.throughput:.2f} req/s vs "
-        f"{1000 / max(s.e2el, 1e-9):.2f} req/s for one at a time: {100 * eff:.0f}% of perfect scaling; "
-        f"median E2EL {s.e2el:.0f} -> {_Typical.of(conc).e2el:.0f} ms"
-    )
-    source = "server /metrics" if fresh is not None else "server counters"
-    line = _server_line(conc, source)
-    if line:
-        findings.append(line)
-
-    if conn_verdict_ms > 0.25 * s.e2el:
-        return (
-            findings,
-            "connection-cost",
-            (
-                f"reuse connections (HTTP keep-alive pool): each new connection costs {conn_ms:.0f} ms, "
-                f"{100 * conn_ms / max(s.e2el, 1e-9):.0f}% of a request"
-            ),
-        )
-
-    # 3. Client-bound: the server kept up with C in flight.
-    findings.append(_breakdown(conc))
-    in_flight = conc.throughput * conc.metrics["mean_e2el_ms"] / 1000.0  # Little's law
-    if in_flight < 0.7 * conc.concurrency:
-        findings.append(
-            f"the client kept only {in_flight:.1f} of {conc.concurrency} requests in flight on average "
-            "(client CPU or event-loop overhead between requests)"
-        )
-    loaded = conc
-    if _has_headroom(serial, conc):
-        gain = big.throughput / max(conc.throughput, 1e-9) if big is not None else None
-        if big is not None:
-            findings.append(
-                f"at {big.concurrency} in flight: {big.throughput:.2f} req/s (x{gain:.2f}), "
-                f"median E2EL {_Typical.of(big).e2el:.0f} ms"
-            )
-        # Little's law: the in-flight count that reaches the 4C throughput at unloaded latency.
-        knee = round(big.throughput * s.e2el / 1000.0) if big is not None else 0
-        if gain is None or gain >= 1.5 or (gain >= 1.1 and knee > conc.concurrency):
-            if gain is None:
-                target, detail = conc.concurrency * 4, "the server kept up at every level tried"
-            elif gain >= 1.5:
-                target = big.concurrency
-                detail = f"{conc.throughput:.2f} -> {big.throughput:.2f} req/s measured at {big.concurrency}"
-            else:
-                target = min(big.concurrency, knee)
-                detail = (
-                    f"the server levels off near {big.throughput:.2f} req/s, reached with ~{knee} in flight"
-                )
-            return (
-                findings,
-                "client-bound",
-                (
-                    f"raise client concurrency from {conc.concurrency} to {target} ({detail}); the server had "
-                    f"spare capacity: with {conc.concurrency} in flight median latency moved "
-                    f"x{_latency_ratio(serial, conc):.2f} and throughput reached {100 * eff:.0f}% of "
-                    f"{conc.concurrency}x one request"
-                ),
-            )
-        # More in flight gained (almost) nothing, or the gain is reached with no more than C in
-        # flight: the server is saturated after all; explain it from the heavier phase.
-        loaded = big
-        line = _server_line(big, source)
-        if line:
-            findings.append(line)
-
-    # 4. The server is saturated: where did the extra latency go?
-    c = _Typical.of(loaded)
-    d_ttft = c.ttft - s.ttft
-    d_decode = c.decode - s.decode
-    grew = max(d_ttft, 0.0) + max(d_decode, 0.0)
-    view = loaded.server
-    queue_ms = view.queue_time_mean_ms if view is not None else None
-    queue_seen = (
-        view is not None and view.peak_waiting > 0 and (queue_ms is None or queue_ms >= 0.25 * c.ttft)
-    )
-    if view is not None and view.peak_running:
-        capacity, cap_src = view.peak_running, "peak num_requests_running"
-    else:
-        capacity, cap_src = loaded.throughput * s.e2el / 1000.0, "throughput x serial latency"
-    findings.append(
-        f"extra latency at {loaded.concurrency} in flight (medians): TTFT {d_ttft:+.0f} ms, decoding "
-        f"{d_decode:+.0f} ms per request; the server serves ~{capacity:.1f} requests at once ({cap_src})"
-    )
-    kv_full = view is not None and (view.peak_kv_usage >= 0.95 or view.preemptions > 0)
-    if kv_full:
-        findings.append(
-            f"KV cache: peak {100 * view.peak_kv_usage:.0f}% used, {view.preemptions:.0f} preemptions: "
-            "the number of requests the server can hold is set by KV-cache memory"
-        )
-    if queue_seen or (not server_metrics and grew > 0 and d_ttft >= 0.6 * grew):
-        q = f"mean queue wait {queue_ms:.0f} ms" if queue_ms is not None else f"TTFT grew {d_ttft:.0f} ms"
-        if kv_full:
-            return (
-                findings,
-                "server-queueing",
-                (
-                    f"give the server more KV-cache memory (vLLM --gpu-memory-utilization, carpool "
-                    f"--kv-cache-memory-gb) or shorter prompts/outputs: it holds ~{capacity:.0f} requests "
-                    f"before its KV cache is full (peak {100 * view.peak_kv_usage:.0f}%), and the rest queue ({q})"
-                ),
-            )
-        waiting = view.peak_waiting if view else max(loaded.concurrency - capacity, 0)
-        return (
-            findings,
-            "server-queueing",
-            (
-                f"raise the server's capacity (max_num_seqs / a replica) above ~{capacity:.0f} concurrent "
-                f"requests: requests beyond that wait in its queue ({q}, up to {waiting:.0f} waiting); client "
-                f"concurrency above {math.ceil(capacity)} only adds queueing, at {math.ceil(capacity)} you keep "
-                f"{loaded.throughput:.2f} req/s with TTFT back near {s.ttft:.0f} ms"
-            ),
-        )
-    if d_decode >= d_ttft:
-        return (
-            findings,
-            "decode-bound",
-            (
-                f"cut decode work: TPOT grew {s.tpot:.1f} -> {c.tpot:.1f} ms as the batch grew and decoding "
-                f"is {100 * c.decode / max(c.e2el, 1e-9):.0f}% of request time; lower max_tokens (mean output "
-                f"{out_tokens:.0f} tokens) or use a faster/quantized model or more accelerators"
-            ),
-        )
-    hits = (
-        f" (hit rate now {100 * view.prefix_hit_rate:.0f}%)"
-        if view and view.prefix_hit_rate is not None
-        else ""
-    )
-    return (
-        findings,
-        "prefill-bound",
-        (
-            f"cut prefill work: TTFT is {c.ttft:.0f} ms of a {c.e2el:.0f} ms request at {loaded.concurrency} "
-            f"in flight; put the shared part of prompts first so the prefix cache hits{hits}, shorten "
-            "prompts, or enable chunked prefill"
-        ),
-    )

@@ -1,24 +1,19 @@
-"""HTML report with plots: latency CDFs, throughput vs concurrency, TTFT/TPOT vs request rate.
+"""``carpool bench --report``: latency CDFs, throughput vs concurrency, TTFT/TPOT vs request rate.
 
-The PNGs are written next to the report (``<name>_plots/``) and embedded in the HTML as
-base64, so the single .html file can be mailed or attached to a ticket on its own.
+The PNGs are written next to the report (``<name>_plots/``) and embedded in the page
+(``carpool.report``), so the single .html file can be mailed or attached on its own.
 """
 
 from __future__ import annotations
 
-import base64
-import html
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: no display on servers and CI
-import matplotlib.pyplot as plt
 import numpy as np
 
+from carpool import report
 from carpool.bench.loadgen import BenchRun
 from carpool.bench.metrics import per_request
 
@@ -47,8 +42,8 @@ def _cdf(ax: Any, values_ms: Sequence[float], label: str) -> None:
     ax.step(xs, ys, where="post", label=label)
 
 
-def plot_latency_cdfs(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path:
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+def plot_latency_cdfs(runs: Sequence[tuple[BenchRun, dict]]) -> bytes:
+    fig, axes = report.pyplot().subplots(1, 3, figsize=(13, 3.8))
     for run, res in runs:
         pr = per_request(run.records)
         label = run_label(run, res)
@@ -62,18 +57,15 @@ def plot_latency_cdfs(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.png(fig)
 
 
-def plot_throughput_vs_concurrency(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path:
+def plot_throughput_vs_concurrency(runs: Sequence[tuple[BenchRun, dict]]) -> bytes:
     pts = sorted(
         (mean_concurrency(run), res["output_throughput"], res["request_throughput"], run_label(run, res))
         for run, res in runs
     )
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = report.pyplot().subplots(figsize=(6.5, 4))
     xs = [p[0] for p in pts]
     ax.plot(xs, [p[1] for p in pts], "o-", label="output tok/s")
     for x, y, _, label in pts:
@@ -87,18 +79,15 @@ def plot_throughput_vs_concurrency(runs: Sequence[tuple[BenchRun, dict]], path: 
     ax.set_title("Throughput vs concurrency")
     ax.grid(alpha=0.3)
     fig.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.png(fig)
 
 
-def plot_latency_vs_rate(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> Path:
+def plot_latency_vs_rate(runs: Sequence[tuple[BenchRun, dict]]) -> bytes:
     """TTFT and TPOT against the achieved request rate (the offered rate is infinite for
     all-at-once runs, so the achieved one is the only common axis)."""
     rows = sorted((res["request_throughput"], res) for _, res in runs)
     xs = [r[0] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = report.pyplot().subplots(1, 2, figsize=(11, 3.8))
     for ax, name in zip(axes, ("ttft", "tpot"), strict=False):
         for stat, style in (("median", "o-"), ("p99", "s--"), ("mean", "^:")):
             key = f"{stat}_{name}_ms"
@@ -109,10 +98,7 @@ def plot_latency_vs_rate(runs: Sequence[tuple[BenchRun, dict]], path: Path) -> P
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.png(fig)
 
 
 _COLUMNS = (
@@ -136,38 +122,23 @@ def write_report(
     path = Path(path)
     plot_dir = path.with_name(path.stem + "_plots")
     plot_dir.mkdir(parents=True, exist_ok=True)
-    pngs = [
-        plot_latency_cdfs(runs, plot_dir / "latency_cdf.png"),
-        plot_throughput_vs_concurrency(runs, plot_dir / "throughput_vs_concurrency.png"),
-        plot_latency_vs_rate(runs, plot_dir / "latency_vs_rate.png"),
-    ]
-    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in _COLUMNS)
-    body_rows = []
-    for run, res in runs:
-        cells = []
-        for key, _, fmt in _COLUMNS:
-            v = res.get(key)
-            cells.append(f"<td>{'' if v is None else format(v, fmt)}</td>")
-        body_rows.append(f"<tr><td>{html.escape(run_label(run, res))}</td>{''.join(cells)}</tr>")
-    images = "".join(
-        f"<h2>{html.escape(p.stem.replace('_', ' '))}</h2>"
-        f'<img alt="{html.escape(p.stem)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
-        for p in pngs
-    )
+    plots = {
+        "latency_cdf": plot_latency_cdfs(runs),
+        "throughput_vs_concurrency": plot_throughput_vs_concurrency(runs),
+        "latency_vs_rate": plot_latency_vs_rate(runs),
+    }
+    pngs = []
+    for name, png in plots.items():
+        pngs.append(plot_dir / f"{name}.png")
+        pngs[-1].write_bytes(png)
+    rows = [[run_label(run, res), *(None if res.get(k) is None else format(res[k], fmt) for k, _, fmt in _COLUMNS)]
+            for run, res in runs]
     first = runs[0][1] if runs else {}
-    doc = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}td:first-child{{text-align:left}}
-img{{max-width:100%}}</style></head><body>
-<h1>{html.escape(title)}</h1>
-<p>model <b>{html.escape(str(first.get("model_id", "")))}</b>, backend {html.escape(str(first.get("backend", "")))},
-{first.get("num_prompts", "")} prompts per run, {html.escape(str(first.get("date", "")))}.
-Metrics follow vLLM's <code>bench serve</code> definitions.</p>
-<p>{html.escape(notes)}</p>
-<table><tr><th>run</th>{head}</tr>{"".join(body_rows)}</table>
-{images}
-</body></html>
-"""
-    path.write_text(doc, encoding="utf-8")
+    about = (f"model {first.get('model_id', '')}, backend {first.get('backend', '')}, "
+             f"{first.get('num_prompts', '')} prompts per run, {first.get('date', '')}. "
+             "Metrics follow vLLM's bench serve definitions.")
+    parts = [report.paragraph(about)] + ([report.paragraph(notes)] if notes else [])
+    parts.append(report.table(rows, header=["run", *(h for _, h, _ in _COLUMNS)]))
+    parts += [report.figure(name.replace("_", " "), png) for name, png in plots.items()]
+    path.write_text(report.page(title, *parts), encoding="utf-8")
     return pngs

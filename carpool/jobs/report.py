@@ -1,35 +1,26 @@
-"""``--report report.html``: one self-contained HTML page with the summary and plots.
+"""``carpool run --report report.html``: the job summary and its plots on one page.
 
-The plots are PNGs drawn with matplotlib (Agg, no display) and embedded as base64, so
-the file can be mailed or attached to a ticket as is.
+Throughput over time, the concurrency limit against requests in flight (with the 429s
+and 503s that moved it), latency distributions and outcomes by kind; the page itself
+is ``carpool.report``'s.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
+from typing import TYPE_CHECKING
 
+from carpool import report
 from carpool.jobs.summary import JobStats
 
-
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+if TYPE_CHECKING:
+    from carpool.client.limiter import FixedLimiter
 
 
-def _plots(stats: JobStats) -> list[tuple[str, str]]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _plots(stats: JobStats) -> list[tuple[str, bytes]]:
     import numpy as np
 
-    out: list[tuple[str, str]] = []
+    plt = report.pyplot()
+    out: list[tuple[str, bytes]] = []
     tl = stats.timeline
     if len(tl) >= 2:
         t = np.array([r["t"] for r in tl])
@@ -45,7 +36,7 @@ def _plots(stats: JobStats) -> list[tuple[str, str]]:
         ax2.set_ylabel("tokens/s")
         ax.set_title("Throughput")
         fig.legend(loc="upper right")
-        out.append(("Throughput over time", _png(fig)))
+        out.append(("Throughput over time", report.png(fig, layout=False)))
         if any(r.get("limit") is not None for r in tl):
             fig, ax = plt.subplots(figsize=(8, 3.2))
             ax.plot(t, [r.get("limit") or 0 for r in tl], label="concurrency limit")
@@ -59,7 +50,7 @@ def _plots(stats: JobStats) -> list[tuple[str, str]]:
             ax.set_ylabel("requests")
             ax.set_title("Concurrency")
             ax.legend()
-            out.append(("Concurrency limit and requests in flight", _png(fig)))
+            out.append(("Concurrency limit and requests in flight", report.png(fig, layout=False)))
     series = [(name, r.values) for name, r in (("TTFT", stats.ttft), ("TPOT", stats.tpot), ("end to end", stats.e2e))
               if r.values]
     if series:
@@ -69,7 +60,7 @@ def _plots(stats: JobStats) -> list[tuple[str, str]]:
             ax.hist(np.array(vals) * 1000, bins=40)
             ax.set_title(f"{name} (ms)")
             ax.set_ylabel("requests")
-        out.append(("Latency distributions", _png(fig)))
+        out.append(("Latency distributions", report.png(fig, layout=False)))
     counts = {"ok": stats.ok, **dict(stats.errors), "cache hits": stats.cache_hits,
               "semantic hits": stats.semantic_hits, "dedup fan-outs": stats.dedup_fanouts}
     counts = {k: v for k, v in counts.items() if v}
@@ -80,27 +71,21 @@ def _plots(stats: JobStats) -> list[tuple[str, str]]:
                                                             for k in counts])
         ax.set_xlabel("tasks")
         ax.set_title("Outcomes")
-        out.append(("Outcomes by kind", _png(fig)))
+        out.append(("Outcomes by kind", report.png(fig, layout=False)))
     return out
 
 
-def render_html(stats: JobStats, limiter=None, sem=None) -> str:
-    d = stats.to_dict()
-    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in d.items())
-    parts = [f"<h1>carpool run</h1><table>{rows}</table>"]
+def render_html(stats: JobStats, limiter: FixedLimiter | None = None) -> str:
+    parts = [report.table(stats.to_dict().items())]
     if limiter is not None:
-        parts.append(f"<p>limiter at the end: {html.escape(str(limiter.snapshot()))}</p>")
+        parts.append(report.paragraph(f"limiter at the end: {limiter.snapshot()}"))
     if stats.semantic_similarities:
-        sims = "".join(f"<tr><td>{html.escape(c)}</td><td>{s}</td></tr>" for c, s in stats.semantic_similarities[:200])
-        parts.append(f"<h2>Semantic cache hits</h2><table><tr><th>custom_id</th><th>similarity</th></tr>{sims}</table>")
-    for title, png in _plots(stats):
-        parts.append(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>")
-    style = ("body{font-family:sans-serif;max-width:960px;margin:2em auto}table{border-collapse:collapse}"
-             "th,td{border:1px solid #ccc;padding:2px 8px;text-align:left}")
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>carpool run report</title>" \
-           f"<style>{style}</style></head><body>{''.join(parts)}</body></html>"
+        parts.append("<h2>Semantic cache hits</h2>"
+                     + report.table(stats.semantic_similarities[:200], header=("custom_id", "similarity")))
+    parts += [report.figure(title, png) for title, png in _plots(stats)]
+    return report.page("carpool run", *parts)
 
 
-def write_report(path: str, stats: JobStats, limiter=None, sem=None) -> None:
+def write_report(path: str, stats: JobStats, limiter: FixedLimiter | None = None) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        f.write(render_html(stats, limiter, sem))
+        f.write(render_html(stats, limiter))

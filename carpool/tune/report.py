@@ -1,13 +1,12 @@
-"""Side-by-side tables, plots (matplotlib Agg PNG) and a one-file HTML report."""
+"""``carpool simulate``: side-by-side tables, plots and the ``--report`` page (``carpool.report``)."""
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import math
 
+from carpool import report
 from carpool.tune.simulator import SimResult
 
 ROWS = [
@@ -51,21 +50,14 @@ def text_table(results: list[SimResult]) -> str:
 
 def plots(results: list[SimResult]) -> dict[str, bytes]:
     """PNG bytes by name: throughput bars, E2E CDFs, batch size and KV usage over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    plt = report.pyplot()
     out: dict[str, bytes] = {}
     labels = [r.label for r in results]
 
     def save(fig, name):
-        buf = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buf, format="png", dpi=100)
-        plt.close(fig)
-        out[name] = buf.getvalue()
+        out[name] = report.png(fig)
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
     ax[0].barh(labels, [r.output_tok_s for r in results], color="tab:blue")
@@ -103,17 +95,8 @@ def plots(results: list[SimResult]) -> dict[str, bytes]:
 
 def html_report(results: list[SimResult], title: str, meta: dict | None = None) -> str:
     rows = table(results)
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows[1:])
-    imgs = "".join(
-        f'<h2>{html.escape(name)}</h2><img alt="{name}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-        for name, png in plots(results).items()
-    )
-    meta_html = f"<pre>{html.escape(json.dumps(meta, indent=2, default=str))}</pre>" if meta else ""
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>body{{font-family:sans-serif;margin:2em}}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-        "td:first-child{text-align:left}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table>{imgs}{meta_html}</body></html>"
-    )
+    parts = [report.table(rows[1:], header=rows[0])]
+    parts += [report.figure(name, png) for name, png in plots(results).items()]
+    if meta:
+        parts.append(f"<pre>{html.escape(json.dumps(meta, indent=2, default=str))}</pre>")
+    return report.page(title, *parts)

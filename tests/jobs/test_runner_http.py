@@ -215,7 +215,7 @@ def test_report_html_has_plots(fault_server, tmp_path):
     s = run_batch(src, tmp_path / "out.jsonl", endpoints=[srv.url], model="m", cache="off", report=str(rep))
     assert s["retries"] == {"rate_limited": 3}
     page = rep.read_text()
-    pngs = re.findall(r"base64,([A-Za-z0-9+/=]+)'", page)
+    pngs = re.findall(r"base64,([A-Za-z0-9+/=]+)[\"']", page)
     assert len(pngs) >= 2
     assert all(base64.b64decode(p)[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "rate_limited" in page
