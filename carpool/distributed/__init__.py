@@ -6,7 +6,8 @@
 - ``ray_data``: ``carpool_map(ds, ...)`` inside an existing Ray Data pipeline.
 - ``redis_budget``: ``RedisBudget``, an RPM/TPM budget shared by all workers (the
   ``carpool.client.budget.Budget`` interface); ``redis_cooldown``: ``RedisCooldown`` and
-  ``SharedBalancer``, endpoint cooldowns shared by all workers.
+  ``SharedBalancer``, endpoint cooldowns shared by all workers; ``redis_client``: the
+  connection both use.
 
 Nothing is imported here, so ``import carpool.distributed.x`` pulls in only what x needs
 (Ray only for the Ray modules).

@@ -27,9 +27,11 @@ import asyncio
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 from redis.exceptions import RedisError
+
+from carpool.distributed.redis_client import RedisUser
 
 # KEYS[1]: the budget's hash.  ARGV: mode ("acquire" | "adjust"), request amount,
 # request rate/s, request capacity, token amount, token rate/s, token capacity, ttl ms.
@@ -102,16 +104,6 @@ def _per(limit: float | None, factor: float) -> float | None:
     return None if not limit else round(limit * factor, 9)
 
 
-def async_redis(redis: str | Any) -> tuple[Any, bool]:
-    """(client, whether we own it): a URL gets a new ``redis.asyncio`` client, which ``close()``
-    must close; a client passed in is used as is and left open. Shared with ``RedisCooldown``."""
-    if isinstance(redis, str):
-        import redis.asyncio as aioredis
-
-        return aioredis.from_url(redis), True
-    return redis, False
-
-
 class BudgetClosed(RuntimeError):
     pass
 
@@ -120,7 +112,7 @@ class BudgetUnavailable(RuntimeError):
     pass
 
 
-class RedisBudget:
+class RedisBudget(RedisUser):
     """Requests-per-minute and tokens-per-minute budget shared through Redis.
 
     ``await budget.acquire(requests=1, tokens=n)`` waits until the request may be sent
@@ -150,7 +142,7 @@ class RedisBudget:
             raise ValueError(f"window_s must be > 0 seconds, got {window_s}")
         if burst_s <= 0:
             raise ValueError(f"burst_s must be > 0 seconds, got {burst_s}")
-        self._redis, self._owns_client = async_redis(redis)
+        super().__init__(redis)
         self.rpm, self.tpm = rpm, tpm
         self.window_s = window_s
         self.key = f"{prefix}:budget:{name}"
@@ -253,14 +245,7 @@ class RedisBudget:
     async def close(self) -> None:
         await self.flush()
         self._closed = True
-        if self._owns_client:
-            await self._redis.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await super().close()
 
     def __repr__(self) -> str:
         return f"RedisBudget(key={self.key!r}, rpm={self.rpm}, tpm={self.tpm}, window_s={self.window_s})"

@@ -21,12 +21,12 @@ import asyncio
 import os
 import socket
 import time
-from typing import Any, Self
+from typing import Any
 
 import redis.exceptions
 
 from carpool.client.balancer import Balancer, Endpoint
-from carpool.distributed.redis_budget import async_redis
+from carpool.distributed.redis_client import RedisUser
 
 # KEYS: until zset, info hash.  ARGV[1] = mode.
 #   fail  endpoint reason base max reset explicit_seconds(-1 = use the streak)
@@ -82,7 +82,7 @@ def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-class RedisCooldown:
+class RedisCooldown(RedisUser):
     """Which endpoints are cooling down, as seen by every worker of the job."""
 
     def __init__(
@@ -96,7 +96,7 @@ class RedisCooldown:
         reset_s: float = 120.0,
         cache_s: float = 0.2,
     ) -> None:
-        self._redis, self._owns_client = async_redis(redis)
+        super().__init__(redis)
         self._keys = [f"{prefix}:cooldown:{name}:until", f"{prefix}:cooldown:{name}:info"]
         self.base_s, self.max_s, self.reset_s, self.cache_s = base_s, max_s, reset_s, cache_s
         self._script = self._redis.register_script(_SCRIPT)
@@ -160,15 +160,6 @@ class RedisCooldown:
         await self._redis.delete(*self._keys)
         self._cache, self._cache_expires = {}, 0.0
 
-    async def close(self) -> None:
-        if self._owns_client:
-            await self._redis.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 class SharedBalancer(Balancer):

@@ -149,19 +149,16 @@ class ResultWriter:
     def held(self) -> int:
         return len(self._held)
 
-    def _files(self) -> list[Appender]:
-        return [self.output] + ([self.errors] if self.errors is not None else [])
+    def _each_file(self, op: Callable[[Appender], None]) -> None:
+        """``op`` on the output and the errors file; a failure is recorded, never raised."""
+        for f in [self.output] + ([self.errors] if self.errors is not None else []):
+            try:
+                op(f)
+            except OSError as e:
+                self._failed(f, e)
 
     def tick(self) -> None:
-        for f in self._files():
-            try:
-                f.tick()
-            except OSError as e:
-                self._failed(f, e)
+        self._each_file(Appender.tick)
 
     def close(self) -> None:
-        for f in self._files():
-            try:
-                f.close()
-            except OSError as e:
-                self._failed(f, e)
+        self._each_file(Appender.close)
