@@ -9,4 +9,5 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python3 -m ruff check --quiet .
+python3 -m mypy
 python3 -m pytest -q -rfEs "$@"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from typing import Any
 
 from carpool.client.base import CallResult, Request
 from carpool.client.retry import ErrorKind
@@ -28,7 +29,9 @@ def _text_of(content: object) -> str:
 def to_generate_request(req: Request, request_id: str) -> GenerateRequest:
     b = req.body
     stop = b.get("stop")
-    extra = b.get("extra_body") if isinstance(b.get("extra_body"), dict) else {}
+    extra = b.get("extra_body")
+    if not isinstance(extra, dict):
+        extra = {}
     params = SamplingParams(
         temperature=float(b.get("temperature", 1.0)),
         top_p=float(b.get("top_p", 1.0)),
@@ -52,7 +55,7 @@ class EngineBackend:
         DynamicBatcher lazily on the first embedding task (loading MiniLM costs seconds)."""
         self.engine = engine
         self._embedder_factory = embedder_factory
-        self._batcher = None
+        self._batcher: Any = None  # the embedding batcher, built on the first embedding task
         self.model_name = model_name or getattr(engine, "model_name", "engine")
         self._ids = itertools.count()
         self._run = uuid.uuid4().hex[:8]

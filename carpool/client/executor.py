@@ -51,7 +51,7 @@ class Executor:
         a CallResult from it is the answer (e.g. a semantic-cache hit of a task that finished
         while this one waited for its slot) and nothing is sent."""
         attempt = 0
-        retried: list[str] = []
+        retried: list[ErrorKind] = []
         while True:
             attempt += 1  # ``after``: an async callable(result) run on success before the slot is freed
             await self.budget.acquire(1, req.est_tokens)

@@ -66,7 +66,9 @@ class HttpBackend:
         elif body.get("stream") and not (body.get("stream_options") or {}).get("include_usage"):
             # A streamed answer without the usage chunk would be rebuilt without ``usage``,
             # unlike the same answer not streamed; usage costs one chunk.
-            options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            options = body.get("stream_options")
+            if not isinstance(options, dict):
+                options = {}
             body = {**body, "stream_options": {**options, "include_usage": True}}
         return body
 

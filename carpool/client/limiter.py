@@ -28,7 +28,7 @@ import time
 
 class FixedLimiter:
     def __init__(self, limit: int):
-        self.limit = max(1, int(limit))
+        self.limit: float = max(1, int(limit))  # the adaptive limiter moves it in fractions
         self.in_flight = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self.drops = 0

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from carpool.jobs.summary import JobStats
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
+    from rich.progress import TaskID
 
 
 class Progress:
@@ -20,8 +25,8 @@ class Progress:
         self.log_lines = enabled is None and not self.enabled
         self.log_every_s = log_every_s
         self._last_log = time.monotonic()
-        self._bar = None
-        self._task = None
+        self._bar: RichProgress | None = None
+        self._task: TaskID | None = None
         self._rate_points: list[tuple[float, int, int]] = []  # (t, done, tokens) for a moving rate
 
     def start(self) -> None:
@@ -60,7 +65,7 @@ class Progress:
         rps, tps = self._rates()
         completed = s.done + s.skipped
         hits = s.cache_hits + s.semantic_hits + s.dedup_fanouts
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=completed, total=s.total,
                              total_s=f"{s.total:,}" if s.total is not None else "?",
                              rates=f"{rps:,.1f} req/s {tps:,.0f} tok/s{extra}", errors=s.n_errors, hits=hits)

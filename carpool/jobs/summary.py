@@ -89,7 +89,8 @@ class JobStats:
         return self.saved_tokens / rate if rate else 0.0
 
     def sample(self, limiter_snapshot: dict | None = None) -> None:
-        row = {"t": round(self.elapsed, 3), "done": self.done, "ok": self.ok, "errors": self.n_errors,
+        row: dict[str, float | None] = {
+               "t": round(self.elapsed, 3), "done": self.done, "ok": self.ok, "errors": self.n_errors,
                "tokens": self.tokens, "completion_tokens": self.completion_tokens,
                "cache_hits": self.cache_hits + self.semantic_hits + self.dedup_fanouts,
                "retries": sum(self.retries.values())}

@@ -183,7 +183,7 @@ def build_task(obj: object, line_no: int, defaults: TaskDefaults) -> Task | BadL
     return Task(line_no, req)
 
 
-def parse_json_line(text: str | bytes, line_no: int, defaults: TaskDefaults) -> Task | BadLine | None:
+def parse_json_line(text: str, line_no: int, defaults: TaskDefaults) -> Task | BadLine | None:
     """One JSONL line; None for a blank line (skipped, not an error)."""
     if not text.strip():
         return None

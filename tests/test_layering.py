@@ -1,0 +1,209 @@
+"""carpool's imports point downward only, and no module imports itself back in a circle.
+
+The imports are read from the source with ``ast`` (nothing is imported, so no side
+effects), the ones inside functions included: a lazy import is an arrow too.  The layer
+order is ``LAYERS`` below, and only there (docs/ARCHITECTURE.md shows it to people).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "carpool"
+
+# Bottom to top.  A module may import from its own package and from the layers below its
+# own; packages sharing a layer do not import each other.
+LAYERS: list[set[str]] = [
+    {"engine"},
+    {"embed", "openai"},
+    {"client"},
+    {"cache"},
+    {"jobs"},
+    {""},  # the package root, carpool/__init__.py: carpool.run_batch is the jobs API
+    {"server"},
+    {"bench", "tune"},
+    {"distributed"},
+    {"commands"},
+    {"cli"},  # carpool/cli.py: the lazy dispatcher over commands/ (by module name)
+]
+# Beside the layers: may import any of them, and none of them imports it.
+BESIDE = {"testing"}
+# Leaf modules: import nothing of carpool, so every module may import them.
+LEAVES = {"paths", "report"}
+# Cycles known today and who removes them (the test fails once one is gone: delete it here).
+KNOWN_CYCLES: list[set[str]] = [
+    # redesign-openai is splitting server/app.py (the wiring) from the helpers the handlers
+    # import back from it (issue 19).
+    {"carpool.server.app", "carpool.server.generation", "carpool.server.embeddings"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The carpool module an imported name lives in (``carpool.jobs.tasks.Task`` -> ``carpool.jobs.tasks``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Nodes under ``if TYPE_CHECKING:``: read by type checkers, never run."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            out.update(id(n) for n in ast.walk(node))
+    return out
+
+
+def _imports(module: str) -> list[tuple[str, int, bool]]:
+    """(imported carpool module, line, whether only for type checking) for every import in ``module``."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    typing_only = _type_checking_nodes(tree)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package ``level - 1`` up
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            target = _resolve(name) if name.split(".")[0] == "carpool" else None
+            if target is not None and target != module:
+                found.append((target, node.lineno, id(node) in typing_only))
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _package(module: str) -> str:
+    """``carpool.jobs.tasks`` -> ``jobs``; ``carpool.paths`` -> ``paths``; ``carpool`` -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(package: str) -> int | None:
+    return next((i for i, names in enumerate(LAYERS) if package in names), None)
+
+
+def test_every_package_has_a_place():
+    packages = {_package(m) for m in MODULES}
+    placed = set().union(*LAYERS, BESIDE, LEAVES)
+    assert packages <= placed, f"add {sorted(packages - placed)} to LAYERS (or BESIDE / LEAVES) in this file"
+
+
+def _upward_arrows() -> list[str]:
+    bad = []
+    for module, imports in GRAPH.items():
+        src = _package(module)
+        for target, line, _ in imports:
+            dst = _package(target)
+            if dst == src or dst in LEAVES:
+                continue
+            where = f"{MODULES[module].relative_to(ROOT)}:{line} imports {target}"
+            if src in LEAVES:
+                bad.append(f"{where}: {src} is a leaf module and imports nothing of carpool")
+            elif dst in BESIDE:
+                bad.append(f"{where}: {dst} is beside the layers (for tests and benchmarks), not below them")
+            elif src in BESIDE:
+                continue
+            elif (_layer(dst) or 0) >= (_layer(src) or 0):
+                bad.append(f"{where}: {dst} is not below {src} (LAYERS in tests/test_layering.py)")
+    return bad
+
+
+def test_imports_point_downward():
+    assert _upward_arrows() == []
+
+
+def _cycles() -> list[set[str]]:
+    """Strongly connected components (Tarjan) of the imports that run."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w, _, typing_only in GRAPH[v]:
+            if typing_only:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for module in sorted(GRAPH):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_cycles():
+    cycles = _cycles()
+    new = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
+    assert new == [], "import cycles (a module reaches itself through these): " + "; ".join(map(str, new))
+    gone = [sorted(c) for c in KNOWN_CYCLES if c not in cycles]
+    assert gone == [], f"these cycles are gone: remove them from KNOWN_CYCLES: {gone}"
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import carpool.jobs.tasks", ["carpool.jobs.tasks"]),
+    ("from carpool.jobs.tasks import Task", ["carpool.jobs.tasks"]),
+    ("from carpool import cache", ["carpool.cache"]),
+    ("def f():\n    from carpool.engine import EngineConfig", ["carpool.engine"]),
+    ("from .tasks import Task", ["carpool.jobs.tasks"]),
+])
+def test_the_walk_sees_every_form_of_import(tmp_path, monkeypatch, source, expected):
+    # The checks above are only as good as this walk: each form of import must be found.
+    module = "carpool.jobs._probe"
+    path = tmp_path / "_probe.py"
+    path.write_text(source)
+    monkeypatch.setitem(MODULES, module, path)
+    assert [t for t, _, _ in _imports(module)] == expected
+
+
+def test_a_cycle_and_an_upward_arrow_are_caught(monkeypatch):
+    def add(module: str, target: str) -> None:
+        monkeypatch.setitem(GRAPH, module, [*GRAPH[module], (target, 1, False)])
+
+    add("carpool.engine.config", "carpool.jobs.tasks")
+    assert any("carpool/engine/config.py:1 imports carpool.jobs.tasks" in b for b in _upward_arrows())
+    add("carpool.jobs.tasks", "carpool.jobs.readers")  # readers imports tasks: now a circle
+    assert {"carpool.jobs.tasks", "carpool.jobs.readers"} in _cycles()
