@@ -380,6 +380,34 @@ def _order_change(a: list[str], runs: list[tuple[int, int, int]]) -> str:
     return ""
 
 
+def _pair_up(left: list[str], right: list[str], left_spare: list[str],
+             right_spare: list[str]) -> tuple[list[str], list[str]]:
+    """The words of ``left`` and ``right`` that find no equivalent on the other side.
+
+    Each word pairs once; the spares (ignorable words left over) may be the partner of a
+    misspelt word ("teh" / "the") but need no partner themselves.
+    """
+    pool, spare = list(right), list(right_spare)
+    unmatched_left = []
+    for w in left:
+        for candidates in (pool, spare):
+            partner = next((o for o in candidates if equivalent(w, o)), None)
+            if partner is not None:
+                candidates.remove(partner)
+                break
+        else:
+            unmatched_left.append(w)
+    spare = list(left_spare)
+    unmatched_right = []
+    for w in pool:
+        partner = next((o for o in spare if equivalent(w, o)), None)
+        if partner is None:
+            unmatched_right.append(w)
+        else:
+            spare.remove(partner)
+    return unmatched_left, unmatched_right
+
+
 def verify(query: str, stored: str) -> Verdict:
     """Whether ``stored``'s answer is ``query``'s answer, judged on their words (module docstring)."""
     a, b = tokens(query), tokens(stored)
@@ -389,19 +417,17 @@ def verify(query: str, stored: str) -> Verdict:
     # Tiling down to runs of one word aligns every word the texts share, so the words left
     # over are the multiset difference: check those first (cheap, and most candidates fail here).
     left_count, right_count = Counter(a), Counter(b)
-    left = [w for w in (left_count - right_count).elements() if w not in IGNORABLE]
-    right = [w for w in (right_count - left_count).elements() if w not in IGNORABLE]
-    if len(left) != len(right) or len(left) > _MAX_PAIRED:  # a word added or dropped, or another text
+    left_all = list((left_count - right_count).elements())
+    right_all = list((right_count - left_count).elements())
+    left = [w for w in left_all if w not in IGNORABLE]
+    right = [w for w in right_all if w not in IGNORABLE]
+    # A word added or dropped has nothing to pair with; more differing words than a few
+    # typos is another text.
+    if len(left) > len(right_all) or len(right) > len(left_all) or max(len(left), len(right)) > _MAX_PAIRED:
         return _difference(left, right)
     # Pair each leftover word with an equivalent leftover of the other text (typo, inflection...).
-    unmatched_right = list(right)
-    unmatched_left = []
-    for w in left:
-        partner = next((o for o in unmatched_right if equivalent(w, o)), None)
-        if partner is None:
-            unmatched_left.append(w)
-        else:
-            unmatched_right.remove(partner)
+    unmatched_left, unmatched_right = _pair_up(left, right, [w for w in left_all if w in IGNORABLE],
+                                               [w for w in right_all if w in IGNORABLE])
     if unmatched_left or unmatched_right:
         return _difference(unmatched_left, unmatched_right)
     moved = _order_change(a, tiles(a, b))

@@ -39,6 +39,7 @@ ACCEPTED = [
     ("Where is my package?", "Where's my package?"),
     ("My package hasn't arrived.", "My package hasnt arrived."),
     ("I recieved the wrong size.", "I received the wrong size."),
+    ("Teh screen cracked.", "The screen cracked."),  # an article misspelt is still the article
     ("The battery is long-lasting.", "The battery is long lasting."),
     ("The colour faded.", "The color faded."),
     ("The refund took three weeks.", "The refund took 3 weeks."),
