@@ -40,7 +40,7 @@ class IncrementalDetokenizer:
     def add_token(self, token: int, num_output_tokens: int) -> tuple[str, str | None]:
         """Feed one generated token; returns (text to emit now, finish_reason or None)."""
         if token in self.eos or token in self.stop_ids:
-            return self._flush(), "stop"
+            return self.flush(), "stop"
         self.ids.append(token)
         new = self._decode_new()
         if new and self.stops:
@@ -49,11 +49,11 @@ class IncrementalDetokenizer:
             cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
             if cut >= 0:
                 self.text = self.text[:cut]
-                return self._flush(), "stop"
+                return self.flush(), "stop"
         else:
             self.text += new
         if num_output_tokens >= self.params.max_tokens:
-            return self._flush(), "length"
+            return self.flush(), "length"
         end = len(self.text) - self._held_back()
         delta = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
@@ -67,7 +67,8 @@ class IncrementalDetokenizer:
                 return n
         return 0
 
-    def _flush(self) -> str:
+    def flush(self) -> str:
+        """Everything not handed out yet (the request ends here)."""
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta

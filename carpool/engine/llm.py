@@ -7,7 +7,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
-from .protocol import GenerateRequest, RequestOutput, SamplingParams
+from .protocol import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 
 
 class LLM:
@@ -32,11 +32,14 @@ class LLM:
         for s in seqs:
             self.engine.add_request(s)
         texts: dict[str, list[str]] = {s.request_id: [] for s in seqs}
+        logprobs: dict[str, list[TokenLogprob]] = {s.request_id: [] for s in seqs}
         done: dict[str, Any] = {}
         submitted = time.monotonic()
         while self.engine.has_unfinished():
             for d in self.engine.step():
                 texts[d.request_id].append(d.text)
+                if d.logprobs:
+                    logprobs[d.request_id].extend(d.logprobs)
                 if d.finished:
                     done[d.request_id] = d
         outs = []
@@ -48,5 +51,6 @@ class LLM:
             outs.append(RequestOutput(
                 request_id=s.request_id, prompt_token_ids=s.prompt_token_ids, token_ids=s.output_token_ids,
                 text="".join(texts[s.request_id]), finish_reason=d.finish_reason, usage=d.usage,
-                ttft_s=(first - start) if first else None, e2e_s=(fin - start) if fin else None))
+                ttft_s=(first - start) if first else None, e2e_s=(fin - start) if fin else None,
+                logprobs=logprobs[s.request_id] if s.params.logprobs is not None else None, error=d.error))
         return outs

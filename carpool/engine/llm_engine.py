@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -18,11 +19,16 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
+from .guided import GrammarCompiler, TokenVocabulary
 from .model import LlamaModel
 from .model_runner import ModelRunner
-from .protocol import EngineError, GenerateRequest, TokenDelta, Usage
+from .protocol import EngineError, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
+from .sampler import RawLogprobs, SampleResult
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .validation import check_sampling_params
+
+log = logging.getLogger("carpool.engine")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
            "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16}
@@ -121,6 +127,10 @@ class LLMEngine:
             raise EngineError(f"extra.prefill_attention must be kernel or matmul, got {prefill_mode!r}")
         self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed,
                                   use_kernel=mode != "torch", prefill_kernel=prefill_mode == "kernel")
+        self.runner.sampler.eos_token_ids = list(self.eos_token_ids)  # masked under min_tokens
+        # Token bytes/text (logprobs) and grammars (structured outputs), built on first use.
+        self.vocab = TokenVocabulary(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.vocab)
         self.requests: dict[str, Sequence] = {}
         self.listeners: list[Callable[[dict], None]] = []
         self.prompt_tokens = 0
@@ -168,12 +178,7 @@ class LLMEngine:
 
     def _validate(self, req: GenerateRequest, ids: list[int]) -> None:
         p, rid = req.params, req.request_id
-        if p.max_tokens is None or p.max_tokens < 1:
-            raise EngineError(f"request {rid}: max_tokens must be >= 1, got {p.max_tokens}")
-        if p.temperature < 0:
-            raise EngineError(f"request {rid}: temperature must be >= 0, got {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise EngineError(f"request {rid}: top_p must be in (0, 1], got {p.top_p}")
+        check_sampling_params(p, self.model_config.vocab_size, rid)
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise EngineError(f"request {rid}: prompt_token_ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
@@ -192,6 +197,8 @@ class LLMEngine:
         self._validate(req, ids)
         seq = Sequence(req.request_id, ids, req.params, self.block_size, req.priority, req.arrival_time)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params, self.eos_token_ids)
+        if req.params.structured_outputs is not None:  # compiled here, in the caller's thread, not in a step
+            seq.grammar = self.grammars.matcher(req.params.structured_outputs, req.request_id)
         return seq
 
     def add_request(self, req: GenerateRequest | Sequence) -> Sequence:
@@ -216,35 +223,102 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
 
-    def _finish(self, seq: Sequence, reason: str, token_ids: list[int], text: str) -> TokenDelta:
+    def _finish(self, seq: Sequence, reason: str, token_ids: list[int], text: str,
+                logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> TokenDelta:
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()
+        seq.grammar = None
         usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
-        return TokenDelta(seq.request_id, token_ids, text, reason, usage, seq.metrics())
+        return TokenDelta(seq.request_id, token_ids, text, reason, usage, seq.metrics(), logprobs, error)
+
+    def _fail(self, seq: Sequence, why: BaseException | str) -> TokenDelta:
+        """End one request with finish_reason "error"; the rest of the batch goes on."""
+        msg = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+        log.error("request %s failed inside a step and was dropped: %s", seq.request_id, msg,
+                  exc_info=why if isinstance(why, BaseException) else None)
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        return self._finish(seq, "error", [], "", None, f"the engine failed on this request: {msg}")
+
+    def _run(self, scheduled: list[tuple[Sequence, int]], deltas: list[TokenDelta]):
+        """The step's forward and sampling.  When it raises, each request is run alone to find the
+        ones that fail: they end with an error delta, the others' work is redone (their KV writes
+        are the same values to the same slots) and they go on.  A rare path: the parameters are
+        checked before a request runs and the sampler cannot overflow."""
+        # A seeded request must draw the same tokens on the rerun: keep its generator's state (~1 us).
+        states = [(s.generator, s.generator.get_state()) for s, _ in scheduled if s.generator is not None]
+        try:
+            seqs, result = self.runner.run(scheduled)
+            return scheduled, seqs, result
+        except Exception as e:  # noqa: BLE001 -- one request must not end the whole batch
+            if len(scheduled) == 1:
+                deltas.append(self._fail(scheduled[0][0], e))
+                return [], [], None
+            log.warning("a step of %d requests failed (%r); running them one by one", len(scheduled), e)
+        for gen, state in states:
+            gen.set_state(state)
+        kept: list[tuple[Sequence, int]] = []
+        seqs, tokens, logprobs, errors = [], [], [], {}
+        for item in scheduled:
+            try:
+                s, r = self.runner.run([item])
+            except Exception as e:  # noqa: BLE001 -- this request fails alone
+                deltas.append(self._fail(item[0], e))
+                continue
+            kept.append(item)
+            if s:
+                if 0 in r.errors:
+                    errors[len(seqs)] = r.errors[0]
+                seqs.append(s[0])
+                tokens.append(r.tokens[0])
+                logprobs.append(r.logprobs[0])
+        return kept, seqs, SampleResult(tokens, logprobs, errors)
+
+    def _token_logprob(self, token: int, raw: RawLogprobs) -> TokenLogprob:
+        v = self.vocab
+        top = [TopLogprob(t, v.token_text(t), list(v.token_bytes(t)), lp)
+               for t, lp in zip(raw.top_ids, raw.top_logprobs, strict=True)]
+        return TokenLogprob(token, v.token_text(token), list(v.token_bytes(token)), raw.logprob, top)
+
+    def _advance(self, seq: Sequence, tok: int, raw: RawLogprobs | None, now: float) -> TokenDelta:
+        """Append one sampled token to its sequence; the delta it produces (finished or not)."""
+        if seq.grammar is not None and not seq.grammar.accept(tok):
+            raise RuntimeError(f"the grammar refused token {tok}: {seq.grammar.error}")
+        seq.token_ids.append(tok)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        lps = [self._token_logprob(tok, raw)] if raw is not None else None
+        text, reason = seq.detokenizer.add_token(tok, seq.num_output_tokens)
+        if seq.grammar is not None and seq.grammar.is_stopped and reason != "stop":
+            # The grammar is complete and allows nothing more: done, even if it landed on max_tokens.
+            text += seq.detokenizer.flush()
+            reason = "stop"
+        if reason is None:
+            return TokenDelta(seq.request_id, [tok], text, logprobs=lps)
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        return self._finish(seq, reason, [tok], text, lps)
 
     def step(self) -> list[TokenDelta]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         deltas: list[TokenDelta] = []
         if out.scheduled:
-            seqs, tokens = self.runner.run(out.scheduled)
-            for seq, n in out.scheduled:
+            scheduled, seqs, result = self._run(out.scheduled, deltas)
+            for seq, n in scheduled:
                 seq.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(seq)
             now = time.monotonic()
             with self.tokenizer_lock:
-                for seq, tok in zip(seqs, tokens, strict=False):
-                    seq.token_ids.append(tok)
-                    if seq.first_token_time is None:
-                        seq.first_token_time = now
-                    text, reason = seq.detokenizer.add_token(tok, seq.num_output_tokens)
-                    if reason is None:
-                        deltas.append(TokenDelta(seq.request_id, [tok], text))
-                    else:
-                        self.requests.pop(seq.request_id, None)
-                        self.scheduler.finish(seq)
-                        deltas.append(self._finish(seq, reason, [tok], text))
-            self.generation_tokens += len(tokens)
+                for j, seq in enumerate(seqs):
+                    if j in result.errors:
+                        deltas.append(self._fail(seq, result.errors[j]))
+                        continue
+                    try:
+                        deltas.append(self._advance(seq, result.tokens[j], result.logprobs[j], now))
+                    except Exception as e:  # noqa: BLE001 -- this request fails alone
+                        deltas.append(self._fail(seq, e))
+            self.generation_tokens += len(seqs)
         info = {
             "num_prefill_tokens": out.num_prefill_tokens,
             "num_decode_tokens": out.num_decode_tokens,

@@ -10,7 +10,7 @@ import torch
 
 from . import paged_attention as pa
 from .model import AttentionMetadata, LlamaModel
-from .sampler import Sampler
+from .sampler import Sampler, SampleResult
 from .sequence import Sequence
 
 
@@ -126,11 +126,10 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_seqs
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int]]:
-        """One forward over the scheduled tokens; returns the sequences that sampled and their tokens."""
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
+        """One forward over the scheduled tokens; returns the sequences that sampled and what they sampled."""
         input_ids, positions, meta, sample_seqs = self.prepare(scheduled)
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if not sample_seqs:
-            return [], []
-        tokens = self.sampler(logits, [s.params for s in sample_seqs], [s.generator for s in sample_seqs])
-        return sample_seqs, tokens
+            return [], None
+        return sample_seqs, self.sampler(logits, sample_seqs)

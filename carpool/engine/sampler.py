@@ -1,67 +1,199 @@
-"""Batched sampling: greedy rows by one argmax, the rest by temperature/top-k/top-p.
+"""Batched sampling: grammar masks, penalties, logit bias, then greedy or temperature/top-k/top-p/min-p.
 
-Each request with a ``seed`` owns a ``torch.Generator``, so its tokens do not depend
-on what else is in the batch; requests without one share the engine's generator.
+Order of the logits processing, per row and only for rows that ask for it:
+grammar mask -> min_tokens -> logit_bias -> repetition penalty -> frequency/presence
+penalties -> (greedy argmax) or temperature -> top-k -> top-p -> min-p -> draw.
+Logprobs are taken before all of it, from the raw model logits (vLLM's default
+``logprobs_mode``): the model's own confidence, whatever the request did to the choice.
+
+Float32-safe by construction, since one row's failure used to end the whole step:
+temperatures below ``GREEDY_TEMPERATURE`` are greedy (never a division by an underflowed
+value), temperatures and repetition penalties are capped where float32 would overflow,
+top_k is clamped to the vocabulary in Python (a 1e30 never reaches a tensor), top_p keeps
+at least the top token, and a row with no allowed token is reported as that row's error.
+
+Each request with a ``seed`` owns a ``torch.Generator``, so its tokens do not depend on
+what else is in the batch; requests without one share the engine's generator.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
 
+from .guided import allocate_bitmask, apply_bitmask
 from .protocol import SamplingParams
 
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
-def _is_greedy(p: SamplingParams) -> bool:
-    return p.temperature <= 0.0 or p.top_k == 1
+GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon: below it, sampling is argmax
+MAX_TEMPERATURE = 1e4  # logits / 1e4 are already uniform to float32 precision
+PENALTY_RANGE = (1e-6, 1e6)  # repetition penalty: beyond it float32 logits overflow
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps logit_bias to [-100, 100]
+
+
+def is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < GREEDY_TEMPERATURE or p.top_k == 1
+
+
+def _needs_processing(p: SamplingParams) -> bool:
+    return bool(p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0
+                or p.frequency_penalty or p.presence_penalty)
+
+
+@dataclass
+class RawLogprobs:
+    """One sampled token's raw logprob and its position's top alternatives (most likely first)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]  # one per row; undefined for rows in ``errors``
+    logprobs: list[RawLogprobs | None]  # per row: None unless the request asked
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not sample
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids: list[int] = []  # masked under min_tokens (set by the engine)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """``logits`` [S, vocab] (model dtype); one token id per row.
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """``logits`` [S, vocab] (model dtype), one row per sequence; one token per row.
 
-        Argmax runs on an fp32 copy: the same values (bf16 -> fp32 is exact), but torch's
-        fp32 argmax is several times faster than its bf16 one on CPU.
+        Runs on an fp32 copy: the same values (bf16 -> fp32 is exact), torch's fp32 argmax is
+        several times faster than its bf16 one on CPU, and the processing below is in fp32.
         """
         logits = logits.float()
-        greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
-        if len(greedy) == len(params):
-            return logits.argmax(dim=-1).tolist()
-        out = [0] * len(params)
-        if greedy:
-            idx = torch.tensor(greedy)
-            for i, t in zip(greedy, logits.index_select(0, idx).argmax(dim=-1).tolist(), strict=False):
-                out[i] = t
-        rows = [i for i in range(len(params)) if not _is_greedy(params[i])]
+        params = [s.params for s in seqs]
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = torch.log_softmax(logits.index_select(0, torch.tensor(want_lp)), dim=-1) if want_lp else None
+        errors: dict[int, str] = {}
+        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if grammar_rows:
+            self._apply_grammar(logits, seqs, grammar_rows, errors)
+        for i, s in enumerate(seqs):
+            if _needs_processing(s.params):
+                self._process_row(logits[i], s)
+        greedy = [i for i, p in enumerate(params) if is_greedy(p)]
+        if len(greedy) == len(params) and not grammar_rows:
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = [0] * len(params)
+            if greedy:
+                chosen = logits.index_select(0, torch.tensor(greedy)).argmax(dim=-1).tolist()
+                for i, t in zip(greedy, chosen, strict=True):
+                    tokens[i] = t
+            rows = [i for i in range(len(params)) if not is_greedy(params[i])]
+            if rows:
+                self._draw(logits, seqs, rows, tokens)
+        logprobs: list[RawLogprobs | None] = [None] * len(params)
+        if raw is not None:
+            self._gather_logprobs(raw, want_lp, params, tokens, logprobs)
+        return SampleResult(tokens, logprobs, errors)
+
+    # ----------------------------------------------------------------- processing
+
+    def _apply_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                       errors: dict[int, str]) -> None:
+        mask = allocate_bitmask(len(rows), logits.shape[1])
+        for j, i in enumerate(rows):
+            g = seqs[i].grammar
+            g.fill_bitmask(mask, j)
+            if g.error is not None:
+                errors[i] = f"grammar: {g.error}"
+        idx = torch.tensor(rows)
+        x = logits.index_select(0, idx)
+        apply_bitmask(x, mask)
+        dead = (~torch.isfinite(x).any(dim=-1)).nonzero().view(-1).tolist()
+        for j in dead:  # nothing allowed: that row fails; zeros keep the batched draw from NaNs
+            errors.setdefault(rows[j], "the grammar allows no token here (is the schema satisfiable?)")
+            x[j] = 0.0
+        logits.index_copy_(0, idx, x)
+
+    def _process_row(self, x: torch.Tensor, seq: Sequence) -> None:
+        """min_tokens, logit_bias and the penalties, in place on one row of fp32 logits."""
+        p = seq.params
+        out_ids = seq.token_ids[seq.num_prompt_tokens:]
+        # A grammar decides itself when the output may end; masking its end would leave nothing.
+        if p.min_tokens and len(out_ids) < p.min_tokens and seq.grammar is None:
+            stop = [*([] if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids]
+            if stop:
+                x[torch.tensor(stop)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float64)
+            x.index_add_(0, ids, bias.clamp(-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT).float())
+        if p.repetition_penalty != 1.0:
+            # HF's RepetitionPenaltyLogitsProcessor: over prompt and output, each seen token once.
+            seen = torch.tensor(seq.token_ids, dtype=torch.long).unique()
+            pen = min(max(float(p.repetition_penalty), PENALTY_RANGE[0]), PENALTY_RANGE[1])
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / pen, v * pen)
+        if (p.frequency_penalty or p.presence_penalty) and out_ids:
+            counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=x.shape[0])[: x.shape[0]]
+            counts = counts.to(x.dtype)
+            x -= counts * float(p.frequency_penalty) + (counts > 0).to(x.dtype) * float(p.presence_penalty)
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], tokens: list[int]) -> None:
+        vocab = logits.shape[1]
+        params = [seqs[i].params for i in rows]
         x = logits.index_select(0, torch.tensor(rows))
-        temps = torch.tensor([params[i].temperature for i in rows], dtype=x.dtype).unsqueeze(1)
-        x = x / temps
-        top_ks = [params[i].top_k for i in rows]
-        top_ps = [params[i].top_p for i in rows]
-        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        temps = [min(float(p.temperature), MAX_TEMPERATURE) for p in params]  # each >= GREEDY_TEMPERATURE
+        x = x / torch.tensor(temps, dtype=x.dtype).unsqueeze(1)
+        # Clamp in Python: a top_k of 1e30 must never reach a tensor constructor.
+        top_ks = [vocab if p.top_k <= 0 or p.top_k >= vocab else int(p.top_k) for p in params]
+        top_ps = [float(p.top_p) for p in params]
+        min_ps = [float(p.min_p) for p in params]
+        if any(k < vocab for k in top_ks) or any(tp < 1.0 for tp in top_ps):
             x = self._filter(x, top_ks, top_ps)
         probs = torch.softmax(x, dim=-1)
+        if any(mp > 0.0 for mp in min_ps):
+            # min-p: drop tokens whose probability is below min_p x the top token's.
+            floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        shared = [j for j, i in enumerate(rows) if seqs[i].generator is None]
+        if shared:  # one draw for every row on the engine's generator
+            drawn = torch.multinomial(probs.index_select(0, torch.tensor(shared)), 1, generator=self.generator)
+            for j, t in zip(shared, drawn.view(-1).tolist(), strict=True):
+                tokens[rows[j]] = t
         for j, i in enumerate(rows):
-            gen = generators[i] if generators[i] is not None else self.generator
-            out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
-        return out
+            gen = seqs[i].generator
+            if gen is not None:
+                tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
 
     @staticmethod
     def _filter(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-        """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
+        """Mask (to -inf) everything outside each row's top-k and top-p nucleus; the top token stays."""
         vocab = x.shape[-1]
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
         ranks = torch.arange(vocab).unsqueeze(0)
-        ks = torch.tensor([k if k > 0 else vocab for k in top_ks]).unsqueeze(1)
-        drop = ranks >= ks
+        drop = ranks >= torch.tensor(top_ks).unsqueeze(1)
         ps = torch.tensor(top_ps, dtype=x.dtype).unsqueeze(1)
         if (ps < 1.0).any():
             probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
-            # Drop a token when the tokens ranked above it already reach top_p (keeps at least one).
+            # Drop a token when the tokens ranked above it already reach top_p; a top_p that
+            # underflowed to 0 in float32 would drop the top token too, so rank 0 always stays.
             before = probs.cumsum(dim=-1) - probs
-            drop |= before >= ps
+            drop |= (before >= ps) & (ranks > 0)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
+
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], tokens: list[int],
+                         out: list[RawLogprobs | None]) -> None:
+        k_max = max(params[i].logprobs or 0 for i in rows)
+        chosen = raw.gather(1, torch.tensor([tokens[i] for i in rows]).unsqueeze(1)).view(-1).tolist()
+        if k_max:
+            top_v, top_i = raw.topk(k_max, dim=-1)  # sorted, most likely first
+            top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(rows):
+            k = params[i].logprobs or 0
+            out[i] = RawLogprobs(chosen[j], top_i[j][:k] if k else [], top_v[j][:k] if k else [])

@@ -84,6 +84,18 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
 
+    def _pending_blocks(self, scheduled: list[tuple[Sequence, int]]) -> set[int]:
+        """Hashes of the blocks that become full and computed when ``scheduled`` runs."""
+        if not self.bm.enable_prefix_caching:
+            return set()
+        bs = self.bm.block_size
+        return {seq.block_hash(i) for seq, n in scheduled if n > 1
+                for i in range(seq.num_computed_tokens // bs, (seq.num_computed_tokens + n) // bs)}
+
+    def _next_block_pending(self, seq: Sequence, num_cached_blocks: int, pending: set[int]) -> bool:
+        full = (seq.num_tokens - 1) // self.bm.block_size  # blocks that could hit (see match_prefix)
+        return num_cached_blocks < full and seq.block_hash(num_cached_blocks) in pending
+
     def schedule(self) -> SchedulerOutput:
         now = time.monotonic()
         out = SchedulerOutput()
@@ -124,9 +136,17 @@ class Scheduler:
         # Admit waiting sequences (not in a step that had to preempt: memory is tight).
         if not out.preempted:
             self.waiting.sort(key=key)
+            # Full blocks this step's prefills compute: a waiting sequence whose next block is one
+            # of them (n choices of one prompt, a shared system prompt) waits a step and then hits
+            # the prefix cache instead of computing the same block twice in one forward.
+            pending = self._pending_blocks(out.scheduled)
+            deferred: list[Sequence] = []
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 cached = self.bm.match_prefix(seq)
+                if pending and self._next_block_pending(seq, len(cached), pending):
+                    deferred.append(self.waiting.pop(0))
+                    continue
                 num_cached = len(cached) * self.bm.block_size
                 remaining = seq.num_tokens - num_cached
                 n = min(remaining, budget)
@@ -149,6 +169,9 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 out.num_prefill_tokens += n
                 budget -= n
+                if self.bm.enable_prefix_caching:
+                    pending |= self._pending_blocks([(seq, n)])
+            self.waiting[:0] = deferred
         # The model runner wants single-token queries first.
         out.scheduled.sort(key=lambda sn: sn[1] != 1)
         return out

@@ -12,6 +12,7 @@ from .protocol import SamplingParams
 
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
+    from .guided import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -50,6 +51,7 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(int(params.seed))
         self.detokenizer: IncrementalDetokenizer | None = None
+        self.grammar: GrammarMatcher | None = None  # structured outputs: the request's grammar state
         # Timestamps (time.monotonic) for metrics; queue waits accumulate across preemptions (lof).
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.waiting_since = self.arrival_time
