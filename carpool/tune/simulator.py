@@ -397,9 +397,17 @@ class Simulator:
             return sched  # memory is tight: no admissions this step
         self.waiting.sort(key=key)
         self._admitted = set()
+        # As the engine: a waiting sequence whose next block is computed in this step by another
+        # waits a step, then hits the prefix cache.
+        pending = self._pending_keys(sched)
+        deferred: list[_Seq] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             s = self.waiting[0]
             hit = self.pool.lookup(s.keys[: (s.num_tokens - 1) // cfg.block_size])
+            nxt = len(hit)
+            if pending and nxt < min((s.num_tokens - 1) // bs, len(s.keys)) and s.keys[nxt] in pending:
+                deferred.append(self.waiting.pop(0))
+                continue
             computed = len(hit) * cfg.block_size
             left = s.num_tokens - computed
             n = min(left, budget)
@@ -424,7 +432,18 @@ class Simulator:
             sched.append((s, n))
             self._admitted.add(s.seqno)
             budget -= n
+            if cfg.enable_prefix_caching:
+                pending |= self._pending_keys([(s, n)])
+        self.waiting[:0] = deferred
         return sched
+
+    def _pending_keys(self, sched: list[tuple[_Seq, int]]) -> set[tuple]:
+        """Keys of the blocks that become full when ``sched`` runs (prefill chunks only)."""
+        if not self.cfg.enable_prefix_caching:
+            return set()
+        bs = self.cfg.block_size
+        return {s.keys[bi] for s, n in sched if n > 1
+                for bi in range(s.num_computed // bs, min((s.num_computed + n) // bs, len(s.keys)))}
 
     def _run_continuous(self) -> None:
         bs = self.cfg.block_size
