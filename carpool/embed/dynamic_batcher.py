@@ -61,9 +61,13 @@ class DynamicBatcher:
         if any(s < 1 or s > max_batch_size for s in preferred_batch_sizes):
             raise ValueError(f"preferred_batch_sizes {list(preferred_batch_sizes)} must lie in "
                              f"1..max_batch_size ({max_batch_size})")
-        self.embedder = embedder  # callers use it for token counts and the model name
+        self.embedder = embedder
         self._embed_fn = embedder.embed if hasattr(embedder, "embed") else embedder
         self._count = count_tokens or _token_counter(embedder)
+        # What the server and the in-process backend report: the model's name ("" when the
+        # embedder is a bare function) and its vector width (0 when unknown).
+        self.model_name = str(getattr(embedder, "name", "") or "")
+        self.dim = int(getattr(embedder, "dim", 0) or 0)
         self.max_queue_delay_s = max_queue_delay_us / 1e6
         self.preferred_batch_sizes = sorted(set(preferred_batch_sizes))
         self.max_batch_size = max_batch_size
@@ -116,6 +120,10 @@ class DynamicBatcher:
                 raise QueueTimeoutError(f"request waited over queue_timeout_s={self.queue_timeout_s:g} s "
                                         "in the embedding queue") from None
             return await item.future  # already running: the answer is on its way
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens per text, as the batch token limit counts them (the model's tokenizer when it has one)."""
+        return list(self._count(list(texts))) if texts else []
 
     def add_batch_listener(self, fn: Callable[[dict], None]) -> None:
         """fn(dict) after each batch: batch_size, num_requests, num_tokens, queue_delays_s, duration_s."""

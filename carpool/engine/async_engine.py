@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
 from .config import EngineConfig
@@ -32,7 +32,7 @@ class AsyncEngine:
         # request_id -> (event loop, queue) of the consumer
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._start_lock = threading.Lock()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # what stopped the loop (EngineClient.error)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -144,7 +144,8 @@ class AsyncEngine:
         self._require()
         return self.engine.stats()
 
-    def add_step_listener(self, fn) -> None:
+    def add_step_listener(self, fn: Callable[[dict], None]) -> None:
+        """``fn(info)`` after every engine step, on the engine's thread (see ``EngineClient``)."""
         self._require()
         self.engine.add_step_listener(fn)
 

@@ -9,7 +9,7 @@ therefore the same code path above this line.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -190,10 +190,22 @@ class EngineError(ValueError):
 
 
 class EngineClient(Protocol):
-    """What the rest of carpool needs from an engine (in-process or remote)."""
+    """What the rest of carpool needs from an engine (in-process or remote).
 
-    model_name: str
-    max_model_len: int
+    ``error`` is the exception that stopped the engine loop, or None while it serves;
+    ``add_step_listener(fn)`` calls ``fn(info)`` after every engine step (possibly on the
+    engine's thread; ``info`` has num_prefill_tokens, num_decode_tokens, num_running,
+    num_waiting, duration_s); ``shutdown`` ends every open stream and stops the engine.
+    """
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
 
     def submit(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]: ...
 
@@ -202,3 +214,7 @@ class EngineClient(Protocol):
     def count_prompt_tokens(self, request: GenerateRequest) -> int: ...
 
     def stats(self) -> dict: ...
+
+    def add_step_listener(self, fn: Callable[[dict], None]) -> None: ...
+
+    async def shutdown(self) -> None: ...

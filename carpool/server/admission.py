@@ -56,23 +56,23 @@ class AdmissionController:
         # An empty waiting room always admits, so one request larger than the token limit
         # still runs (the bound is then that one request, itself capped by max_model_len).
         if self.waiting_seqs:
-            if self.max_queue_size is not None and self.waiting_seqs + seqs > self.max_queue_size:
-                return Rejection(
-                    "queue_full",
-                    f"server queue is full ({self.waiting_seqs} waiting, --max-queue-size "
-                    f"{self.max_queue_size}); retry later",
-                    self.retry_after(),
-                )
-            if self.max_queued_tokens is not None and self.waiting_tokens + tokens > self.max_queued_tokens:
-                return Rejection(
-                    "queued_tokens",
-                    f"server queue holds {self.waiting_tokens} prompt tokens, this request adds {tokens} "
-                    f"(--max-queued-tokens {self.max_queued_tokens}); retry later",
-                    self.retry_after(),
-                )
+            refused = self._refusal(seqs, tokens)
+            if refused is not None:
+                reason, message = refused
+                return Rejection(reason, message, self.retry_after())
         self.waiting_seqs += seqs
         self.waiting_tokens += tokens
         return Ticket(self, seqs, tokens)
+
+    def _refusal(self, seqs: int, tokens: int) -> tuple[str, str] | None:
+        """(reason, message) when admitting would pass a limit."""
+        if self.max_queue_size is not None and self.waiting_seqs + seqs > self.max_queue_size:
+            return "queue_full", (f"server queue is full ({self.waiting_seqs} waiting, --max-queue-size "
+                                  f"{self.max_queue_size}); retry later")
+        if self.max_queued_tokens is not None and self.waiting_tokens + tokens > self.max_queued_tokens:
+            return "queued_tokens", (f"server queue holds {self.waiting_tokens} prompt tokens, this request adds "
+                                     f"{tokens} (--max-queued-tokens {self.max_queued_tokens}); retry later")
+        return None
 
     def _leave(self, ticket: Ticket) -> None:
         self.waiting_seqs -= ticket.seqs

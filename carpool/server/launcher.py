@@ -24,8 +24,11 @@ from typing import Any
 
 from aiohttp import web
 
-from carpool.server.app import STATE, ServerState, build_app
+from carpool.embed.dynamic_batcher import DynamicBatcher
+from carpool.engine.protocol import EngineClient
+from carpool.server.app import build_app
 from carpool.server.config import ServerConfig
+from carpool.server.state import STATE, ServerState
 
 
 class _Running:
@@ -42,7 +45,8 @@ class _Running:
         await self.runner.cleanup()
 
 
-async def start(config: ServerConfig, engine: Any = None, batcher: Any = None) -> tuple[_Running, web.Application]:
+async def start(config: ServerConfig, engine: EngineClient | None = None,
+                batcher: DynamicBatcher | None = None) -> tuple[_Running, web.Application]:
     """Start serving on the running loop; returns once the engine is loaded and the port bound."""
     app = build_app(config, engine=engine, batcher=batcher)
     # handler_cancellation: a client that goes away cancels its handler, whose cleanup aborts
@@ -88,7 +92,7 @@ class ServerHandle:
         return self.app[STATE]
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> EngineClient:
         return self.state.engine
 
     def call(self, coro, timeout: float = 60.0) -> Any:
@@ -98,8 +102,8 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def start_server(config: ServerConfig | None = None, *, engine: Any = None, batcher: Any = None,
-                 timeout_s: float = 300.0) -> Iterator[ServerHandle]:
+def start_server(config: ServerConfig | None = None, *, engine: EngineClient | None = None,
+                 batcher: DynamicBatcher | None = None, timeout_s: float = 300.0) -> Iterator[ServerHandle]:
     """Serve in a background thread with its own event loop; yields a ServerHandle.
 
     Use ``port=0`` for a free port.  ``engine``/``batcher`` may be passed in (then they are not

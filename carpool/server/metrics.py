@@ -22,6 +22,18 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _DELAY_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
 
+# the server's own latency and size histograms, labelled model_name: key -> (name, help, buckets)
+_HISTOGRAMS: dict[str, tuple[str, str, tuple]] = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS),
+    "itl": ("vllm:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS),
+    "e2e": ("vllm:e2e_request_latency_seconds", "End-to-end request latency", _E2E_BUCKETS),
+    "queue_time": ("vllm:request_queue_time_seconds", "Time a request spent waiting before it was scheduled",
+                   _LATENCY_BUCKETS),
+    "iteration_tokens": ("vllm:iteration_tokens_total", "Tokens processed per engine step", _TOKEN_BUCKETS),
+    "prompt_len": ("vllm:request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS),
+    "generation_len": ("vllm:request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS),
+}
+
 # stats() key -> (metric name without the _total suffix, help, kind)
 _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("num_requests_running", "vllm:num_requests_running", "Requests in model execution batches", "gauge"),
@@ -61,35 +73,19 @@ class ServerMetrics:
         self.model_name = model_name
         if engine_stats is not None:
             self.registry.register(_EngineCollector(engine_stats, model_name))
-        reg, labels = self.registry, ["model_name"]
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token", labels,
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between output tokens", labels,
-            buckets=_ITL_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
-            buckets=_E2E_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds", "Time a request spent waiting before it was scheduled",
-            labels, buckets=_LATENCY_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.iteration_tokens = Histogram(
-            "vllm:iteration_tokens_total", "Tokens processed per engine step", labels,
-            buckets=_TOKEN_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.prompt_len = Histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens per request", labels,
-            buckets=_TOKEN_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.generation_len = Histogram(
-            "vllm:request_generation_tokens", "Generated tokens per request", labels,
-            buckets=_TOKEN_BUCKETS, registry=reg,
-        ).labels(model_name)
+
+        def histogram(key: str):
+            name, doc, buckets = _HISTOGRAMS[key]
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("ttft")
+        self.itl = histogram("itl")
+        self.e2e = histogram("e2e")
+        self.queue_time = histogram("queue_time")
+        self.iteration_tokens = histogram("iteration_tokens")
+        self.prompt_len = histogram("prompt_len")
+        self.generation_len = histogram("generation_len")
+        reg = self.registry
         self._success = Counter(
             "vllm:request_success", "Finished requests by finish reason",
             ["model_name", "finished_reason"], registry=reg,
@@ -119,6 +115,12 @@ class ServerMetrics:
         tokens = int(step.get("num_prefill_tokens", 0)) + int(step.get("num_decode_tokens", 0))
         if tokens:
             self.iteration_tokens.observe(tokens)
+
+    def on_embedding_batch(self, event: dict) -> None:
+        """A ``DynamicBatcher.add_batch_listener`` callback."""
+        self.embedding_batch_size.observe(event["batch_size"])
+        for delay in event.get("queue_delays_s", ()):
+            self.embedding_queue_delay.observe(delay)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from carpool.server.jsonutil import dumps
+from carpool.server.http import dumps
 
 DONE = b"data: [DONE]\n\n"
 

@@ -6,15 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from carpool.openai.openapi import openapi_document
+from carpool.openai.schema import chat_request_schema, completion_request_schema, embedding_request_schema
+from carpool.openai.validation import SchemaError, validate
 from carpool.server.admission import AdmissionController, Rejection, Ticket
-from carpool.server.openai_schema import (
-    SchemaError,
-    chat_request_schema,
-    completion_request_schema,
-    embedding_request_schema,
-    openapi_document,
-    validate,
-)
 
 CHAT = chat_request_schema(["m"], max_model_len=100, max_n=4)
 COMPLETION = completion_request_schema(["m"], max_model_len=100, max_n=4)

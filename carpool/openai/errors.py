@@ -1,10 +1,12 @@
-"""OpenAI-style error values: ``{"error": {"message", "type", "param", "code"}}``."""
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` plus the HTTP status.
+
+The translation layer raises them for a body it cannot run (a field out of range, a prompt
+past the context), the server's handlers for everything else (unknown model, full queue).
+The server turns one into a response; the in-process backend into a failed result with
+the same body, so a task fails the same way with and without ``--endpoint``.
+"""
 
 from __future__ import annotations
-
-from aiohttp import web
-
-from carpool.server.jsonutil import dumps
 
 # HTTP status -> the OpenAI error "type" clients switch on.
 _TYPES = {
@@ -20,8 +22,8 @@ _TYPES = {
 }
 
 
-class ApiError(Exception):
-    """An error a handler raises; the middleware turns it into an OpenAI error response."""
+class OpenAIError(Exception):
+    """An error answer: ``status`` for HTTP, ``body()`` for the JSON, ``headers`` (e.g. Retry-After)."""
 
     def __init__(
         self,
@@ -43,15 +45,3 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.Response(
-            status=self.status,
-            body=dumps(self.body()),
-            content_type="application/json",
-            headers=self.headers,
-        )
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)

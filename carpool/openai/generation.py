@@ -1,0 +1,105 @@
+"""Run the choices of one prepared request on an engine, as one stream of deltas.
+
+One OpenAI request becomes one engine request per (prompt, choice); ``Generation`` submits
+them all through ``EngineClient.submit``, merges their deltas into one async stream
+(gathering each into its ``Choice`` on the way) and, on ``close``, aborts whatever still
+runs, which frees its KV blocks at once.  ``close`` is safe on every exit path (finished,
+failed, cancelled because the client went away), so callers put it in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from carpool.engine.protocol import EngineClient, EngineError, TokenDelta
+from carpool.openai.errors import OpenAIError
+from carpool.openai.responses import Choice
+
+log = logging.getLogger("carpool.openai")
+
+
+class Generation:
+    def __init__(self, engine: EngineClient, choices: list[Choice]) -> None:
+        self.engine = engine
+        self.choices = choices
+        self._tasks: list[asyncio.Task] = []
+        self._gen: AsyncGenerator[tuple[Choice, TokenDelta], None] | None = None
+
+    def deltas(self) -> AsyncIterator[tuple[Choice, TokenDelta]]:
+        """(choice, delta) as the engine produces them, every choice's last one included.
+
+        A failed engine request raises its exception here (``engine_failure`` says which
+        error answer it is)."""
+        if self._gen is None:
+            self._gen = self._deltas()
+        return self._gen
+
+    @property
+    def aborted(self) -> bool:
+        """Some choice ended with finish_reason "abort" (the engine is shutting down)."""
+        return any(c.finish_reason == "abort" for c in self.choices)
+
+    async def _deltas(self) -> AsyncGenerator[tuple[Choice, TokenDelta], None]:
+        if len(self.choices) == 1:  # the common case: no tasks, no queue
+            choice = self.choices[0]
+            async for delta in self.engine.submit(choice.request):
+                choice.add(delta)
+                yield choice, delta
+            return
+        queue: asyncio.Queue[tuple[Choice, TokenDelta | Exception]] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for delta in self.engine.submit(choice.request):
+                    queue.put_nowait((choice, delta))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which answers with it
+                queue.put_nowait((choice, e))
+
+        self._tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        remaining = len(self.choices)
+        while remaining:
+            choice, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            choice.add(item)
+            if item.finished:
+                remaining -= 1
+            yield choice, item
+
+    async def close(self) -> None:
+        """Abort whatever still runs; safe after cancellation and on every exit path."""
+        if self._gen is not None:
+            try:
+                await self._gen.aclose()
+            except Exception:  # closing must go on to the aborts below
+                log.debug("closing the delta stream failed", exc_info=True)
+        for t in self._tasks:
+            t.cancel()
+        for c in self.choices:
+            if c.finish_reason is None:
+                try:
+                    await self.engine.abort(c.request.request_id)
+                except Exception:
+                    log.exception("abort of %s failed", c.request.request_id)
+
+
+def engine_failure(e: Exception, engine: EngineClient) -> OpenAIError:
+    """The error answer for an exception out of ``Generation.deltas``."""
+    if isinstance(e, OpenAIError):
+        return e
+    if engine.error is not None:  # the engine loop itself died
+        log.error("engine loop failed: %r", engine.error)
+        return OpenAIError(503, f"the engine has failed and cannot serve: {engine.error!r}",
+                           type="server_error", code="engine_failed")
+    if isinstance(e, EngineError):
+        return OpenAIError(400, str(e))
+    log.error("engine failed: %r", e)
+    return OpenAIError(500, f"engine error: {e}", type="server_error")
+
+
+def aborted_error() -> OpenAIError:
+    """The answer when the engine aborted a choice (it is shutting down): retry elsewhere or later."""
+    return OpenAIError(503, "the engine aborted the request (is it shutting down?); retry",
+                       type="server_error", headers={"Retry-After": "1"})

@@ -1,0 +1,203 @@
+"""OpenAI request body -> engine requests: the one translation and its default policy.
+
+``Translator.prepare(kind, body)`` validates a chat or text-completion body, turns it into
+one ``GenerateRequest`` per (prompt, choice) and checks the lengths against the context.
+The server, the in-process backend, bench and tune all go through it, so a task gets the
+same answer whichever way it is run.
+
+The default policy follows vLLM 0.32's OpenAI server and the OpenAI API:
+
+- ``max_tokens`` (or ``max_completion_tokens``) unset: chat generates up to the rest of
+  the context; a text completion 16 tokens (the legacy API's and vLLM's default).  A value
+  past the context is a 400 naming the field and the most it may be.
+- chat messages: ``developer`` becomes ``system`` (the templates carpool runs have no
+  developer role; vLLM does the same for them) and, when it did, the system messages are
+  merged into one at the start, joined by a blank line, as vLLM does; text content parts
+  are joined with "\\n"; ``name`` is kept.
+- ``stop``: a string or a list; an empty stop string is refused by the schema (vLLM too).
+- ``n``: n engine requests per prompt; a seeded request gives choice i the seed ``seed + i``.
+
+``sampling_params`` is the one place a body field becomes an engine field: a parameter the
+engine learns (logprobs, penalties, structured output) is one line there plus its schema
+entry in ``schema.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+
+from carpool.engine.protocol import EngineClient, EngineError, GenerateRequest, SamplingParams
+from carpool.openai.errors import OpenAIError
+from carpool.openai.responses import Choice
+from carpool.openai.schema import chat_request_schema, completion_request_schema
+from carpool.openai.validation import SchemaError, validate
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions API and vLLM
+DEFAULT_MAX_N = 16
+
+_ID_PREFIX = {"chat": "chatcmpl", "completion": "cmpl"}
+
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """The messages as the chat template gets them (see the module docstring for the rules)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "\n".join(part["text"] for part in content)
+        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
+        if m.get("name"):
+            msg["name"] = m["name"]
+        out.append(msg)
+    if any(m["role"] == "developer" for m in messages):
+        out = _merge_system(out)
+    return out
+
+
+def _merge_system(messages: list[dict]) -> list[dict]:
+    """One system message first, holding every system message's text (some templates want it there)."""
+    system = [i for i, m in enumerate(messages) if m["role"] == "system"]
+    if system == [0] or not system:
+        return messages
+    merged = {"role": "system", "content": "\n\n".join(messages[i]["content"] for i in system
+                                                      if messages[i]["content"])}
+    return [merged, *(m for m in messages if m["role"] != "system")]
+
+
+def sampling_params(body: dict, max_tokens: int) -> SamplingParams:
+    """The engine's sampling parameters of a validated body (OpenAI and vLLM meanings)."""
+    stop = body.get("stop")
+    top_k = body.get("top_k")
+    return SamplingParams(
+        temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
+        # A top_p that rounds to 0 in float32 would mask every token; below 1e-6 the nucleus
+        # is the top token anyway, so the floor changes no result.
+        top_p=max(1e-6, float(1.0 if body.get("top_p") is None else body["top_p"])),
+        top_k=int(top_k) if top_k and top_k > 0 else 0,
+        max_tokens=max_tokens,
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
+        seed=None if body.get("seed") is None else int(body["seed"]),
+        ignore_eos=bool(body.get("ignore_eos") or False),
+    )
+
+
+def max_tokens_for(body: dict, prompt_tokens: int, max_model_len: int, kind: str, prompt_param: str) -> int:
+    """The max_tokens to run with; a 400 naming the field when the context cannot hold it."""
+    if prompt_tokens >= max_model_len:
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, and your {prompt_param} has "
+            f"{prompt_tokens} tokens; shorten '{prompt_param}'.",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    room = max_model_len - prompt_tokens
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    asked = body.get(param)
+    if asked is None:
+        return room if kind == "chat" else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+    asked = int(asked)
+    if asked > room:
+        raise OpenAIError(
+            400,
+            f"'{param}' is too large: {asked}. This model's maximum context length is {max_model_len} tokens "
+            f"and your request has {prompt_tokens} prompt tokens ({asked} > {max_model_len} - {prompt_tokens}); "
+            f"lower '{param}' to at most {room}.",
+            param=param, code="context_length_exceeded",
+        )
+    return asked
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to run: its response id and its choices (engine requests)."""
+
+    kind: str  # "chat" | "completion"
+    id: str
+    choices: list[Choice]
+    stream: bool
+    include_usage: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of every engine request (a prompt counts once per choice): what the engine queues."""
+        return sum(c.prompt_tokens for c in self.choices)
+
+
+class Translator:
+    """Bodies -> engine requests for one engine: its context length and, on a server, its model names.
+
+    ``model_names`` None accepts any ``model`` (in-process, there is only the one engine).
+    """
+
+    def __init__(self, engine: EngineClient, model_names: list[str] | None = None,
+                 max_n: int = DEFAULT_MAX_N) -> None:
+        self.engine = engine
+        self.max_model_len = int(engine.max_model_len)
+        self.schemas = {
+            "chat": chat_request_schema(model_names, self.max_model_len, max_n),
+            "completion": completion_request_schema(model_names, self.max_model_len, max_n),
+        }
+
+    def prepare(self, kind: str, body: dict, response_id: str | None = None) -> Prepared:
+        """Validate ``body`` and build its choices; raises OpenAIError (400) naming the field."""
+        try:
+            validate(body, self.schemas[kind])
+        except SchemaError as e:
+            raise OpenAIError(400, e.message, param=e.param) from None
+        rid = response_id or f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
+        priority = int(body.get("priority") or 0)
+        if kind == "chat":
+            bases = [(GenerateRequest(request_id=rid, messages=chat_messages(body["messages"]), priority=priority),
+                      "messages")]
+        else:
+            prompts = _prompts(body["prompt"])
+            bases = []
+            for i, p in enumerate(prompts):
+                req = (GenerateRequest(request_id=rid, prompt=p, priority=priority) if isinstance(p, str) else
+                       GenerateRequest(request_id=rid, prompt_token_ids=[int(t) for t in p], priority=priority))
+                bases.append((req, "prompt" if len(prompts) == 1 else f"prompt[{i}]"))
+        counted = []
+        for req, param in bases:
+            n_tokens = self._count(req, param)
+            req.params = sampling_params(body, max_tokens_for(body, n_tokens, self.max_model_len, kind, param))
+            counted.append((req, n_tokens))
+        stream_options = body.get("stream_options") or {}
+        return Prepared(kind, rid, _expand(counted, body, rid), stream=bool(body.get("stream")),
+                        include_usage=bool(stream_options.get("include_usage")))
+
+    def _count(self, req: GenerateRequest, param: str) -> int:
+        if req.prompt_token_ids is not None:
+            return len(req.prompt_token_ids)
+        try:
+            n = int(self.engine.count_prompt_tokens(req))
+        except EngineError as e:
+            raise OpenAIError(400, str(e), param=param) from None
+        if n <= 0:
+            raise OpenAIError(400, f"'{param}' is empty after tokenization; send some text", param=param)
+        return n
+
+
+def _prompts(prompt: str | list) -> list:
+    """A completion's prompts: one string, strings, one list of token ids, or lists of them."""
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def _expand(prompts: list[tuple[GenerateRequest, int]], body: dict, rid: str) -> list[Choice]:
+    """n choices per prompt: choice i of prompt p is index p*n + i, its own engine request."""
+    n = int(body.get("n") or 1)
+    now = time.monotonic()
+    choices = []
+    for p, (req, n_tokens) in enumerate(prompts):
+        for i in range(n):
+            params = req.params
+            if i and params.seed is not None:  # seeded choices must still differ from each other
+                params = dataclasses.replace(params, seed=params.seed + i)
+            sub = dataclasses.replace(req, request_id=f"{rid}-{p * n + i}", params=params, arrival_time=now)
+            choices.append(Choice(index=p * n + i, prompt_index=p, request=sub, prompt_tokens=n_tokens))
+    return choices

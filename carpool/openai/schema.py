@@ -1,0 +1,206 @@
+"""Request schemas of the OpenAI endpoints, as plain OpenAPI 3.0 schema dicts.
+
+Two strictnesses of the same schemas:
+
+- ``carpool=True``: what carpool's engine runs (the server and the in-process backend).
+  Parameters carpool does not implement yet (logprobs, penalties, tools) are declared with
+  the only value accepted, so a schema-driven fuzzer and a reader both see the truth, and
+  a body that asks for them gets a 400 naming the field instead of an answer without them.
+- ``carpool=False``: what any OpenAI-compatible endpoint may accept (vLLM, OpenAI): the
+  types and ranges of the well-known fields only.  ``carpool run`` checks each input line
+  with it before anything is sent, whatever the endpoint.
+
+The same dicts validate incoming bodies (``validation.validate``) and are published at
+``/openapi.json`` (``openapi.openapi_document``), so the document cannot drift from what
+the server accepts.
+"""
+
+from __future__ import annotations
+
+from carpool.openai.validation import HINT, UNSUPPORTED, SchemaError, validate
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def nullable_enum(schema: dict) -> dict:
+    """Nullable; OpenAPI 3.0's ``nullable`` does not extend an ``enum``, so null is listed in it."""
+    out = {**schema, "nullable": True}
+    if "enum" in schema:
+        out["enum"] = [*schema["enum"], None]
+    return out
+
+
+def _unsupported(schema: dict, what: str, carpool: bool) -> dict:
+    """A parameter carpool does not implement: only its neutral value (strict), anything (lenient)."""
+    return {**nullable_enum(schema), UNSUPPORTED: what} if carpool else {}
+
+
+def _bounded(schema: dict, key: str, bound: int | None) -> dict:
+    return {**schema, key: bound} if bound is not None else schema
+
+
+def _model(models: list[str] | None, what: str) -> dict:
+    schema = {"type": "string", "description": f"{what}; optional"}
+    return {**schema, "enum": list(models)} if models is not None else schema
+
+
+def _sampling_properties(max_model_len: int | None, max_n: int | None, carpool: bool) -> dict[str, dict]:
+    """Parameters shared by chat and completions (OpenAI names plus vLLM's extras)."""
+    max_tokens = _bounded({"type": "integer", "minimum": 1, "nullable": True}, "maximum", max_model_len)
+    # vLLM refuses an empty stop string (it would end every answer at once); so does carpool.
+    stop_string = {"type": "string"}
+    if carpool:
+        stop_string = {**stop_string, "minLength": 1, HINT: "an empty stop string would end every answer at once; "
+                                                            "remove it"}
+    return {
+        "max_tokens": {**max_tokens, "description": "tokens to generate at most"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True, "default": 1.0},
+        "top_p": {
+            "type": "number",
+            "minimum": 0,
+            "exclusiveMinimum": True,
+            "maximum": 1,
+            "nullable": True,
+            "default": 1.0,
+        },
+        "n": _bounded({"type": "integer", "minimum": 1, "nullable": True, "default": 1}, "maximum", max_n),
+        "stream": {"type": "boolean", "nullable": True, "default": False},
+        "stream_options": {
+            "type": "object",
+            "nullable": True,
+            "properties": {"include_usage": {"type": "boolean", "nullable": True}},
+        },
+        "stop": {
+            "anyOf": [  # OpenAPI 3.0: nullable only counts beside a type, so it sits on an option
+                {**stop_string, "nullable": True},
+                {"type": "array", "items": stop_string, "maxItems": 16},
+            ],
+        },
+        "seed": {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX, "nullable": True},
+        "user": {"type": "string", "nullable": True},
+        # vLLM extras
+        "top_k": {"type": "integer", "minimum": -1, "nullable": True, "description": "0 or -1: off"},
+        "ignore_eos": {"type": "boolean", "nullable": True, "default": False},
+        "priority": {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX, "nullable": True},
+        "stop_token_ids": {
+            "type": "array",
+            "nullable": True,
+            "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+        },
+        # declared, not implemented: only the neutral value passes
+        "presence_penalty": _unsupported({"type": "number", "minimum": 0, "maximum": 0}, "presence_penalty",
+                                         carpool),
+        "frequency_penalty": _unsupported({"type": "number", "minimum": 0, "maximum": 0}, "frequency_penalty",
+                                          carpool),
+        "logit_bias": _unsupported({"type": "object", "maxProperties": 0}, "logit_bias", carpool),
+    }
+
+
+def chat_request_schema(models: list[str] | None = None, max_model_len: int | None = None,
+                        max_n: int | None = None, *, carpool: bool = True) -> dict:
+    """``models``/``max_model_len``/``max_n`` None: not bounded (an endpoint whose limits are unknown)."""
+    if carpool:
+        part = {
+            "type": "object",
+            "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+        }
+    else:  # image and audio parts are some endpoint's business
+        part = {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}}
+    message = {
+        "type": "object",
+        # An assistant message that carries tool calls may have no content (check_body's rule).
+        "required": ["role", "content"] if carpool else ["role"],
+        "properties": {
+            "role": {"type": "string", "enum": list(ROLES)},
+            "content": {
+                "anyOf": [{"type": "string", "nullable": True}, {"type": "array", "items": part}],
+            },
+            "name": {"type": "string", "nullable": True},
+        },
+    }
+    max_completion = _bounded({"type": "integer", "minimum": 1, "nullable": True}, "maximum", max_model_len)
+    props = {
+        "model": _model(models, "served model name"),
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        "max_completion_tokens": max_completion,
+        **_sampling_properties(max_model_len, max_n, carpool),
+        "logprobs": _unsupported({"type": "boolean", "enum": [False]}, "logprobs", carpool),
+        "top_logprobs": _unsupported({"type": "integer", "minimum": 0, "maximum": 0}, "top_logprobs", carpool),
+        "tools": _unsupported({"type": "array", "maxItems": 0, "items": {"type": "object"}}, "tools", carpool),
+        "tool_choice": _unsupported({"type": "string", "enum": ["none"]}, "tool_choice", carpool),
+        "response_format": _unsupported(
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"type": "string", "enum": ["text"]}},
+            },
+            "response_format other than text",
+            carpool,
+        ),
+    }
+    return {"type": "object", "required": ["messages"], "properties": props}
+
+
+def completion_request_schema(models: list[str] | None = None, max_model_len: int | None = None,
+                              max_n: int | None = None, *, carpool: bool = True) -> dict:
+    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}}
+    prompt = {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            token_ids,
+            {"type": "array", "minItems": 1, "items": token_ids},
+        ]
+    }
+    props = {
+        "model": _model(models, "served model name"),
+        "prompt": prompt,
+        **_sampling_properties(max_model_len, max_n, carpool),
+        "echo": _unsupported({"type": "boolean", "enum": [False]}, "echo", carpool),
+        "logprobs": _unsupported({"type": "integer", "minimum": 0, "maximum": 0}, "logprobs", carpool),
+        "suffix": _unsupported({"type": "string", "maxLength": 0}, "suffix", carpool),
+        "best_of": _unsupported({"type": "integer", "minimum": 1, "maximum": 1}, "best_of other than 1", carpool),
+    }
+    return {"type": "object", "required": ["prompt"], "properties": props}
+
+
+def embedding_request_schema(models: list[str] | None = None, dim: int | None = None, *,
+                             carpool: bool = True) -> dict:
+    dimensions = {"type": "integer", "minimum": dim, "maximum": dim} if dim is not None else {"type": "integer"}
+    props = {
+        "model": _model(models, "embedding model name"),
+        "input": {
+            "anyOf": [{"type": "string"},
+                      {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string"}}]
+        },
+        "encoding_format": nullable_enum({"type": "string", "enum": ["float", "base64"], "default": "float"}),
+        "dimensions": _unsupported(dimensions, "dimensions", carpool),
+        "user": {"type": "string", "nullable": True},
+    }
+    return {"type": "object", "required": ["input"], "properties": props}
+
+
+# What any OpenAI-compatible endpoint may accept, per task kind (built once: they take no limits).
+_ANY_ENDPOINT = {
+    "chat": chat_request_schema(carpool=False),
+    "completion": completion_request_schema(carpool=False),
+    "embedding": embedding_request_schema(carpool=False),
+}
+
+
+def check_body(kind: str, body: dict) -> SchemaError | None:
+    """The first field of an OpenAI request body of ``kind`` ("chat" | "completion" | "embedding")
+    that no OpenAI-compatible endpoint would take, or None."""
+    try:
+        validate(body, _ANY_ENDPOINT[kind])
+    except SchemaError as e:
+        return e
+    if kind == "chat":  # a rule the schema cannot say: only an assistant message may go without content
+        for i, m in enumerate(body["messages"]):
+            if m.get("content") is None and m["role"] != "assistant":
+                return SchemaError(f"messages[{i}].content",
+                                   f"a {m['role']} message needs content: a string or a list of parts")
+    return None
