@@ -15,14 +15,14 @@ import asyncio
 import json
 
 from carpool.bench.datasets import BenchRequest
-from carpool.bench.loadgen import HttpBackend, run_benchmark
+from carpool.bench.loadgen import http_load_client, run_benchmark
 from carpool.bench.metrics import compute_metrics
 from carpool.testing.scripted_server import Script, ScriptedServer
 
 
 async def measure(url: str, n: int, chunks: int, conc: int) -> dict:
     reqs = [BenchRequest(f"r{i}", chunks, 1, messages=[{"role": "user", "content": "x"}]) for i in range(n)]
-    async with HttpBackend(url, model="scripted", max_connections=conc) as be:
+    async with http_load_client(url, model="scripted", max_connections=conc) as be:
         await run_benchmark(be, reqs[: min(n, conc)], max_concurrency=conc)  # open the connections
         run = await run_benchmark(be, reqs, max_concurrency=conc)
     m = compute_metrics(run.records, run.duration)

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 
 from carpool.bench.datasets import BenchRequest
-from carpool.bench.loadgen import HttpBackend, RequestRecord, metrics_url, run_benchmark
+from carpool.bench.loadgen import RequestRecord, engine_load_client, http_load_client, metrics_url, run_benchmark
 from carpool.bench.metrics import compute_metrics
 from carpool.bench.verdicts import Phase, ServerView, explain, has_headroom
 
@@ -267,10 +267,8 @@ class Diagnoser:
 
     def _backend(self, fresh: bool, limit: int) -> Any:
         if self.endpoint is None:
-            from carpool.bench.loadgen import EngineBackend
-
-            return EngineBackend(self.engine)
-        return HttpBackend(
+            return engine_load_client(self.engine)
+        return http_load_client(
             self.endpoint, self.model, self.api_key, max_connections=limit, fresh_connections=fresh
         )
 

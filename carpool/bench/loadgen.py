@@ -1,40 +1,40 @@
 """Async load generator: sends a request set on an arrival schedule and records, per request,
 the client-side timestamp of every streamed chunk.
 
-Two backends share one record format, so metrics, reports and diagnose never care where
-the tokens came from:
+The requests go through the client's own backends (``carpool.client``), the ones a batch
+job uses, so bench measures the client users run, and one record format serves both:
 
-* ``HttpBackend``: any OpenAI-compatible server (vLLM, SGLang, OpenAI, ``carpool serve``),
-  over one aiohttp session; streaming SSE with ``stream_options.include_usage`` so token
-  counts are the server's.  ``fresh_connections=True`` opens a new TCP connection per
-  request (what a client without a pool pays), and every record says how long connecting took.
-* ``EngineBackend``: carpool's engine in-process through ``EngineClient.submit``.
+* ``http_load_client``: any OpenAI-compatible server (vLLM, SGLang, OpenAI, ``carpool serve``)
+  through ``client.http_backend.HttpBackend``: streaming SSE with
+  ``stream_options.include_usage`` so token counts are the server's.  ``fresh_connections=True``
+  opens a new TCP connection per request (what a client without a pool pays), and every
+  record says how long connecting took.
+* ``engine_load_client``: carpool's engine in-process through ``client.engine_backend.EngineBackend``
+  (the same OpenAI translation as ``carpool serve``).
 
 Timing follows vLLM's ``bench serve``: ``start_time`` is taken just before the request is
 sent (after the client's concurrency slot is granted), TTFT is the first chunk that carries
-text, ITL is the gap between consecutive text chunks, and latency runs to the last data
-message.  Unlike vLLM, chunks with no text (an OpenAI role-only first delta) are not
+text, ITL is the gap between consecutive text chunks, and latency runs to the end of the
+response.  Unlike vLLM, chunks with no text (an OpenAI role-only first delta) are not
 counted as tokens, so a server that sends the role at once cannot fake a fast TTFT.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import json
 import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Self
+from typing import Any, Self
 from urllib.parse import urlsplit, urlunsplit
-
-import aiohttp
 
 from carpool.bench.arrivals import arrival_offsets
 from carpool.bench.datasets import BenchRequest
+from carpool.client.base import Backend, CallResult, Request
+from carpool.client.pool import Timeouts
 
 
 @dataclass
@@ -44,7 +44,7 @@ class RequestRecord:
     request_id: str
     prompt_len: int
     success: bool = False
-    status: int | None = None  # HTTP status; None for the in-process engine or a transport error
+    status: int | None = None  # HTTP status; None for a transport error
     error: str = ""
     scheduled_time: float = 0.0  # when the arrival schedule released the request
     start_time: float = 0.0  # when it was sent (after waiting for a client concurrency slot)
@@ -64,17 +64,6 @@ class RequestRecord:
     def client_wait(self) -> float:
         """Seconds the request sat in the client waiting for a concurrency slot."""
         return max(0.0, self.start_time - self.scheduled_time) if self.scheduled_time else 0.0
-
-
-class Backend(Protocol):
-    name: str
-    model: str
-
-    async def __aenter__(self) -> Self: ...
-
-    async def __aexit__(self, *exc: object) -> None: ...
-
-    async def send(self, req: BenchRequest) -> RequestRecord: ...
 
 
 def normalize_base_url(url: str) -> str:
@@ -98,243 +87,105 @@ def metrics_url(base_url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
 
 
-def _chunk_text(choice: dict) -> str:
-    delta = choice.get("delta")
-    if isinstance(delta, dict):
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
+def _text_of(body: dict | None) -> str:
+    parts = []
+    for c in (body or {}).get("choices") or ():
+        msg = c.get("message")
+        parts.append((msg.get("content") or "") if isinstance(msg, dict) else (c.get("text") or ""))
+    return "".join(parts)
 
 
-class HttpBackend:
-    """Streams chat/completions (or completions for a bare prompt) from an OpenAI-compatible server."""
+class LoadClient:
+    """Sends ``BenchRequest``s through one client backend and makes each answer a ``RequestRecord``."""
 
-    name = "openai"
+    _ids = itertools.count()
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str | None = None,
-        api_key: str | None = None,
-        max_connections: int = 0,
-        fresh_connections: bool = False,
-        temperature: float = 0.0,
-        timeout_s: float = 6 * 3600,
-        extra_body: dict | None = None,
-    ) -> None:
-        self.base_url = normalize_base_url(base_url)
-        self.model = model or ""
-        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        self.max_connections = max_connections
-        self.fresh_connections = fresh_connections
+    def __init__(self, backend: Backend, name: str, model: str = "", temperature: float = 0.0,
+                 extra_body: dict | None = None,
+                 discover_model: Callable[[], Any] | None = None) -> None:
+        self.backend = backend
+        self.name = name
+        self.model = model
         self.temperature = temperature
-        self.timeout_s = timeout_s
         self.extra_body = extra_body or {}
-        self.session: aiohttp.ClientSession | None = None
+        self._discover_model = discover_model  # async () -> list of served model ids
 
     async def __aenter__(self) -> Self:
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_start.append(self._on_connect_start)
-        trace.on_connection_create_end.append(self._on_connect_end)
-        connector = aiohttp.TCPConnector(
-            limit=self.max_connections,
-            limit_per_host=self.max_connections,
-            force_close=self.fresh_connections,
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            trace_configs=[trace],
-        )
-        if not self.model:
-            self.model = await self._first_model()
+        if not self.model and self._discover_model is not None:
+            served = await self._discover_model()
+            self.model = served[0] if served else "default"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        await self.backend.close()
 
-    async def _on_connect_start(self, session: Any, ctx: Any, params: Any) -> None:
-        if isinstance(ctx.trace_request_ctx, dict):
-            ctx.trace_request_ctx["connect_start"] = time.perf_counter()
-
-    async def _on_connect_end(self, session: Any, ctx: Any, params: Any) -> None:
-        rc = ctx.trace_request_ctx
-        if isinstance(rc, dict) and "connect_start" in rc:
-            rc["connect_time"] = time.perf_counter() - rc["connect_start"]
-
-    async def _first_model(self) -> str:
-        assert self.session is not None
-        try:
-            async with self.session.get(self.base_url + "/models", headers=self._headers()) as r:
-                if r.status == 200:
-                    data = (await r.json()).get("data") or []
-                    if data:
-                        return str(data[0].get("id", ""))
-        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError):
-            pass
-        return "default"
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def _payload(self, req: BenchRequest) -> tuple[str, dict]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": req.max_tokens,
-            "temperature": self.temperature,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+    def request(self, req: BenchRequest) -> Request:
+        """The OpenAI request of a bench request: chat for messages, a completion for a bare prompt."""
+        body: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": self.temperature,
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if self.model:
+            body["model"] = self.model
         if req.ignore_eos:
             body["ignore_eos"] = True
         body.update(req.extra)
         body.update(self.extra_body)
         if req.messages is not None:
             body["messages"] = req.messages
-            return self.base_url + "/chat/completions", body
-        body["prompt"] = req.prompt
-        return self.base_url + "/completions", body
+            kind = "chat"
+        else:
+            body["prompt"] = req.prompt
+            kind = "completion"
+        return Request(f"{req.request_id}#{next(self._ids)}", kind, body)
 
     async def send(self, req: BenchRequest) -> RequestRecord:
-        assert self.session is not None, "use `async with HttpBackend(...)`"
-        url, body = self._payload(req)
-        rec = RequestRecord(request_id=req.request_id, prompt_len=req.prompt_len)
-        trace_ctx: dict[str, float] = {}
-        text_parts: list[str] = []
-        finished = False
-        st = time.perf_counter()
-        rec.start_time = st
-        last = st
-        try:
-            async with self.session.post(
-                url, json=body, headers=self._headers(), trace_request_ctx=trace_ctx
-            ) as r:
-                rec.status = r.status
-                if r.status != 200:
-                    rec.error = f"HTTP {r.status}: {(await r.text())[:300]}"
-                    ra = r.headers.get("Retry-After")
-                    if ra:
-                        with contextlib.suppress(ValueError):
-                            rec.retry_after = float(ra)
-                else:
-                    async for raw in r.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:"):
-                            continue  # blank separators, SSE comments/pings, event names
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            finished = True
-                            break
-                        ts = time.perf_counter()
-                        data = json.loads(payload)
-                        if "error" in data and not data.get("choices"):
-                            rec.error = f"stream error: {json.dumps(data['error'])[:300]}"
-                            break
-                        last = ts
-                        for choice in data.get("choices") or []:
-                            finished = finished or bool(choice.get("finish_reason"))
-                            text = _chunk_text(choice)
-                            if text:
-                                if not rec.chunk_times:
-                                    rec.ttft = ts - st
-                                else:
-                                    rec.itl.append(ts - rec.chunk_times[-1])
-                                rec.chunk_times.append(ts)
-                                text_parts.append(text)
-                                break
-                        usage = data.get("usage")
-                        if usage:
-                            rec.output_tokens = int(usage.get("completion_tokens") or 0)
-                            if usage.get("prompt_tokens"):
-                                rec.prompt_len = int(usage["prompt_tokens"])
-                            details = usage.get("prompt_tokens_details") or {}
-                            rec.cached_tokens = int(details.get("cached_tokens") or 0)
-                    if not rec.error:
-                        if not finished:
-                            # A cut stream is not a result, even with text in it (vLLM would count it).
-                            rec.error = (
-                                f"the stream ended before [DONE] or a finish_reason, "
-                                f"after {len(rec.chunk_times)} text chunks"
-                            )
-                        elif rec.chunk_times:
-                            rec.success = True
-                        else:
-                            rec.error = "the stream ended without any text chunk"
-        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, OSError) as e:
-            rec.error = f"{type(e).__name__}: {e}"
-        rec.latency = last - st
-        rec.generated_text = "".join(text_parts)
-        if rec.success and not rec.output_tokens:
-            rec.output_tokens = len(rec.chunk_times)  # no usage: one token per chunk, an estimate
-        if "connect_time" in trace_ctx:
-            rec.new_connection = True
-            rec.connect_time = trace_ctx["connect_time"]
+        res = await self.backend.call(self.request(req))
+        return _record(req, res)
+
+
+def _record(req: BenchRequest, res: CallResult) -> RequestRecord:
+    rec = RequestRecord(request_id=req.request_id, prompt_len=req.prompt_len, status=res.status_code or None,
+                        start_time=res.sent_at, latency=res.e2e_s, retry_after=res.retry_after,
+                        server_queue_time=res.queue_time_s, chunk_times=list(res.chunk_times or ()))
+    if res.chunk_times:
+        rec.ttft = res.chunk_times[0] - res.sent_at
+        rec.itl = [b - a for a, b in itertools.pairwise(res.chunk_times)]
+    if res.connect_s is not None:
+        rec.new_connection, rec.connect_time = True, res.connect_s
+    if not res.ok:
+        rec.error = f"{res.error_kind}: {res.error_message}"
         return rec
-
-
-class EngineBackend:
-    """Drives an in-process engine (anything with the EngineClient ``submit``)."""
-
-    name = "carpool-engine"
-    _ids = itertools.count()
-
-    def __init__(self, engine: Any, temperature: float = 0.0) -> None:
-        self.engine = engine
-        self.model = str(getattr(engine, "model_name", "engine"))
-        self.temperature = temperature
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-    async def send(self, req: BenchRequest) -> RequestRecord:
-        from carpool.engine.protocol import EngineError, GenerateRequest, SamplingParams
-
-        params = SamplingParams(
-            temperature=self.temperature, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos
-        )
-        greq = GenerateRequest(
-            request_id=f"{req.request_id}#{next(self._ids)}",
-            params=params,
-            messages=req.messages,
-            prompt=req.prompt,
-        )
-        rec = RequestRecord(request_id=req.request_id, prompt_len=req.prompt_len)
-        st = time.perf_counter()
-        rec.start_time = st
-        last = st
-        tokens = 0
-        parts: list[str] = []
-        try:
-            async for delta in self.engine.submit(greq):
-                ts = time.perf_counter()
-                last = ts
-                if delta.token_ids or delta.text:
-                    if not rec.chunk_times:
-                        rec.ttft = ts - st
-                    else:
-                        rec.itl.append(ts - rec.chunk_times[-1])
-                    rec.chunk_times.append(ts)
-                    tokens += len(delta.token_ids)
-                    parts.append(delta.text)
-                if delta.metrics and delta.metrics.get("queue_time_s") is not None:
-                    rec.server_queue_time = float(delta.metrics["queue_time_s"])
-                if delta.usage is not None:
-                    rec.output_tokens = delta.usage.completion_tokens
-                    rec.prompt_len = delta.usage.prompt_tokens or rec.prompt_len
-                    rec.cached_tokens = delta.usage.cached_tokens
-            rec.success = bool(rec.chunk_times)
-            if not rec.success:
-                rec.error = "the engine finished without producing a token"
-        except EngineError as e:
-            rec.error = f"EngineError: {e}"
-        rec.latency = last - st
-        rec.generated_text = "".join(parts)
-        rec.output_tokens = rec.output_tokens or tokens
+    if not rec.chunk_times:
+        rec.error = "the answer carried no text"
         return rec
+    rec.success = True
+    rec.generated_text = _text_of(res.body)
+    rec.output_tokens = res.completion_tokens or len(rec.chunk_times)  # no usage: one token per chunk
+    rec.prompt_len = res.prompt_tokens or rec.prompt_len
+    rec.cached_tokens = res.cached_tokens
+    return rec
+
+
+def http_load_client(base_url: str, model: str | None = None, api_key: str | None = None, max_connections: int = 0,
+                     fresh_connections: bool = False, temperature: float = 0.0, timeout_s: float = 6 * 3600,
+                     extra_body: dict | None = None) -> LoadClient:
+    """Streams chat/completions (or completions for a bare prompt) from an OpenAI-compatible server.
+    Without ``model``, the first model the server lists is used."""
+    from carpool.client.http_backend import HttpBackend
+
+    key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+    # Under overload a server may hold the first byte for minutes: only the whole request is bounded.
+    backend = HttpBackend([normalize_base_url(base_url)], api_key=key or None,
+                          timeouts=Timeouts(connect_s=timeout_s, read_s=timeout_s, total_s=timeout_s),
+                          max_connections=max_connections, fresh_connections=fresh_connections, record_chunks=True)
+    return LoadClient(backend, "openai", model or "", temperature, extra_body, discover_model=backend.list_models)
+
+
+def engine_load_client(engine: Any, temperature: float = 0.0) -> LoadClient:
+    """Drives an in-process engine (an ``EngineClient``) through the in-process backend."""
+    from carpool.client.engine_backend import EngineBackend
+
+    return LoadClient(EngineBackend(engine, record_chunks=True), "carpool-engine", str(engine.model_name),
+                      temperature)
 
 
 @dataclass
@@ -351,7 +202,7 @@ class BenchRun:
 
 
 async def run_benchmark(
-    backend: Backend,
+    backend: LoadClient,
     requests: list[BenchRequest],
     request_rate: float = math.inf,
     burstiness: float = 1.0,

@@ -39,6 +39,12 @@ class CallResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     endpoint: str = ""
+    # For bench (a backend built with record_chunks=True): time.perf_counter() when the request
+    # was sent and when each chunk carrying text (HTTP) or tokens (in-process) arrived.
+    sent_at: float = 0.0
+    chunk_times: list[float] | None = None
+    connect_s: float | None = None  # seconds spent opening a new connection for this call, if one was opened
+    queue_time_s: float | None = None  # seconds the engine queued the request (in-process only)
 
     @property
     def tpot_s(self) -> float | None:

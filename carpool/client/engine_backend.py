@@ -1,180 +1,145 @@
 """Runs requests on the in-process engine, through the same ``Backend`` interface as HTTP.
 
-Generation goes through ``EngineClient.submit`` (``carpool.engine.protocol``); embeddings
-through the engine room's ``DynamicBatcher`` over an ``Embedder`` (so concurrent single
-embedding tasks are batched together).  The response bodies have the same OpenAI shape
-as an HTTP server's, so everything above this file cannot tell the two apart.
+Generation goes through ``carpool.openai`` exactly as ``carpool serve`` does (the same
+validation, default policy, engine requests and response bodies), over
+``EngineClient.submit``; embeddings through ``carpool.embed``'s ``DynamicBatcher`` over an
+``Embedder`` (so concurrent single embedding tasks are batched together).  So everything
+above this file cannot tell the in-process engine from a server, and a task gets the same
+body either way (tests/jobs/test_inprocess_equals_served.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-import uuid
-from typing import Any
+from collections.abc import Callable
 
-from carpool.client.base import CallResult, Request
 from carpool.client.retry import ErrorKind
-from carpool.engine.protocol import EngineError, GenerateRequest, SamplingParams
-
-
-def _text_of(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
-
-
-def to_generate_request(req: Request, request_id: str) -> GenerateRequest:
-    b = req.body
-    stop = b.get("stop")
-    extra = b.get("extra_body")
-    if not isinstance(extra, dict):
-        extra = {}
-    params = SamplingParams(
-        temperature=float(b.get("temperature", 1.0)),
-        top_p=float(b.get("top_p", 1.0)),
-        top_k=int(b.get("top_k", extra.get("top_k", 0)) or 0),
-        max_tokens=int(b.get("max_tokens") or b.get("max_completion_tokens") or 16),
-        stop=[stop] if isinstance(stop, str) else list(stop or []),
-        seed=b.get("seed"),
-        ignore_eos=bool(b.get("ignore_eos", extra.get("ignore_eos", False))),
-    )
-    if req.kind == "chat":
-        msgs = [{"role": m["role"], "content": _text_of(m.get("content"))} for m in b["messages"]]
-        return GenerateRequest(request_id=request_id, params=params, messages=msgs)
-    return GenerateRequest(request_id=request_id, params=params, prompt=b["prompt"])
+from carpool.client.base import CallResult, Request
+from carpool.embed.dynamic_batcher import DynamicBatcher, QueueFullError, QueueTimeoutError
+from carpool.engine.protocol import EngineClient
+from carpool.openai.errors import OpenAIError
+from carpool.openai.generation import Generation, aborted_error, engine_failure
+from carpool.openai.requests import Translator
+from carpool.openai.responses import ResponseBuilder, embedding_body
 
 
 class EngineBackend:
     name = "engine"
 
-    def __init__(self, engine, embedder_factory=None, model_name: str | None = None):
-        """``engine``: an EngineClient (``AsyncEngine``); ``embedder_factory``: builds a
-        DynamicBatcher lazily on the first embedding task (loading MiniLM costs seconds)."""
+    def __init__(self, engine: EngineClient, embedder_factory: Callable[[], DynamicBatcher] | None = None, *,
+                 record_chunks: bool = False) -> None:
+        """``embedder_factory`` builds the embedding batcher on the first embedding task (loading
+        MiniLM costs seconds); ``record_chunks``: fill ``CallResult.chunk_times`` (bench)."""
         self.engine = engine
         self._embedder_factory = embedder_factory
-        self._batcher: Any = None  # the embedding batcher, built on the first embedding task
-        self.model_name = model_name or getattr(engine, "model_name", "engine")
-        self._ids = itertools.count()
-        self._run = uuid.uuid4().hex[:8]
+        self._batcher: DynamicBatcher | None = None
+        self._translator: Translator | None = None
+        self.record_chunks = record_chunks
+
+    @property
+    def translator(self) -> Translator:
+        # Built on first use: reading max_model_len loads the model, which a job of
+        # embeddings only never needs.
+        if self._translator is None:
+            self._translator = Translator(self.engine)
+        return self._translator
 
     async def close(self) -> None:
-        if self._batcher is not None and hasattr(self._batcher, "close"):
+        if self._batcher is not None:
             await self._batcher.close()
         self._batcher = None
 
     def check(self, req: Request) -> tuple[str, str] | None:
-        """A request the engine would refuse for its length: (field, reason), before it is queued."""
+        """A request the engine would refuse (a field, a prompt past the context): (field, reason),
+        before it is queued."""
         if req.kind == "embedding":
             return None
         try:
-            greq = to_generate_request(req, "check")
-            n = self.engine.count_prompt_tokens(greq)
-        except EngineError as e:
-            return ("messages" if req.kind == "chat" else "prompt", str(e))
-        except (KeyError, TypeError, ValueError) as e:
-            return ("body", f"cannot build the request: {e}")
-        limit = self.engine.max_model_len
-        want = greq.params.max_tokens
-        if n + want > limit:
-            # The prompt alone fits: max_tokens is the field to change.
-            fld = "max_tokens" if n < limit else "messages" if req.kind == "chat" else "prompt"
-            reason = (f"the prompt is {n} tokens and max_tokens is {want}: {n + want} is past the model's "
-                      f"context of {limit} tokens; shorten the prompt or lower max_tokens")
-            return (fld, reason)
+            self.translator.prepare(req.kind, req.body)
+        except OpenAIError as e:
+            field = e.param or "body"
+            # The caller says the field itself ("field 'x': ..."): do not say it twice.
+            return (field, e.message.removeprefix(f"'{field}': "))
         return None
 
     async def call(self, req: Request) -> CallResult:
         if req.kind == "embedding":
             return await self._embed(req)
-        rid = f"{req.custom_id}#{self._run}-{next(self._ids)}"
-        t0 = time.monotonic()
-        res = CallResult(ok=False, request_id=rid, endpoint="engine")
+        t0 = time.perf_counter()
+        res = CallResult(ok=False, endpoint="engine", sent_at=t0)
         try:
-            greq = to_generate_request(req, rid)
-        except (KeyError, TypeError, ValueError) as e:
-            res.status_code, res.error_kind, res.error_message = 400, ErrorKind.CLIENT_ERROR, f"bad request: {e}"
-            return res
-        pieces: list[str] = []
-        finish = None
-        usage = None
-        n_tokens = 0
+            prepared = self.translator.prepare(req.kind, req.body)
+        except OpenAIError as e:
+            return _failed(res, e, t0)
+        res.request_id = prepared.id
+        chunk_times: list[float] | None = [] if self.record_chunks else None
+        gen = Generation(self.engine, prepared.choices)
         try:
-            async for delta in self.engine.submit(greq):
+            async for _, delta in gen.deltas():
                 if delta.token_ids:
+                    now = time.perf_counter()
                     if res.ttft_s is None:
-                        res.ttft_s = time.monotonic() - t0
-                    n_tokens += len(delta.token_ids)
-                pieces.append(delta.text)
-                if delta.finished:
-                    finish, usage = delta.finish_reason, delta.usage
-        except EngineError as e:
-            res.status_code, res.error_kind, res.error_message = 400, ErrorKind.CLIENT_ERROR, str(e)
-            res.e2e_s = time.monotonic() - t0
+                        res.ttft_s = now - t0
+                    if chunk_times is not None:
+                        chunk_times.append(now)
+                if delta.finished and delta.metrics and delta.metrics.get("queue_time_s") is not None:
+                    res.queue_time_s = float(delta.metrics["queue_time_s"])
+        except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
+            return _failed(res, engine_failure(e, self.engine), t0)
+        finally:
+            await gen.close()
+        res.e2e_s = time.perf_counter() - t0
+        res.chunk_times = chunk_times
+        if gen.aborted:
+            _failed(res, aborted_error(), t0)
+            res.error_kind = ErrorKind.TRUNCATED
             return res
-        res.e2e_s = time.monotonic() - t0
-        if finish is None or finish == "abort":
-            res.error_kind, res.error_message = ErrorKind.TRUNCATED, "the engine aborted the request"
-            return res
-        text = "".join(pieces)
-        res.prompt_tokens = usage.prompt_tokens if usage else 0
-        res.completion_tokens = usage.completion_tokens if usage else n_tokens
-        res.cached_tokens = usage.cached_tokens if usage else 0
-        usage_d = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-                   "total_tokens": res.prompt_tokens + res.completion_tokens,
-                   "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
-        if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish}
-            obj = "text_completion"
-        res.body = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
-                    "choices": [choice], "usage": usage_d}
+        res.body = ResponseBuilder(req.kind, prepared.id, self.engine.model_name).body(prepared.choices)
+        usage = res.body["usage"]
+        res.prompt_tokens, res.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        res.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
         res.status_code, res.ok = 200, True
         return res
 
     async def _embed(self, req: Request) -> CallResult:
-        t0 = time.monotonic()
-        res = CallResult(ok=False, request_id=f"emb-{next(self._ids)}", endpoint="engine")
+        t0 = time.perf_counter()
+        res = CallResult(ok=False, endpoint="engine", sent_at=t0)
         if self._batcher is None:
             if self._embedder_factory is None:
-                res.status_code, res.error_kind = 400, ErrorKind.CLIENT_ERROR
-                res.error_message = "embedding tasks need the embedder (carpool.embed.embedder), not available"
-                return res
+                return _failed(res, OpenAIError(400, "embedding tasks need an embedder; none was configured"), t0)
             self._batcher = self._embedder_factory()
         inp = req.body["input"]
         texts = [inp] if isinstance(inp, str) else list(inp)
         try:
             vecs = await self._batcher.embed(texts)
-        except Exception as e:  # noqa: BLE001  (QueueFullError / QueueTimeoutError, or an embedder failure)
-            name = type(e).__name__
-            kind = ErrorKind.OVERLOADED if "Queue" in name else ErrorKind.ENGINE_ERROR
-            res.status_code, res.error_kind, res.error_message = 503, kind, f"{name}: {e}"
-            res.retry_after = getattr(e, "retry_after_s", None)
-            res.e2e_s = time.monotonic() - t0
+        except (QueueFullError, QueueTimeoutError) as e:
+            _failed(res, OpenAIError(503, f"{type(e).__name__}: {e}", type="server_error"), t0)
+            res.error_kind = ErrorKind.OVERLOADED
+            res.retry_after = e.retry_after_s if isinstance(e, QueueFullError) else None
             return res
-        res.e2e_s = res.ttft_s = time.monotonic() - t0
-        count = getattr(getattr(self._batcher, "embedder", None), "count_tokens", None)
-        tokens = sum(count(t) for t in texts) if count else sum(len(t) // 4 + 1 for t in texts)
-        res.prompt_tokens = tokens
-        data = [{"object": "embedding", "index": i, "embedding": [float(x) for x in v]} for i, v in enumerate(vecs)]
-        res.body = {"object": "list", "data": data, "model": getattr(self._batcher, "model_name", "all-MiniLM-L6-v2"),
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        except Exception as e:  # noqa: BLE001 - the embedder failed: this task fails, the job goes on
+            _failed(res, OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error"), t0)
+            res.error_kind = ErrorKind.ENGINE_ERROR
+            return res
+        res.e2e_s = res.ttft_s = time.perf_counter() - t0
+        res.prompt_tokens = sum(self._batcher.count_tokens(texts))
+        res.body = embedding_body(vecs, self._batcher.model_name or "embedding", res.prompt_tokens,
+                                  req.body.get("encoding_format"))
         res.status_code, res.ok = 200, True
         return res
 
 
-def default_embedder_factory():
+def _failed(res: CallResult, e: OpenAIError, t0: float) -> CallResult:
+    """``res`` as the failure ``e``: the same status and error body a server would answer with."""
+    res.status_code, res.body, res.error_message = e.status, e.body(), e.message
+    res.error_kind = ErrorKind.CLIENT_ERROR if 400 <= e.status < 500 else ErrorKind.ENGINE_ERROR
+    res.e2e_s = time.perf_counter() - t0
+    return res
+
+
+def default_embedder_factory() -> DynamicBatcher:
     """A DynamicBatcher over the packaged all-MiniLM-L6-v2 (imported only when needed)."""
-    from carpool.embed.dynamic_batcher import DynamicBatcher
     from carpool.embed.embedder import Embedder
 
-    emb = Embedder()
-    batcher = DynamicBatcher(emb, max_queue_delay_us=2000, preferred_batch_sizes=[8, 16, 32],
-                             max_batch_tokens=8192, max_queue_size=4096, queue_timeout_s=120.0)
-    batcher.embedder = getattr(batcher, "embedder", emb)
-    batcher.model_name = getattr(emb, "name", "all-MiniLM-L6-v2")
-    return batcher
+    return DynamicBatcher(Embedder(), max_queue_delay_us=2000, preferred_batch_sizes=[8, 16, 32],
+                          max_batch_tokens=8192, max_queue_size=4096, queue_timeout_s=120.0)

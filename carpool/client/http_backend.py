@@ -6,7 +6,9 @@ so TTFT and TPOT are measured per request; the streamed chunks are put back toge
 field for field, which is what the output file and the result cache hold.  An error sent
 inside a 200 stream is an error, not a short answer.
 Every failure is mapped to one error kind of ``retry.py``, together with whether the
-request may already have run on the server.
+request may already have run on the server.  ``record_chunks=True`` (bench) also stamps
+every chunk that carries text and the time spent opening a new connection, so TTFT and
+ITL come from the same client code a batch job uses.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ class HttpBackend:
 
     def __init__(self, endpoints: list[str], model: str | None = None, api_key: str | None = None,
                  stream: bool = True, timeouts: Timeouts | None = None, max_connections: int = 0,
-                 balancer: Balancer | None = None):
+                 balancer: Balancer | None = None, *, fresh_connections: bool = False, record_chunks: bool = False):
         self.balancer = balancer or Balancer(endpoints)
         self.model = model
         self.stream = stream
         self.timeouts = timeouts or Timeouts()
         self._max_connections = max_connections
+        self._fresh_connections = fresh_connections
+        self.record_chunks = record_chunks
         self._session: aiohttp.ClientSession | None = None
         self._headers = {"Content-Type": "application/json"}
         if api_key:
@@ -47,8 +51,22 @@ class HttpBackend:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = make_session(self._max_connections, self.timeouts)
+            traces = [_connect_trace()] if self.record_chunks else None
+            self._session = make_session(self._max_connections, self.timeouts,
+                                         fresh_connections=self._fresh_connections, trace_configs=traces)
         return self._session
+
+    async def list_models(self) -> list[str]:
+        """The model ids the first endpoint serves (``GET /models``); empty when it will not say."""
+        url = self.balancer.endpoints[0].url + "/models"
+        try:
+            async with self.session.get(url, headers=self._headers) as r:
+                if r.status != 200:
+                    return []
+                data = (await r.json(content_type=None)).get("data") or []
+                return [str(m.get("id", "")) for m in data if isinstance(m, dict)]
+        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+            return []
 
     async def close(self) -> None:
         if self._session is not None:
@@ -74,8 +92,8 @@ class HttpBackend:
 
     async def call(self, req: Request) -> CallResult:
         ep = self.balancer.pick()
-        res = CallResult(ok=False, endpoint=ep.url)
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
+        res = CallResult(ok=False, endpoint=ep.url, sent_at=t0)
         try:
             async with asyncio.timeout(self.timeouts.total_s):
                 await self._call(ep.url, req, res, t0)
@@ -84,7 +102,7 @@ class HttpBackend:
                 res.error_kind = ErrorKind.TOTAL_TIMEOUT
                 res.error_message = f"no answer within {self.timeouts.total_s:g}s"
                 res.endpoint_fault = True
-        res.e2e_s = time.monotonic() - t0
+        res.e2e_s = time.perf_counter() - t0
         self.balancer.done(ep, res.ok, res.endpoint_fault)
         return res
 
@@ -93,9 +111,12 @@ class HttpBackend:
         streaming = bool(body.get("stream"))
         headers = {**self._headers, "X-Carpool-Custom-Id": req.custom_id}
         got_headers = False
+        trace: dict[str, float] = {}
         try:
-            async with self.session.post(base + req.path, data=_dumps(body), headers=headers) as resp:
+            async with self.session.post(base + req.path, data=_dumps(body), headers=headers,
+                                         trace_request_ctx=trace) as resp:
                 got_headers = True
+                res.connect_s = trace.get("connect_s")
                 res.status_code = resp.status
                 res.request_id = resp.headers.get("x-request-id", "")
                 if resp.status != 200:
@@ -106,7 +127,7 @@ class HttpBackend:
                     await self._read_stream(resp, req, res, t0)
                 else:
                     raw = await resp.read()
-                    res.ttft_s = time.monotonic() - t0
+                    res.ttft_s = time.perf_counter() - t0
                     try:
                         res.body = _loads(raw)
                     except ValueError:
@@ -160,6 +181,8 @@ class HttpBackend:
         acc = StreamAccumulator(chat=req.kind == "chat")
         sse = SSEReader()
         done = False
+        if self.record_chunks:
+            res.chunk_times = []
         try:
             async for data in resp.content.iter_any():
                 for payload in sse.feed(data):
@@ -210,8 +233,12 @@ class HttpBackend:
             # the answer so far is partial and must not pass for a whole one.
             _in_band_error(res, chunk["error"])
             return False
-        if res.ttft_s is None and acc.has_content(chunk):
-            res.ttft_s = time.monotonic() - t0
+        if acc.has_content(chunk):
+            now = time.perf_counter()
+            if res.ttft_s is None:
+                res.ttft_s = now - t0
+            if res.chunk_times is not None:
+                res.chunk_times.append(now)
         acc.add(chunk)
         return False
 
@@ -230,6 +257,24 @@ def _in_band_error(res: CallResult, err: object) -> None:
         res.error_kind, res.endpoint_fault = ErrorKind.CLIENT_ERROR, False
     else:
         res.error_kind = ErrorKind.SERVER_ERROR
+
+
+def _connect_trace() -> aiohttp.TraceConfig:
+    """Puts the seconds spent opening a new connection into the request's trace context."""
+    trace = aiohttp.TraceConfig()
+
+    async def start(session, ctx, params) -> None:
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["connect_start"] = time.perf_counter()
+
+    async def end(session, ctx, params) -> None:
+        rc = ctx.trace_request_ctx
+        if isinstance(rc, dict) and "connect_start" in rc:
+            rc["connect_s"] = time.perf_counter() - rc["connect_start"]
+
+    trace.on_connection_create_start.append(start)
+    trace.on_connection_create_end.append(end)
+    return trace
 
 
 def _take_usage(res: CallResult, usage: dict | None) -> None:

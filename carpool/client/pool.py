@@ -26,14 +26,18 @@ class Timeouts:
         return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=self.read_s)
 
 
-def make_session(max_connections: int = 0, timeouts: Timeouts | None = None) -> aiohttp.ClientSession:
-    """``max_connections`` 0: unlimited (the concurrency limiter is the real bound)."""
+def make_session(max_connections: int = 0, timeouts: Timeouts | None = None, *, fresh_connections: bool = False,
+                 trace_configs: list[aiohttp.TraceConfig] | None = None) -> aiohttp.ClientSession:
+    """``max_connections`` 0: unlimited (the concurrency limiter is the real bound).
+    ``fresh_connections``: a new TCP connection per request, what a client without a pool pays (bench)."""
+    # aiohttp refuses a keep-alive timeout together with force_close
+    reuse = {"force_close": True} if fresh_connections else {"keepalive_timeout": 60}
     connector = aiohttp.TCPConnector(
         limit=max_connections,
         limit_per_host=0,
-        keepalive_timeout=60,
         ttl_dns_cache=300,
         enable_cleanup_closed=False,
+        **reuse,
     )
     return aiohttp.ClientSession(
         connector=connector,
@@ -41,4 +45,5 @@ def make_session(max_connections: int = 0, timeouts: Timeouts | None = None) -> 
         auto_decompress=True,
         raise_for_status=False,
         skip_auto_headers=("User-Agent",),
+        trace_configs=trace_configs,
     )

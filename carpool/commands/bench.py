@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from carpool.bench import datasets
-from carpool.bench.loadgen import BenchRun, EngineBackend, HttpBackend, run_benchmark
+from carpool.bench.loadgen import BenchRun, engine_load_client, http_load_client, run_benchmark
 from carpool.bench.metrics import (
     MetricsError,
     format_result,
@@ -146,7 +146,7 @@ async def _run(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         if args.endpoint:
             backend: Any = await stack.enter_async_context(
-                HttpBackend(
+                http_load_client(
                     args.endpoint,
                     args.model,
                     args.api_key,
@@ -162,7 +162,7 @@ async def _run(args: argparse.Namespace) -> int:
             if args.max_num_seqs:
                 cfg.max_num_seqs = args.max_num_seqs
             engine = await stack.enter_async_context(AsyncEngine(cfg))
-            backend = EngineBackend(engine, temperature=args.temperature)
+            backend = engine_load_client(engine, temperature=args.temperature)
 
         # One test request first (as vLLM does), so a wrong URL or model fails in a second, not after a run.
         probe = datasets.BenchRequest(

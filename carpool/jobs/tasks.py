@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from carpool.client.base import Request
 from carpool.client.retry import is_idempotent
+from carpool.openai.schema import check_body
 
 _URL_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding",
               "/chat/completions": "chat", "/completions": "completion", "/embeddings": "embedding"}
-_ROLES = {"system", "user", "assistant", "tool", "developer"}
 # Carpool keys allowed on a plain record that are not request parameters.
 _META_KEYS = {"custom_id"}
 
@@ -66,51 +66,6 @@ class TaskDefaults:
 
 def _bad(line_no: int, cid: str | None, fld: str, reason: str) -> BadLine:
     return BadLine(line_no, cid or f"line-{line_no}", fld, reason)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_messages(msgs: object) -> tuple[str, str] | None:
-    if not isinstance(msgs, list) or not msgs:
-        return "messages", "must be a non-empty list of {role, content} objects"
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            return f"messages[{i}]", f"must be an object, got {type(m).__name__}"
-        role = m.get("role")
-        if role not in _ROLES:
-            return f"messages[{i}].role", f"must be one of {sorted(_ROLES)}, got {role!r}"
-        content = m.get("content")
-        if not isinstance(content, (str, list)) and not (content is None and role == "assistant"):
-            return f"messages[{i}].content", f"must be a string or a list of parts, got {type(content).__name__}"
-    return None
-
-
-def _check_params(body: dict) -> tuple[str, str] | None:
-    mt = body.get("max_tokens", body.get("max_completion_tokens"))
-    if mt is not None and (not _is_int(mt) or mt < 1):
-        return "max_tokens", f"must be a positive integer, got {mt!r}"
-    t = body.get("temperature")
-    if t is not None and (not _is_num(t) or not 0 <= t <= 2):
-        return "temperature", f"must be a number in [0, 2], got {t!r}"
-    p = body.get("top_p")
-    if p is not None and (not _is_num(p) or not 0 < p <= 1):
-        return "top_p", f"must be a number in (0, 1], got {p!r}"
-    s = body.get("stop")
-    if s is not None and not isinstance(s, str) and not (isinstance(s, list) and all(isinstance(x, str) for x in s)):
-        return "stop", "must be a string or a list of strings"
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
-        return "seed", f"must be a 64-bit integer, got {seed!r}"
-    top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < -1):
-        return "top_k", f"must be an integer >= -1 (0 or -1: off), got {top_k!r}"
-    return None
 
 
 def _estimate_tokens(body: dict, kind: str) -> int:
@@ -155,17 +110,13 @@ def build_task(obj: object, line_no: int, defaults: TaskDefaults) -> Task | BadL
             return _bad(line_no, cid, "messages", "missing: a task needs 'messages' (chat), 'prompt' "
                                                   "(completion) or 'input' (embedding)")
         prefix = ""
-    if kind == "chat":
-        err = _check_messages(body.get("messages"))
-    elif kind == "completion":
-        err = None if isinstance(body.get("prompt"), str) else ("prompt", "must be a string")
-    else:
-        inp = body.get("input")
-        ok = isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, str) for x in inp))
-        err = None if ok else ("input", "must be a string or a non-empty list of strings")
-    err = err or (_check_params(body) if kind != "embedding" else None)
-    if err:
-        return _bad(line_no, cid, prefix + err[0], err[1])
+    # The body as any OpenAI-compatible endpoint would check it (what carpool's own engine
+    # does not implement is its backend's to refuse: EngineBackend.check).
+    problem = check_body(kind, body)
+    if problem is not None:
+        return _bad(line_no, cid, prefix + problem.param, problem.reason)
+    if kind == "completion" and not isinstance(body["prompt"], str):
+        return _bad(line_no, cid, prefix + "prompt", "must be a string (one prompt per task)")
     if defaults.model and "model" not in body:
         body["model"] = defaults.model
     if defaults.require_model and not isinstance(body.get("model"), str):

@@ -89,10 +89,16 @@ class StepRecorder:
 
 async def run_load(engine: Any, requests: list[SimRequest], concurrency: int | None = None,
                    vocab: int | None = None) -> list[dict]:
-    """Replay ``requests`` against an ``AsyncEngine``; records have times in seconds from the start."""
-    from carpool.engine.protocol import GenerateRequest, SamplingParams
+    """Replay ``requests`` against an ``AsyncEngine``; records have times in seconds from the start.
+
+    Each request is a text completion of token ids (greedy, EOS ignored, ``output_len`` tokens)
+    through ``carpool.openai``, the translation ``carpool serve`` runs: what is timed is the
+    path a served request takes, minus HTTP."""
+    from carpool.openai.generation import Generation
+    from carpool.openai.requests import Translator
 
     vocab = vocab or engine.engine.model_config.vocab_size
+    translator = Translator(engine)
     prompts = {r.request_id: prompt_token_ids(r, vocab) for r in requests}
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     t0 = time.monotonic() + 0.02
@@ -104,12 +110,13 @@ async def run_load(engine: Any, requests: list[SimRequest], concurrency: int | N
         submit = time.monotonic()
         rec = {"id": r.request_id, "arrival": r.arrival, "submit": submit - t0, "first_token": None,
                "finish": None, "prompt_len": r.prompt_len, "output_len": r.output_len, "error": None}
-        req = GenerateRequest(r.request_id, SamplingParams(temperature=0.0, max_tokens=r.output_len,
-                                                           ignore_eos=True),
-                              prompt_token_ids=prompts[r.request_id], priority=r.priority, arrival_time=submit)
+        body = {"prompt": prompts[r.request_id], "max_tokens": r.output_len, "temperature": 0,
+                "ignore_eos": True, "priority": r.priority}
         n = 0
+        gen = None
         try:
-            async for d in engine.submit(req):
+            gen = Generation(engine, translator.prepare("completion", body, response_id=r.request_id).choices)
+            async for _, d in gen.deltas():
                 if d.token_ids and rec["first_token"] is None:
                     rec["first_token"] = time.monotonic() - t0
                 n += len(d.token_ids)
@@ -120,6 +127,8 @@ async def run_load(engine: Any, requests: list[SimRequest], concurrency: int | N
         except Exception as e:  # noqa: BLE001 - an engine error is a failed request, not a crashed run
             rec["error"] = repr(e)
         finally:
+            if gen is not None:
+                await gen.close()
             if sem is not None:
                 sem.release()
         rec["output_len"] = n or r.output_len

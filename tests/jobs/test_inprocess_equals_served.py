@@ -1,0 +1,114 @@
+"""The same task file gives the same bodies in-process and through a real `carpool serve` (issue 17.1).
+
+`carpool run` on the embedded engine and `carpool run --endpoint` against `carpool serve` (a
+subprocess on 127.0.0.1) both go through carpool.openai; this runs one file both ways on the
+packaged SmolLM2 (greedy, one task at a time, so both engines see the same batches) and compares
+the output lines.  The file covers each point where the copies used to disagree: a chat without
+max_tokens (the rest of the context, not 16), a completion without it (16), a developer message
+(-> system, merged with the system message), content parts (joined with "\\n"), n=2 with a seed,
+and lines both must refuse naming the same field (an empty stop string, logprobs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from carpool.server.launcher import start_server_process
+from carpool.testing.body_diff import answer_diff
+
+MODEL = "smollm2"
+
+TASKS = [
+    {"custom_id": "chat-default-length", "temperature": 0,  # SmolLM2 answers in 27 tokens, then EOS
+     "messages": [{"role": "user", "content": "Say hello in French and in Spanish."}]},
+    {"custom_id": "developer-and-parts", "temperature": 0, "max_tokens": 12,
+     "messages": [{"role": "system", "content": "You are terse."},
+                  {"role": "developer", "content": "Answer with one word."},
+                  {"role": "user", "content": [{"type": "text", "text": "Name a colour"},
+                                               {"type": "text", "text": "of the sky."}]}]},
+    {"custom_id": "completion-default-length", "temperature": 0, "prompt": "Once upon a time, in a small village,"},
+    {"custom_id": "n2-seeded", "temperature": 0.8, "seed": 7, "n": 2, "max_tokens": 6,
+     "prompt": "The three best fruits are"},
+    {"custom_id": "chat-stop-list", "temperature": 0, "max_completion_tokens": 24, "stop": [".", "!"],
+     "messages": [{"role": "user", "content": "Tell me about the sea."}]},
+    {"custom_id": "empty-stop", "temperature": 0, "max_tokens": 4, "stop": ["x", ""],
+     "messages": [{"role": "user", "content": "hi"}]},
+    {"custom_id": "logprobs", "temperature": 0, "max_tokens": 4, "logprobs": True,
+     "messages": [{"role": "user", "content": "hi"}]},
+]
+REFUSED = {"empty-stop": "stop[1]", "logprobs": "logprobs"}
+
+
+def _run(src, out, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "carpool.cli", "run", str(src), "-o", str(out), "--model", MODEL,
+           "--concurrency", "1", "--cache", "off", "--quiet", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert proc.returncode in (0, 3), proc.stderr  # 3: some tasks failed (the two refused ones)
+
+
+def _lines(path) -> dict[str, dict]:
+    return {d["custom_id"]: d for d in map(json.loads, path.read_text().splitlines())}
+
+
+def _body(line: dict) -> dict:
+    body = dict(line["response"]["body"])
+    body.pop("id")
+    body.pop("created")
+    return body
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("parity")
+    src = d / "tasks.jsonl"
+    src.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    _run(src, d / "inprocess.jsonl")
+    # A fresh server per run: a warm prefix cache changes the prefill's shapes, and in bf16 that
+    # may flip a greedy near-tie, so every run starts from the same (empty) cache.
+    for name, extra in (("served", ["--no-stream"]), ("streamed", [])):
+        with start_server_process(["--model", MODEL, "--port", "0", "--embedding-model", "none"]) as srv:
+            _run(src, d / f"{name}.jsonl", "--endpoint", srv.base_url + "/v1", *extra)
+    return _lines(d / "inprocess.jsonl"), _lines(d / "served.jsonl"), _lines(d / "streamed.jsonl")
+
+
+def test_every_answer_is_the_same_body(outputs):
+    inproc, served, _ = outputs
+    assert set(inproc) == set(served) == {t["custom_id"] for t in TASKS}
+    for cid in set(inproc) - set(REFUSED):
+        assert inproc[cid]["error"] is None and served[cid]["error"] is None, (cid, inproc[cid], served[cid])
+        assert _body(inproc[cid]) == _body(served[cid]), cid
+
+
+def test_the_policy_is_the_one_documented(outputs):
+    inproc, _, _ = outputs
+    chat = _body(inproc["chat-default-length"])
+    # no max_tokens on a chat: not cut at 16 tokens, it ran to its own end (EOS)
+    assert chat["choices"][0]["finish_reason"] == "stop" and chat["usage"]["completion_tokens"] > 16
+    completion = _body(inproc["completion-default-length"])
+    assert completion["usage"]["completion_tokens"] == 16 and completion["choices"][0]["finish_reason"] == "length"
+    n2 = _body(inproc["n2-seeded"])
+    assert [c["index"] for c in n2["choices"]] == [0, 1]
+    assert n2["usage"]["prompt_tokens"] == n2["usage"]["total_tokens"] - n2["usage"]["completion_tokens"]
+
+
+def test_both_refuse_the_same_lines_naming_the_same_field(outputs):
+    inproc, served, _ = outputs
+    for cid, field in REFUSED.items():
+        mine, theirs = inproc[cid]["error"], served[cid]["error"]
+        assert mine["field"] == theirs["field"] == field, (mine, theirs)
+        # the server's own words reach the in-process line too
+        assert served[cid]["response"]["body"]["error"]["message"] in mine["message"], (mine, theirs)
+
+
+def test_streamed_answers_rebuild_to_the_same_bodies(outputs):
+    # Streamed (the default of carpool run --endpoint), rebuilt by the client: the same answer, field
+    # for field, apart from what is per response (answer_diff: ids, created, null vs absent).
+    inproc, _, streamed = outputs
+    for cid in set(inproc) - set(REFUSED):
+        assert streamed[cid]["error"] is None, streamed[cid]
+        assert answer_diff(inproc[cid]["response"]["body"], streamed[cid]["response"]["body"]) == [], cid
