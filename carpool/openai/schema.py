@@ -50,7 +50,7 @@ def _sampling_properties(max_model_len: int | None, max_n: int | None, carpool: 
     """Parameters shared by chat and completions (OpenAI names plus vLLM's extras)."""
     max_tokens = _bounded({"type": "integer", "minimum": 1, "nullable": True}, "maximum", max_model_len)
     # vLLM refuses an empty stop string (it would end every answer at once); so does carpool.
-    stop_string = {"type": "string"}
+    stop_string: dict[str, object] = {"type": "string"}
     if carpool:
         stop_string = {**stop_string, "minLength": 1, HINT: "an empty stop string would end every answer at once; "
                                                             "remove it"}
