@@ -184,8 +184,8 @@ def engine_load_client(engine: Any, temperature: float = 0.0) -> LoadClient:
     """Drives an in-process engine (an ``EngineClient``) through the in-process backend."""
     from carpool.client.engine_backend import EngineBackend
 
-    return LoadClient(EngineBackend(engine, record_chunks=True), "carpool-engine", str(engine.model_name),
-                      temperature)
+    backend = EngineBackend(engine, record_chunks=True)
+    return LoadClient(backend, "carpool-engine", backend.model_name, temperature)
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from carpool.client.retry import ErrorKind
 from carpool.client.base import CallResult, Request
+from carpool.client.retry import ErrorKind
 from carpool.embed.dynamic_batcher import DynamicBatcher, QueueFullError, QueueTimeoutError
 from carpool.engine.protocol import EngineClient
 from carpool.openai.errors import OpenAIError
@@ -31,6 +31,9 @@ class EngineBackend:
         """``embedder_factory`` builds the embedding batcher on the first embedding task (loading
         MiniLM costs seconds); ``record_chunks``: fill ``CallResult.chunk_times`` (bench)."""
         self.engine = engine
+        # Taken now, before the engine loads: the --model name, which is also what `carpool serve`
+        # calls the model by default (a loaded folder would report its directory name instead).
+        self.model_name = str(engine.model_name)
         self._embedder_factory = embedder_factory
         self._batcher: DynamicBatcher | None = None
         self._translator: Translator | None = None
@@ -94,7 +97,7 @@ class EngineBackend:
             _failed(res, aborted_error(), t0)
             res.error_kind = ErrorKind.TRUNCATED
             return res
-        res.body = ResponseBuilder(req.kind, prepared.id, self.engine.model_name).body(prepared.choices)
+        res.body = ResponseBuilder(req.kind, prepared.id, self.model_name).body(prepared.choices)
         usage = res.body["usage"]
         res.prompt_tokens, res.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
         res.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
