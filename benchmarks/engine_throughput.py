@@ -1,10 +1,15 @@
 """Offline throughput of carpool's engine vs vLLM (CPU build) and HF static batching.
 
     python benchmarks/engine_throughput.py [--workloads-dir DIR] [--workload reviews-128.jsonl ...]
+        [--long-seed 1] [--repeats 1]
 
-Runs carpool's engine (SmolLM2-135M, bf16, greedy, EOS ignored, max_tokens from the file)
-on each workload, and in the same run, when the peers are built (/work/shared/peers/setup.sh,
-venv in /tmp/carpool-peers/vllm), ``bench_vllm_cpu.py`` and ``bench_hf_static.py`` in
+Workloads: reviews-128 and classify-512 from ../shared/workloads, and long-mixed-sSEED: 128
+requests, prompts 20-2000 tokens (log-uniform) behind four ~150-token system prompts, three task
+families, 16-128 output tokens (made by make_long_workload.py with --long-seed unless a file of
+that name is in the workloads dir).  Runs carpool's engine (SmolLM2-135M, bf16, greedy, EOS
+ignored, max_tokens from the file) on each workload, and in the same run, when the peers are
+built (/work/shared/peers/setup.sh, venv in /tmp/carpool-peers/vllm), ``bench_vllm_cpu.py`` and
+``bench_hf_static.py`` in
 subprocesses with the peers' python.  Also measures the machine's bf16 GEMM roofline.
 Prints one JSON object: tok/s per engine, carpool/vllm and carpool/hf ratios and the
 fraction of the roofline carpool reaches (~0.27 GFLOP per token for this model).
@@ -18,16 +23,28 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-_USER_OMP = os.environ.get("OMP_WAIT_POLICY")  # carpool.engine sets its own default on import
+_USER_OMP = os.environ.get("OMP_WAIT_POLICY")  # configure_process sets carpool's default
 
-import torch  # noqa: E402  (after reading the user's OMP_WAIT_POLICY)
+try:
+    from carpool.engine import configure_process
+except ImportError:  # an older tree (to measure the engine before this change): it sets itself up
+
+    def configure_process(num_threads: int | None = None) -> None:
+        pass
+
+configure_process()  # before torch loads OpenMP
+
+import torch  # noqa: E402
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# ../shared beside the checkout (/work/main -> /work/shared), also from a worktree one level deeper.
+SHARED = next((p / "shared" for p in REPO.parents[:2] if (p / "shared").is_dir()), REPO.parent / "shared")
 GFLOP_PER_TOKEN = 0.27  # 2 x 135M parameters
 
 
@@ -43,10 +60,24 @@ def gemm_roofline_gflops(n: int = 2048, reps: int = 5) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
+def long_workload(args, out_dir: Path) -> Path:
+    """long-mixed-sSEED.jsonl from the workloads dir, or made now with make_long_workload.py."""
+    name = f"long-mixed-s{args.long_seed}.jsonl"
+    if (args.workloads_dir / name).exists():
+        return args.workloads_dir / name
+    path = out_dir / name
+    if not path.exists():
+        with open(path, "w") as f:
+            subprocess.run([sys.executable, str(Path(__file__).with_name("make_long_workload.py")),
+                            "--seed", str(args.long_seed), "--name", path.stem], stdout=f, check=True)
+    return path
+
+
 def run_carpool(rows: list[dict], loaded, args) -> dict:
+    kw = {"quantization": args.quantization} if args.quantization else {}
     cfg = EngineConfig(model="smollm2", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                       kv_cache_memory_gb=args.kv_cache_memory_gb, extra={"attention": args.attention})
+                       kv_cache_memory_gb=args.kv_cache_memory_gb, extra={"attention": args.attention}, **kw)
     llm = LLM(cfg, loaded=loaded)
 
     def reqs(rs, tag):
@@ -93,10 +124,10 @@ def run_peer(script: Path, python: Path, workload: Path, timeout: float) -> dict
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads-dir", type=Path, default=REPO.parent / "shared" / "workloads")
+    ap.add_argument("--workloads-dir", type=Path, default=SHARED / "workloads")
     ap.add_argument("--workload", action="append", help="file name(s) in the workloads dir")
     ap.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", "/tmp/carpool-peers")))
-    ap.add_argument("--peer-scripts", type=Path, default=REPO.parent / "shared" / "peers")
+    ap.add_argument("--peer-scripts", type=Path, default=SHARED / "peers")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the (slow) HF static-batching baseline")
     ap.add_argument("--dtype", default="bfloat16")
@@ -106,8 +137,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--attention", default="kernel", choices=["kernel", "torch", "auto"])
     ap.add_argument("--peer-timeout", type=float, default=1800)
+    ap.add_argument("--long-seed", type=int, default=1, help="seed of the generated long mixed workload")
+    ap.add_argument("--quantization", default=None, choices=[None, "int8"])
     args = ap.parse_args()
-    names = args.workload or ["reviews-128.jsonl", "classify-512.jsonl"]
+    configure_process(args.threads)
+    long_name = f"long-mixed-s{args.long_seed}.jsonl"
+    names = args.workload or ["reviews-128.jsonl", "classify-512.jsonl", long_name]
+    tmp = Path(tempfile.mkdtemp(prefix="carpool-workloads-"))
 
     from carpool.engine.loader import load_model
 
@@ -118,13 +154,14 @@ def main() -> int:
     have_peers = python.exists() and not args.no_peers
     roofline = gemm_roofline_gflops()
     result: dict = {"benchmark": "engine_throughput", "model": "smollm2", "dtype": args.dtype,
+                    "quantization": args.quantization, "attention": args.attention,
                     "threads": torch.get_num_threads(), "load_s": round(load_s, 2),
                     "bf16_gemm_gflops": round(roofline, 1),
                     "roofline_total_tok_s": round(roofline / GFLOP_PER_TOKEN, 1),
                     "peers": "ran" if have_peers else f"skipped ({python} missing or --no-peers)",
                     "workloads": {}}
     for name in names:
-        path = args.workloads_dir / name
+        path = long_workload(args, tmp) if name == long_name else args.workloads_dir / name
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         w: dict = {"carpool": run_carpool(rows, loaded, args)}
         if have_peers:

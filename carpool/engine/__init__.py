@@ -1,8 +1,9 @@
 """carpool's inference engine: continuous batching over a paged KV cache.
 
-Exports (imported lazily, so ``import carpool.engine`` stays cheap):
+Exports (imported lazily, so ``import carpool.engine`` stays cheap and torch-free):
 ``AsyncEngine`` (the in-process EngineClient), ``LLMEngine`` (sync core), ``LLM``
-(offline), ``EngineConfig``, ``SamplingParams``, ``GenerateRequest``.
+(offline), ``EngineConfig``, ``SamplingParams``, ``GenerateRequest``, and
+``configure_process`` (threads, OpenMP wait policy, malloc; see process.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {
+    "configure_process": ".process",
     "AsyncEngine": ".async_engine",
     "LLMEngine": ".llm_engine",
     "LLM": ".llm",

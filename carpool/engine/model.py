@@ -7,46 +7,52 @@ reads every sequence's context back through its block table.
 
 CPU efficiency choices (the model is tiny, so overheads dominate):
 - q/k/v and gate/up are fused into one matmul each at load time;
-- RoPE is applied to q and k in one op, from a precomputed cos/sin table;
-- attention: the C++ kernel in ``paged_attention.py`` reads K/V straight from the
-  paged cache for every row (decodes and prefill chunks in one call, no padding);
-  without a compiler, at most two batched softmax(q k^T) v per layer (decodes, padded
-  prefill chunks) with the GQA group folded into the query axis (K/V never repeated);
-- with the extension loaded, residual add + RMSNorm and SiLU * up are one fused pass;
+- with the C++ kernels (``ops/``, passed in the step's metadata): RoPE in place on the
+  fused q|k|v, one attention call per layer (cache write, SIMD paged attention for decodes
+  and short chunks, torch's flash attention for long chunks), residual add + RMSNorm and
+  SiLU * up as one pass each;
+- without them (no compiler, or ``attention=torch``): RoPE on q and k in one op from a
+  precomputed cos/sin table, and at most two batched softmax(q k^T) v per layer (decodes,
+  padded prefill chunks) with the GQA group folded into the query axis (K/V never repeated);
 - logits are computed only for the rows that sample this step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from . import paged_attention as pa
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .ops import Kernels
 
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step; built once, shared by all layers."""
+    """Everything attention needs for one step; built once by the runner, shared by all layers."""
 
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     num_decode: int  # the first num_decode tokens are single-token queries, one per sequence
-    decode_slots: torch.Tensor | None  # [Bd, L] cache slots of each context (padded with slot 0)
-    decode_mask: torch.Tensor | None  # [1, Bd, 1, L] additive (0 / -inf): key is inside the context
-    prefill_token_index: torch.Tensor | None  # [P*Lq] index into the prefill tokens (padding -> 0)
-    prefill_valid: torch.Tensor | None  # [P*Lq] bool: row is a real token (None: all real)
-    prefill_shape: tuple[int, int]  # (P, Lq)
-    prefill_slots: torch.Tensor | None  # [P, L]
-    prefill_mask: torch.Tensor | None  # [1, P, G*Lq, L] additive (causal + context length)
     logits_index: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
-    # The C++ kernel path: decodes always use it when it is loaded; prefill rows too unless
-    # the torch prefill fields above are set.
-    use_kernel: bool = False
+    # The C++ kernel path (kernels is None: the torch path below).
+    kernels: Kernels | None = None
     block_tables: torch.Tensor | None = None  # [S, max_blocks] of the scheduled sequences
-    seq_of_row: torch.Tensor | None = None  # [T] which scheduled sequence each token belongs to
-    ctx_len: torch.Tensor | None = None  # [T] keys each token sees (its position + 1)
+    num_kernel_rows: int = 0  # rows [0, num_kernel_rows) run the SIMD kernel ...
+    seq_of_row: torch.Tensor | None = None  # [num_kernel_rows] which scheduled sequence each row belongs to
+    ctx_len: torch.Tensor | None = None  # [num_kernel_rows] keys each row sees (its position + 1)
+    flash_seqs: torch.Tensor | None = None  # ... the rest flash attention: [P, 4] (row, rows, seq, cached)
+    # The torch path.
+    decode_slots: torch.Tensor | None = None  # [Bd, L] cache slots of each context (padded with slot 0)
+    decode_mask: torch.Tensor | None = None  # [1, Bd, 1, L] additive (0 / -inf): key is inside the context
+    prefill_token_index: torch.Tensor | None = None  # [P*Lq] index into the prefill tokens (padding -> 0)
+    prefill_valid: torch.Tensor | None = None  # [P*Lq] bool: row is a real token (None: all real)
+    prefill_shape: tuple[int, int] = (0, 0)  # (P, Lq)
+    prefill_slots: torch.Tensor | None = None  # [P, L]
+    prefill_mask: torch.Tensor | None = None  # [1, P, G*Lq, L] additive (causal + context length)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,12 +108,13 @@ class LlamaModel:
         self._build_rope(c.max_position_embeddings)
 
     def _build_rope(self, max_pos: int) -> None:
+        # In fp32 exactly as transformers computes them (fp32 inverse frequencies, fp32 angle =
+        # position * inv_freq), cast to the model dtype once: the same cos/sin values as HF.
         d = self.head_dim
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        # Kept in fp32 (as HF computes them), cast to the model dtype once.
-        self.cos = freqs.cos().float().to(self.dtype)  # [max_pos, d/2]
-        self.sin = freqs.sin().float().to(self.dtype)
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        freqs = torch.arange(max_pos, dtype=torch.float).unsqueeze(1) * inv_freq.unsqueeze(0)
+        self.cos = freqs.cos().to(self.dtype).contiguous()  # [max_pos, d/2]
+        self.sin = freqs.sin().to(self.dtype).contiguous()
 
     # ------------------------------------------------------------------ forward
 
@@ -122,16 +129,35 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns logits [S, vocab] (model dtype) for the rows in ``meta.logits_index``."""
+        if meta.kernels is None:
+            return self._forward_torch(input_ids, positions, meta, kv_caches)
+        k = meta.kernels
+        x = self.embed.index_select(0, input_ids)
+        h = k.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps)
+        rope_heads = self.num_heads + self.num_kv_heads
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
+            attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
+                               meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
+            h = k.add_rms_norm(x, F.linear(attn, layer["o"], layer["o_bias"]), layer["ln2"], self.eps)
+            down = F.linear(k.silu_mul(F.linear(h, layer["gate_up"])), layer["down"])
+            next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
+            h = k.add_rms_norm(x, down, next_ln, self.eps)
+        # h is the final norm of every row; the head runs only on the rows that sample.
+        return F.linear(h.index_select(0, meta.logits_index), self.lm_head)
+
+    def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The same forward in torch ops only (no compiler, or ``attention=torch``)."""
         x = self.embed.index_select(0, input_ids)
         half = self.head_dim // 2
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, d/2]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         nq = self.num_heads * self.head_dim
         nkv = self.num_kv_heads * self.head_dim
-        fused = meta.use_kernel  # the C++ extension is loaded: fused residual+norm and silu*up
-        h = pa.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps) if fused else \
-            _rms_norm(x, self.layers[0]["ln1"], self.eps)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=False)):
+        h = _rms_norm(x, self.layers[0]["ln1"], self.eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
             t = qkv.shape[0]
             # RoPE on q and k together (rotate-half convention, as HF Llama).
@@ -142,19 +168,12 @@ class LlamaModel:
             k = qk[:, self.num_heads:]
             v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
             attn = self._attention(q, k, v, k_cache, v_cache, meta)
-            o = F.linear(attn, layer["o"], layer["o_bias"])
+            x = x + F.linear(attn, layer["o"], layer["o_bias"])
+            h = _rms_norm(x, layer["ln2"], self.eps)
+            g, u = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, layer["down"])
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
-            if fused:
-                h = pa.add_rms_norm(x, o, layer["ln2"], self.eps)
-                down = F.linear(pa.silu_mul(F.linear(h, layer["gate_up"])), layer["down"])
-                h = pa.add_rms_norm(x, down, next_ln, self.eps)
-            else:
-                x = x + o
-                h = _rms_norm(x, layer["ln2"], self.eps)
-                g, u = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(g) * u, layer["down"])
-                h = _rms_norm(x, next_ln, self.eps)
-        # h is the final norm of every row; the head runs only on the rows that sample.
+            h = _rms_norm(x, next_ln, self.eps)
         return F.linear(h.index_select(0, meta.logits_index), self.lm_head)
 
     def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -179,11 +198,6 @@ class LlamaModel:
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
 
-        def kernel(rows: slice) -> torch.Tensor:
-            out = pa.paged_attention(q[rows], k_cache, v_cache, meta.block_tables, meta.seq_of_row[rows],
-                                     meta.ctx_len[rows], self.scale)
-            return out.view(out.shape[0], -1)
-
         def gather(cache_flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
             """[B, L] slots -> [Hkv, B, L, d] (row gather, then a head-major view)."""
             b, length = slots.shape
@@ -191,18 +205,14 @@ class LlamaModel:
 
         outs = []
         nd = meta.num_decode
-        if nd and meta.use_kernel:
-            outs.append(kernel(slice(0, nd)))
-        elif nd:
+        if nd:
             # [Bd, Hq, d] -> [Hkv, Bd, G, d]: the G query heads sharing a KV head become G "rows".
             qd = q[:nd].reshape(nd, hkv, g, d).transpose(0, 1)
             kd = gather(k_flat, meta.decode_slots)
             vd = gather(v_flat, meta.decode_slots)
             od = self._softmax_attention(qd, kd, vd, meta.decode_mask)  # [Hkv, Bd, G, d]
             outs.append(od.transpose(0, 1).reshape(nd, hkv * g * d))
-        if t > nd and meta.use_kernel and meta.prefill_slots is None:
-            outs.append(kernel(slice(nd, t)))
-        elif t > nd:
+        if t > nd:
             p, lq = meta.prefill_shape
             qp = q[nd:]
             if meta.prefill_token_index is not None:

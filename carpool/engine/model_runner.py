@@ -1,31 +1,52 @@
 """Turns a scheduled step into tensors, runs the model and samples.
 
-All index tensors of a step (slot mapping, padded block tables, masks) are built
-once here with vectorised torch ops and shared by every layer.
+All index tensors of a step (slot mapping, block tables, masks) are built once here and
+shared by every layer.  The runner owns the C++ kernels (``ops.Kernels``): until they are
+built (or when there is no compiler) a step runs the torch path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import paged_attention as pa
 from .model import AttentionMetadata, LlamaModel
+from .ops import SUPPORTED_HEAD_DIMS, Kernels
 from .sampler import Sampler, SampleResult
 from .sequence import Sequence
 
+# A prefill chunk whose attention work (rows x keys seen: n * (cached + (n + 1) / 2)) is at
+# least this runs torch's flash attention (blocked GEMMs, AMX/AVX-512) instead of the SIMD row
+# kernel.  Below it the two flash calls per sequence (chunk, cached prefix) and the merge cost
+# more than the kernel's math.  Measured on the 2-core Xeon (AVX-512 + AMX), SmolLM2's heads:
+# 64 new tokens after 144 cached (11k) cost the same both ways (0.19 ms a layer); 128 after 144
+# take 0.30 ms in flash vs 0.41 in the kernel; 30 chunks of 50 after 50 take 2.5 ms in the
+# kernel vs 4.0 ms in flash (benchmarks/attention_kernels.py).
+FLASH_MIN_WORK = 12288
+PREFILL_MODES = ("auto", "flash", "kernel")
+
 
 class ModelRunner:
+    """``kernels``: "auto" (build in the background, torch path until ready), "wait" (build now),
+    or "off".  ``prefill``: "auto" (flash for chunks of FLASH_MIN_TOKENS or more, the SIMD
+    kernel below), "flash" or "kernel" (every prefill chunk through that one)."""
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
-                 use_kernel: bool = True, prefill_kernel: bool = True):
+                 kernels: str = "auto", prefill: str = "auto", isa: int | None = None):
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill attention must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(seed)
-        self.use_kernel = use_kernel and model.head_dim in pa.SUPPORTED_HEAD_DIMS
-        self.prefill_kernel = prefill_kernel  # False: prefill chunks use batched matmuls
-        if self.use_kernel:
-            pa.load_in_background()
+        self.prefill = prefill
+        self.kernels: Kernels | None = None
+        if kernels != "off" and model.head_dim in SUPPORTED_HEAD_DIMS:
+            self.kernels = Kernels(isa=isa)
+            if kernels == "wait":
+                self.kernels.wait()
+            else:
+                self.kernels.start()
 
     def _context_slots(self, seqs: list[Sequence], num_ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots [B, L] of each context (through the block tables, padded to the longest
@@ -43,16 +64,28 @@ class ModelRunner:
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill_(~allowed, float("-inf"))
 
+    def _flash(self, seq: Sequence, n: int) -> bool:
+        """Whether a prefill chunk of n > 1 tokens runs flash attention (kernel path)."""
+        if self.prefill != "auto":
+            return self.prefill == "flash"
+        return n * (seq.num_computed_tokens + (n + 1) // 2) >= FLASH_MIN_WORK
+
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
+        kernels = self.kernels if self.kernels is not None and self.kernels.ready else None
+        num_decode = 0  # the scheduler puts single-token queries first
+        while num_decode < len(scheduled) and scheduled[num_decode][1] == 1:
+            num_decode += 1
+        if kernels is not None:
+            # Rows the SIMD kernel runs first (decodes, short chunks), then the flash chunks.
+            prefills = scheduled[num_decode:]
+            scheduled = scheduled[:num_decode] + [sn for sn in prefills if not self._flash(*sn)] + \
+                [sn for sn in prefills if self._flash(*sn)]
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        num_decode = 0  # the scheduler puts single-token queries first
-        while num_decode < len(scheduled) and scheduled[num_decode][1] == 1:
-            num_decode += 1
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start:start + n])
@@ -63,67 +96,64 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        kernel = self.use_kernel and pa.available()
-        tables = seq_of_row = ctx_len = None
-        if kernel:
-            nb = max(len(s.block_table) for s, _ in scheduled)
-            tables = torch.tensor([s.block_table + [0] * (nb - len(s.block_table)) for s, _ in scheduled],
-                                  dtype=torch.long)
-            rows_seq: list[int] = []
-            rows_ctx: list[int] = []
-            for i, (seq, n) in enumerate(scheduled):
-                rows_seq.extend([i] * n)
-                rows_ctx.extend(range(seq.num_computed_tokens + 1, seq.num_computed_tokens + n + 1))
-            seq_of_row = torch.tensor(rows_seq, dtype=torch.long)
-            ctx_len = torch.tensor(rows_ctx, dtype=torch.long)
-        decode = scheduled[:num_decode]
-        prefill = scheduled[num_decode:]
-        if kernel and self.prefill_kernel:
-            prefill = []
-        dec_slots = dec_mask = None
-        if decode and not kernel:
-            dec_slots, valid = self._context_slots([s for s, _ in decode],
-                                                   [s.num_computed_tokens + 1 for s, _ in decode])
-            dec_mask = self._additive(valid.view(1, len(decode), 1, -1))
-        pf_index = pf_valid = pf_slots = pf_mask = None
-        pf_shape = (0, 0)
-        if prefill:
-            g = self.model.group
-            lens = [n for _, n in prefill]
-            lq = max(lens)
-            p = len(prefill)
-            pf_shape = (p, lq)
-            pf_slots, valid = self._context_slots([s for s, _ in prefill],
-                                                  [s.num_computed_tokens + n for s, n in prefill])
-            starts = torch.tensor([s.num_computed_tokens for s, _ in prefill]).unsqueeze(1)
-            lens_t = torch.tensor(lens).unsqueeze(1)
-            ar = torch.arange(lq).unsqueeze(0)
-            real = ar < lens_t  # [P, Lq]
-            qpos = torch.where(real, starts + ar, 0)  # padding rows look at key 0 only (no NaN)
-            kpos = torch.arange(valid.shape[1]).view(1, 1, -1)
-            mask = (kpos <= qpos.unsqueeze(2)) & valid.unsqueeze(1)  # [P, Lq, Lk]
-            pf_mask = self._additive(mask.unsqueeze(1).expand(p, g, lq, mask.shape[-1]).reshape(1, p, g * lq, -1))
-            if not bool(real.all()):
-                offsets = torch.tensor([0, *lens[:-1]]).cumsum(0).unsqueeze(1)
-                pf_index = torch.where(real, offsets + ar, 0).view(-1)
-                pf_valid = real.view(-1)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_decode=num_decode,
-            decode_slots=dec_slots,
-            decode_mask=dec_mask,
-            prefill_token_index=pf_index,
-            prefill_valid=pf_valid,
-            prefill_shape=pf_shape,
-            prefill_slots=pf_slots,
-            prefill_mask=pf_mask,
-            logits_index=torch.tensor(sample_rows, dtype=torch.long),
-            use_kernel=kernel,
-            block_tables=tables,
-            seq_of_row=seq_of_row,
-            ctx_len=ctx_len,
-        )
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=num_decode,
+                                 logits_index=torch.tensor(sample_rows, dtype=torch.long))
+        if kernels is not None:
+            self._kernel_metadata(meta, kernels, scheduled)
+        else:
+            self._torch_metadata(meta, scheduled[:num_decode], scheduled[num_decode:])
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_seqs
+
+    def _kernel_metadata(self, meta: AttentionMetadata, kernels: Kernels,
+                         scheduled: list[tuple[Sequence, int]]) -> None:
+        nb = max(len(s.block_table) for s, _ in scheduled)
+        meta.kernels = kernels
+        meta.block_tables = torch.tensor([s.block_table + [0] * (nb - len(s.block_table)) for s, _ in scheduled],
+                                         dtype=torch.long)
+        rows_seq: list[int] = []
+        rows_ctx: list[int] = []
+        flash: list[tuple[int, int, int, int]] = []
+        row = 0
+        for i, (seq, n) in enumerate(scheduled):
+            c = seq.num_computed_tokens
+            if n > 1 and self._flash(seq, n):
+                flash.append((row, n, i, c))
+            else:
+                rows_seq.extend([i] * n)
+                rows_ctx.extend(range(c + 1, c + n + 1))
+            row += n
+        meta.num_kernel_rows = len(rows_seq)
+        meta.seq_of_row = torch.tensor(rows_seq, dtype=torch.long)
+        meta.ctx_len = torch.tensor(rows_ctx, dtype=torch.long)
+        meta.flash_seqs = torch.tensor(flash, dtype=torch.long).view(-1, 4)
+
+    def _torch_metadata(self, meta: AttentionMetadata, decode: list[tuple[Sequence, int]],
+                        prefill: list[tuple[Sequence, int]]) -> None:
+        if decode:
+            meta.decode_slots, valid = self._context_slots([s for s, _ in decode],
+                                                           [s.num_computed_tokens + 1 for s, _ in decode])
+            meta.decode_mask = self._additive(valid.view(1, len(decode), 1, -1))
+        if not prefill:
+            return
+        g = self.model.group
+        lens = [n for _, n in prefill]
+        lq = max(lens)
+        p = len(prefill)
+        meta.prefill_shape = (p, lq)
+        meta.prefill_slots, valid = self._context_slots([s for s, _ in prefill],
+                                                        [s.num_computed_tokens + n for s, n in prefill])
+        starts = torch.tensor([s.num_computed_tokens for s, _ in prefill]).unsqueeze(1)
+        lens_t = torch.tensor(lens).unsqueeze(1)
+        ar = torch.arange(lq).unsqueeze(0)
+        real = ar < lens_t  # [P, Lq]
+        qpos = torch.where(real, starts + ar, 0)  # padding rows look at key 0 only (no NaN)
+        kpos = torch.arange(valid.shape[1]).view(1, 1, -1)
+        mask = (kpos <= qpos.unsqueeze(2)) & valid.unsqueeze(1)  # [P, Lq, Lk]
+        meta.prefill_mask = self._additive(mask.unsqueeze(1).expand(p, g, lq, mask.shape[-1]).reshape(1, p, g * lq, -1))
+        if not bool(real.all()):
+            offsets = torch.tensor([0, *lens[:-1]]).cumsum(0).unsqueeze(1)
+            meta.prefill_token_index = torch.where(real, offsets + ar, 0).view(-1)
+            meta.prefill_valid = real.view(-1)
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:

@@ -5,10 +5,16 @@ tokens: running decodes first (one token each), then running prefills continue w
 a chunk, then waiting sequences are admitted with a chunk of what is left of the
 budget.  When the KV cache runs out, the lowest-ranked running sequence is preempted
 by recompute: its blocks are freed and it goes back to waiting with all its tokens.
+
+The waiting queue is a heap keyed by the policy, so a step costs O(admitted x log waiting),
+not O(waiting): a job may hand the engine 100k requests at once
+(benchmarks/scheduler_scale.py measures a step at 100 and 100k waiting).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +36,71 @@ class SchedulerOutput:
         return self.num_decode_tokens + self.num_prefill_tokens
 
 
+class WaitingQueue:
+    """Waiting sequences in policy order: a heap with lazy removal.
+
+    Every policy's order is fixed when a sequence is queued: fcfs (arrival, queue order),
+    priority (priority, arrival, queue order) and lof by the moment its total wait began,
+    ``waiting_since - wait_accum`` (longest total wait first: ``current_wait(now)`` is
+    ``now`` minus that for every waiting sequence, so the order does not change while
+    they wait).  A removed sequence's entry stays in the heap, marked dead, until popped.
+    """
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._heap: list[list] = []
+        self._entries: dict[int, list] = {}  # id(seq) -> its live heap entry
+        self._count = itertools.count()
+
+    def _key(self, seq: Sequence) -> tuple:
+        if self.policy == "priority":
+            return (seq.priority, seq.arrival_time)
+        if self.policy == "lof":
+            return (seq.waiting_since - seq.wait_accum, seq.arrival_time)
+        return (seq.arrival_time,)
+
+    def push(self, seq: Sequence, order: int) -> None:
+        """``order``: the scheduler's arrival counter, the tie-break after the policy's key."""
+        entry = [*self._key(seq), order, next(self._count), seq]
+        self._entries[id(seq)] = entry
+        heapq.heappush(self._heap, entry)
+
+    def _drop_dead(self) -> None:
+        while self._heap and self._heap[0][-1] is None:
+            heapq.heappop(self._heap)
+
+    def peek(self) -> Sequence | None:
+        self._drop_dead()
+        return self._heap[0][-1] if self._heap else None
+
+    def pop(self) -> Sequence:
+        self._drop_dead()
+        seq = heapq.heappop(self._heap)[-1]
+        del self._entries[id(seq)]
+        return seq
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take ``seq`` out (O(1)); False when it was not waiting."""
+        entry = self._entries.pop(id(seq), None)
+        if entry is None:
+            return False
+        entry[-1] = None
+        return True
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return id(seq) in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __iter__(self):
+        """The waiting sequences in policy order (sorts: for tests and inspection, not per step)."""
+        return iter([e[-1] for e in sorted(self._entries.values())])
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", enable_chunked_prefill: bool = True):
@@ -40,7 +111,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.chunked = enable_chunked_prefill
-        self.waiting: list[Sequence] = []
+        self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._counter = 0  # arrival order, to break ties deterministically
@@ -52,7 +123,7 @@ class Scheduler:
         self._order[id(seq)] = self._counter
         self._counter += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self.waiting.push(seq, self._order[id(seq)])
 
     def _key(self, now: float):
         order = self._order
@@ -64,9 +135,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""
-        if seq in self.running:
+        if seq.status is SequenceStatus.RUNNING and seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        else:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.FINISHED
@@ -79,7 +150,7 @@ class Scheduler:
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
         seq.waiting_since = now
-        self.waiting.append(seq)
+        self.waiting.push(seq, self._order[id(seq)])
         self.num_preemptions += 1
 
     # -------------------------------------------------------------- schedule
@@ -135,17 +206,18 @@ class Scheduler:
 
         # Admit waiting sequences (not in a step that had to preempt: memory is tight).
         if not out.preempted:
-            self.waiting.sort(key=key)
             # Full blocks this step's prefills compute: a waiting sequence whose next block is one
             # of them (n choices of one prompt, a shared system prompt) waits a step and then hits
             # the prefix cache instead of computing the same block twice in one forward.
             pending = self._pending_blocks(out.scheduled)
             deferred: list[Sequence] = []
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
+                seq = self.waiting.peek()
                 cached = self.bm.match_prefix(seq)
                 if pending and self._next_block_pending(seq, len(cached), pending):
-                    deferred.append(self.waiting.pop(0))
+                    deferred.append(self.waiting.pop())
+                    if len(deferred) >= self.max_num_seqs:
+                        break  # a step looks at O(max_num_seqs) waiting sequences, not the whole queue
                     continue
                 num_cached = len(cached) * self.bm.block_size
                 remaining = seq.num_tokens - num_cached
@@ -154,7 +226,7 @@ class Scheduler:
                     break
                 if self.bm.blocks_needed(seq, n, cached) > self.bm.num_free_blocks:
                     break
-                self.waiting.pop(0)
+                self.waiting.pop()
                 self.bm.prefix_queries += seq.num_tokens
                 self.bm.prefix_hits += num_cached
                 if not seq.admitted_once:
@@ -171,7 +243,8 @@ class Scheduler:
                 budget -= n
                 if self.bm.enable_prefix_caching:
                     pending |= self._pending_blocks([(seq, n)])
-            self.waiting[:0] = deferred
+            for seq in deferred:
+                self.waiting.push(seq, self._order[id(seq)])
         # The model runner wants single-token queries first.
         out.scheduled.sort(key=lambda sn: sn[1] != 1)
         return out

@@ -1,6 +1,7 @@
 """Greedy output equals transformers' greedy generate, token for token (fp32)."""
 
 import pytest
+import torch
 
 from carpool.engine import LLM, GenerateRequest, SamplingParams
 
@@ -15,11 +16,14 @@ def run(loaded, cfg, ps, n):
     return [o.token_ids for o in llm.generate(reqs)], llm
 
 
-ATTENTION = [{"attention": "torch"}, {"attention": "kernel"},
-             {"attention": "kernel", "prefill_attention": "matmul"}]
+ATTENTION = {"torch": {"attention": "torch"}, "kernel": {"attention": "kernel"},
+             "flash": {"attention": "kernel", "prefill_attention": "flash"},
+             "simd": {"attention": "kernel", "prefill_attention": "kernel"},
+             "avx2": {"attention": "kernel", "prefill_attention": "kernel", "isa": "avx2"},
+             "scalar": {"attention": "kernel", "prefill_attention": "kernel", "isa": "scalar"}}
 
 
-@pytest.mark.parametrize("extra", ATTENTION, ids=["torch", "kernel", "kernel-decode-only"])
+@pytest.mark.parametrize("extra", list(ATTENTION.values()), ids=list(ATTENTION))
 @pytest.mark.parametrize("budget", [256, 16])
 def test_greedy_matches_transformers_batched(tiny, h, budget, extra):
     model, loaded = tiny
@@ -53,3 +57,43 @@ def test_greedy_matches_transformers_variants(h, overrides, attention):
     outs, _ = run(loaded, cfg, ps, 8)
     for p, out in zip(ps, outs, strict=True):
         assert out == h.hf_greedy(model, p, 8)
+
+
+@pytest.fixture(scope="module")
+def tiny_long(h):
+    """A tiny model that takes prompts past 1000 tokens (HF generate on them stays fast)."""
+    return h.make_tiny(5, max_position_embeddings=2048, vocab_size=512)
+
+
+@pytest.mark.parametrize("extra", [ATTENTION[k] for k in ("kernel", "flash", "simd", "avx2", "torch")],
+                         ids=["kernel", "flash", "simd", "avx2", "torch"])
+def test_long_prompts_chunked_and_prefix_hits_match_transformers(tiny_long, h, extra):
+    """Prompts of 1000-1500 tokens prefilled in chunks over several steps, decodes beside them,
+    and later requests that hit the prefix cache for 600-1100 of their tokens."""
+    model, loaded = tiny_long
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(1, 512, (1100,), generator=g).tolist()
+    first = [torch.randint(1, 512, (5,), generator=g).tolist()]  # admitted first: decodes beside the prefills
+    first += [shared + torch.randint(1, 512, (n,), generator=g).tolist() for n in (300, 37)]
+    later = [shared[:600] + torch.randint(1, 512, (150,), generator=g).tolist(),  # hits 600 (37 blocks of 16)
+             shared + torch.randint(1, 512, (9,), generator=g).tolist()]  # hits all 1100 shared tokens
+    steps = []
+    llm = LLM(h.engine_config(max_num_batched_tokens=384, num_kv_blocks=512, max_model_len=2048, extra=extra),
+              loaded=loaded)
+    llm.engine.add_step_listener(steps.append)
+
+    def run(ps, tag):
+        reqs = [GenerateRequest(request_id=f"{tag}{i}", prompt_token_ids=p,
+                                params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+                for i, p in enumerate(ps)]
+        return llm.generate(reqs)
+
+    outs = run(first, "a") + run(later, "b")
+    for p, out in zip(first + later, outs, strict=True):
+        assert out.token_ids == h.hf_greedy(model, p, 6), len(p)
+    # The 1400-token prompt alone takes four chunks of at most 384 tokens (the 1137-token one hits
+    # the blocks the first computed in earlier steps).
+    assert sum(1 for s in steps if s["num_prefill_tokens"]) >= 4
+    assert max(s["num_prefill_tokens"] + s["num_decode_tokens"] for s in steps) <= 384
+    assert any(s["num_prefill_tokens"] and s["num_decode_tokens"] for s in steps)
+    assert [o.usage.cached_tokens for o in outs[3:]] == [592, 1088]  # whole blocks only

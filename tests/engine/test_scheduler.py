@@ -125,13 +125,15 @@ def test_lof_favours_longest_total_wait_after_preemption(tiny, h):
     _, loaded = tiny
     for policy, winner in (("fcfs", "old"), ("lof", "new")):
         eng = LLMEngine(h.engine_config(scheduling_policy=policy, max_num_seqs=1), loaded=loaded)
-        old = eng.add_request(GenerateRequest(request_id="old", prompt_token_ids=[1] * 4, params=greedy(2)))
-        new = eng.add_request(GenerateRequest(request_id="new", prompt_token_ids=[2] * 4, params=greedy(2)))
+        old = eng.make_sequence(GenerateRequest(request_id="old", prompt_token_ids=[1] * 4, params=greedy(2)))
+        new = eng.make_sequence(GenerateRequest(request_id="new", prompt_token_ids=[2] * 4, params=greedy(2)))
         now = time.monotonic()
         # "old" arrived 20 s ago, waited 2 s, ran, and was preempted 1 s ago (3 s waited in all);
-        # "new" arrived 5 s ago and has waited 5 s.
+        # "new" arrived 5 s ago and has waited 5 s.  (Set before queueing: the queue orders on entry.)
         old.arrival_time, old.wait_accum, old.waiting_since = now - 20, 2.0, now - 1
         new.arrival_time, new.waiting_since = now - 5, now - 5
+        eng.add_request(old)
+        eng.add_request(new)
         eng.step()
         assert [s.request_id for s in eng.scheduler.running] == [winner]
 

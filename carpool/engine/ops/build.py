@@ -1,0 +1,177 @@
+"""Builds, caches and loads carpool's C++ kernels (the ``.cpp`` files beside this module).
+
+``Kernels`` is owned by a model runner: ``start()`` builds (or loads the cached build) in a
+background thread so a fresh machine serves with the torch path during its first minute,
+``wait()`` blocks until the build is there, and the methods (``attention``, ``rope_``,
+``add_rms_norm``, ``silu_mul``) call the compiled ops at the instruction set level ``isa``
+(AVX-512, AVX2 or scalar: the widest the CPU runs unless lowered, e.g. by a test).
+
+The cache key covers everything the ``.so`` depends on: the sources, the compiler flags and
+version, torch's version, Python's extension ABI, and this CPU's instruction set flags, so a
+home directory shared by machines of different CPUs (Ray nodes) never loads another CPU's
+build.  The kernels are compiled without ``-march``: each ISA's copy is compiled under its own
+``#pragma GCC target`` and chosen at run time, and the build would still run on another CPU;
+the CPU in the key is belt and braces.  No ``-ffast-math``: the kernels use -inf for masked
+scores, which fast-math makes undefined.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from carpool.paths import cache_dir as carpool_cache_dir
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ("module.cpp", "attention.cpp", "layers.cpp")
+HEADERS = ("simd.h", "attention_kernels.h", "layer_kernels.h")
+# -ffp-contract=off: a * b - c * d stays two rounded products (as torch computes it), not an FMA.
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17")
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+_NAME = "carpool_ops"
+
+
+def cpu_flags() -> str:
+    """The CPU's model name and instruction set flags (/proc/cpuinfo), or the platform where absent."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return f"{platform.machine()}|{platform.processor()}"
+    lines = text.splitlines()
+    flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith(("flags", "Features"))), "")
+    return " ".join(sorted(set(flags.split())))
+
+
+def compiler_version() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return f"{cxx}: unavailable"
+    return f"{cxx}: {out.splitlines()[0] if out else ''}"
+
+
+@functools.lru_cache(maxsize=1)
+def build_key() -> str:
+    h = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        h.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
+    parts = [*CFLAGS, torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or sys.version, compiler_version(),
+             cpu_flags()]
+    h.update("|".join(parts).encode())
+    return h.hexdigest()[:16]
+
+
+def _import_so(path: Path) -> object:
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Kernels:
+    """One build of the kernels, loaded on demand.  Not a singleton: each runner owns one (they
+    share the cached ``.so`` on disk and, once imported, the process's copy of it)."""
+
+    def __init__(self, isa: int | None = None, cache_dir: Path | None = None):
+        self.cache_dir = cache_dir or carpool_cache_dir() / "kernels"
+        self.requested_isa = isa
+        self.isa = 0
+        self.module = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- build
+
+    @property
+    def ready(self) -> bool:
+        return self.module is not None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def _build(self, final: Path) -> Path:
+        """Compile in a private directory, then move the .so into the shared cache atomically.
+
+        No shared lock file: a builder that dies cannot leave the others waiting forever
+        (concurrent first builds just compile twice).
+        """
+        from torch.utils.cpp_extension import load
+
+        final.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="build-", dir=final) as tmp:
+            load(name=_NAME, sources=[str(HERE / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                 extra_include_paths=[str(HERE)], build_directory=tmp, is_python_module=True, verbose=False)
+            so = next(Path(tmp).glob(f"{_NAME}*.so"))
+            os.replace(so, final / so.name)
+        return final / so.name
+
+    def wait(self) -> bool:
+        """Build or load now (blocking); True when the kernels are usable."""
+        if self.module is not None or self.error is not None:
+            return self.module is not None
+        with self._lock:
+            if self.module is None and self.error is None:
+                try:
+                    final = self.cache_dir / f"ops-{build_key()}"
+                    built = sorted(final.glob(f"{_NAME}*.so")) if final.exists() else []
+                    module = _import_so(built[0] if built else self._build(final))
+                    best = int(module.best_isa())
+                    isa = best if self.requested_isa is None else int(self.requested_isa)
+                    if isa > best:
+                        raise RuntimeError(f"instruction set {ISA_NAMES.get(isa, isa)} requested, this CPU runs "
+                                           f"up to {ISA_NAMES[best]}")
+                    self.isa = isa
+                    self.module = module
+                except Exception as e:  # noqa: BLE001 -- no compiler, headers, ...: the caller uses the torch path
+                    self.error = f"{type(e).__name__}: {e}"
+                    log.warning("carpool kernels unavailable (%s); using the torch path", self.error)
+        return self.module is not None
+
+    def start(self) -> None:
+        """Build (or load the cached build) in the background; ``ready`` turns True when done.
+
+        A fresh machine compiles for about a minute; until then the torch path runs.
+        """
+        if self.module is None and self.error is None and self._thread is None:
+            self._thread = threading.Thread(target=self.wait, name="carpool-build-kernels", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------- ops
+
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, seq_of_row: torch.Tensor, ctx_len: torch.Tensor, num_kernel_rows: int,
+                  flash_seqs: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+        """Writes the new K/V of ``qkv`` into the caches, returns attention [T, heads * head_dim]."""
+        return self.module.attention(qkv, k_cache, v_cache, slot_mapping, block_tables, seq_of_row, ctx_len,
+                                     num_kernel_rows, flash_seqs, num_heads, scale, self.isa)
+
+    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+              head_dim: int) -> None:
+        self.module.rope_(qkv, positions, cos, sin, heads, head_dim, self.isa)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``x += residual`` (in place, when given), then returns rms_norm(x) * weight."""
+        return self.module.add_rms_norm(x, residual, weight, eps, self.isa)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.module.silu_mul(gate_up, self.isa)

@@ -1,0 +1,115 @@
+// Row-wise kernels of the decoder layer (residual add + RMSNorm, SiLU * up, RoPE), written once
+// against simd.h's vocabulary and included by layers.cpp once per instruction set (see
+// attention_kernels.h).  Each replaces a chain of small torch ops (each of which wakes the thread
+// pool and streams the activations through memory again) with one parallel pass.
+//
+// The math is fp32 and rounds to T where Hugging Face's Llama rounds (after every torch op in the
+// model dtype), so bf16 results match transformers' instead of being merely close.
+
+// x rounded to T and back: what torch stores after one op in dtype T.
+template <typename T>
+inline Vf round_as(Vf x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T tmp[W];
+    store(tmp, x);
+    return load(tmp);
+  }
+}
+
+template <typename T>
+inline float round_as_scalar(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// x [rows, n] (x += r in place when r is given, rounded to T as torch's add); out = w * T(x / rms(x)).
+template <typename T>
+void add_rms_norm(T* x, const T* r, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  const int64_t nv = n / W * W;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* xi = x + i * n;
+      T* oi = out + i * n;
+      Vf ss = zero();
+      float ss_tail = 0.f;
+      if (r) {
+        const T* ri = r + i * n;
+        for (int64_t k = 0; k < nv; k += W) {
+          const Vf v = round_as<T>(add(load(xi + k), load(ri + k)));
+          store(xi + k, v);
+          ss = fmadd(v, v, ss);
+        }
+        for (int64_t k = nv; k < n; ++k) {
+          const float v = round_as_scalar<T>(static_cast<float>(xi[k]) + static_cast<float>(ri[k]));
+          xi[k] = static_cast<T>(v);
+          ss_tail += v * v;
+        }
+      } else {
+        for (int64_t k = 0; k < nv; k += W) {
+          const Vf v = load(xi + k);
+          ss = fmadd(v, v, ss);
+        }
+        for (int64_t k = nv; k < n; ++k) ss_tail += static_cast<float>(xi[k]) * static_cast<float>(xi[k]);
+      }
+      const float inv = 1.f / std::sqrt((reduce_add(ss) + ss_tail) / static_cast<float>(n) + eps);
+      const Vf iv = set1(inv);
+      for (int64_t k = 0; k < nv; k += W) store(oi + k, mul(load(w + k), round_as<T>(mul(load(xi + k), iv))));
+      for (int64_t k = nv; k < n; ++k)
+        oi[k] = static_cast<T>(static_cast<float>(w[k]) * round_as_scalar<T>(static_cast<float>(xi[k]) * inv));
+    }
+  });
+}
+
+// gu [rows, 2n] = [gate | up] -> T(T(silu(gate)) * up) [rows, n]
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t rows, int64_t n) {
+  const int64_t nv = n / W * W;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = gu + i * 2 * n;
+      const T* u = g + n;
+      T* o = out + i * n;
+      for (int64_t k = 0; k < nv; k += W) {
+        const Vf a = load(g + k);
+        const Vf s = round_as<T>(div(a, add(set1(1.f), exp(sub(zero(), a)))));
+        store(o + k, mul(s, load(u + k)));
+      }
+      for (int64_t k = nv; k < n; ++k) {
+        const float a = static_cast<float>(g[k]);
+        o[k] = static_cast<T>(round_as_scalar<T>(a / (1.f + std::exp(-a))) * static_cast<float>(u[k]));
+      }
+    }
+  });
+}
+
+// In place on the first `heads` heads of every row of qkv (q then k heads; v is untouched):
+// rotate-half RoPE, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product rounded to T as
+// HF's `q * cos + rotate_half(q) * sin` in the model dtype.  cos/sin [max_pos, D/2] in T.
+template <typename T>
+void rope(T* qkv, int64_t stride, const int64_t* pos, const T* cos, const T* sin, int64_t tokens, int64_t heads,
+          int64_t d) {
+  const int64_t half = d / 2, nv = half / W * W;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + pos[t] * half;
+      const T* s = sin + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = qkv + t * stride + h * d;
+        for (int64_t i = 0; i < nv; i += W) {
+          const Vf x1 = load(x + i), x2 = load(x + half + i), cv = load(c + i), sv = load(s + i);
+          const Vf a = sub(round_as<T>(mul(x1, cv)), round_as<T>(mul(x2, sv)));
+          const Vf b = add(round_as<T>(mul(x2, cv)), round_as<T>(mul(x1, sv)));
+          store(x + i, a);
+          store(x + half + i, b);
+        }
+        for (int64_t i = nv; i < half; ++i) {
+          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+          const float cv = static_cast<float>(c[i]), sv = static_cast<float>(s[i]);
+          x[i] = static_cast<T>(round_as_scalar<T>(x1 * cv) - round_as_scalar<T>(x2 * sv));
+          x[half + i] = static_cast<T>(round_as_scalar<T>(x2 * cv) + round_as_scalar<T>(x1 * sv));
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,182 @@
+"""The C++ kernels (carpool/engine/ops) against plain torch references, on every instruction set
+this CPU runs (AVX-512, AVX2, scalar), and the build's cache key."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from carpool.engine.ops import Kernels, build
+
+ISA = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+
+@pytest.fixture(scope="module")
+def best_isa() -> int:
+    k = Kernels()
+    if not k.wait():
+        pytest.fail(f"the kernels do not build: {k.error}")
+    return k.isa
+
+
+def kernels_at(isa: int, best: int) -> Kernels:
+    if isa > best:
+        pytest.skip(f"this CPU does not run {ISA[isa]}")
+    k = Kernels(isa=isa)
+    assert k.wait(), k.error
+    assert k.isa == isa
+    return k
+
+
+def make_batch(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int, dtype, seed: int):
+    """Random caches holding each sequence's first `cached` tokens, and the new tokens' q|k|v."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = sum(-(-(c + n) // bs) for c, n in seqs)
+    num_blocks = blocks_needed + 3
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # scattered pages, as after a while of serving
+    tables, slots = [], []
+    for c, n in seqs:
+        table = [free.pop() for _ in range(-(-(c + n) // bs))]
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    t = sum(n for _, n in seqs)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    return qkv, k_cache, v_cache, torch.tensor(slots, dtype=torch.long), block_tables, tables
+
+
+def reference(qkv, k_cache, v_cache, tables, seqs, hq, hkv, d, bs):
+    """fp64 softmax attention of every new row over its sequence's cached prefix + new tokens."""
+    out = torch.empty(qkv.shape[0], hq * d, dtype=torch.float64)
+    row = 0
+    for (c, n), table in zip(seqs, tables, strict=True):
+        idx = torch.tensor([table[p // bs] * bs + p % bs for p in range(c)], dtype=torch.long)
+        new = qkv[row:row + n].double()
+        keys = torch.cat([k_cache.view(-1, hkv, d)[idx].double(), new[:, hq * d:(hq + hkv) * d].view(n, hkv, d)])
+        vals = torch.cat([v_cache.view(-1, hkv, d)[idx].double(), new[:, (hq + hkv) * d:].view(n, hkv, d)])
+        q = new[:, :hq * d].view(n, hq, d)
+        grp = hq // hkv
+        keys = keys.repeat_interleave(grp, dim=1)
+        vals = vals.repeat_interleave(grp, dim=1)
+        scores = torch.einsum("rhd,lhd->hrl", q, keys) / math.sqrt(d)
+        allowed = torch.arange(c + n).unsqueeze(0) <= (c + torch.arange(n)).unsqueeze(1)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[row:row + n] = torch.einsum("hrl,lhd->rhd", scores.softmax(-1), vals).reshape(n, hq * d)
+        row += n
+    return out
+
+
+SHAPES = [  # (hq, hkv, head_dim, block_size)
+    (9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16), (4, 2, 16, 8),
+]
+SEQS = [(0, 1), (37, 1), (300, 1), (0, 5), (20, 13), (0, 70), (130, 45), (16, 200)]
+
+
+@pytest.mark.parametrize("isa", [2, 1, 0], ids=lambda i: ISA[i])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
+@pytest.mark.parametrize("route", ["kernel", "flash", "mixed"])
+def test_attention_matches_reference(best_isa, isa, dtype, shape, route):
+    k = kernels_at(isa, best_isa)
+    hq, hkv, d, bs = shape
+    seqs = sorted(SEQS, key=lambda cn: cn[1] != 1)  # decodes first, as the runner orders them
+    qkv, kc, vc, slots, block_tables, tables = make_batch(seqs, hq, hkv, d, bs, dtype, seed=hq * d + bs)
+    ref = reference(qkv, kc, vc, tables, seqs, hq, hkv, d, bs)
+    rows_seq, rows_ctx, flash = [], [], []
+    row = 0
+    for i, (c, n) in enumerate(seqs):
+        to_flash = n > 1 and (route == "flash" or (route == "mixed" and n >= 40))
+        if to_flash:
+            flash.append((row, n, i, c))
+        else:
+            assert not flash, "kernel rows must come before flash rows"
+            rows_seq += [i] * n
+            rows_ctx += list(range(c + 1, c + n + 1))
+        row += n
+    if route == "mixed":  # kernel rows first: move the flash sequences to the end
+        assert flash
+    out = k.attention(qkv, kc, vc, slots, block_tables, torch.tensor(rows_seq, dtype=torch.long),
+                      torch.tensor(rows_ctx, dtype=torch.long), len(rows_seq),
+                      torch.tensor(flash, dtype=torch.long).view(-1, 4), hq, 1 / math.sqrt(d))
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    # The new keys and values are in the cache at their slots.
+    flat_k, flat_v = kc.view(-1, hkv * d), vc.view(-1, hkv * d)
+    assert torch.equal(flat_k[slots], qkv[:, hq * d:(hq + hkv) * d])
+    assert torch.equal(flat_v[slots], qkv[:, (hq + hkv) * d:])
+
+
+@pytest.mark.parametrize("isa", [2, 1, 0], ids=lambda i: ISA[i])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_equals_hf_formula(best_isa, isa, dtype):
+    k = kernels_at(isa, best_isa)
+    hq, hkv, d, t = 9, 3, 64, 37
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    pos = torch.randint(0, 2000, (t,), generator=g)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    ang = torch.arange(2048, dtype=torch.float).unsqueeze(1) * inv
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    # transformers' apply_rotary_pos_emb in the model dtype
+    x = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+    c = torch.cat([cos[pos], cos[pos]], -1).unsqueeze(1)
+    s = torch.cat([sin[pos], sin[pos]], -1).unsqueeze(1)
+    rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    want = (x * c) + (rot * s)
+    v_before = qkv[:, (hq + hkv) * d:].clone()
+    k.rope_(qkv, pos, cos, sin, hq + hkv, d)
+    assert torch.equal(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), want)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)
+
+
+@pytest.mark.parametrize("isa", [2, 1, 0], ids=lambda i: ISA[i])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [576, 100])  # 100: a tail shorter than a vector
+def test_add_rms_norm_and_silu_match_hf(best_isa, isa, dtype, n):
+    k = kernels_at(isa, best_isa)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(19, n, generator=g).to(dtype)
+    r = torch.randn(19, n, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+
+    def hf_norm(h):  # LlamaRMSNorm.forward
+        hf = h.float()
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return w * hf.to(dtype)
+
+    summed = x + r
+    got = k.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(x, summed)  # the residual stream is updated in place, rounded as torch's add
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got, hf_norm(summed), atol=ulp, rtol=ulp)
+    torch.testing.assert_close(k.add_rms_norm(x.clone(), None, w, 1e-5), hf_norm(x), atol=ulp, rtol=ulp)
+    gu = (3 * torch.randn(19, 2 * n, generator=g)).to(dtype)
+    want = F.silu(gu[:, :n]) * gu[:, n:]
+    torch.testing.assert_close(k.silu_mul(gu), want, atol=ulp, rtol=ulp)
+
+
+def test_build_key_covers_the_cpu_and_flags(monkeypatch):
+    key = build.build_key()
+    assert "-ffast-math" not in build.CFLAGS  # the kernels use -inf for masked scores
+    assert not any(f.startswith("-march") for f in build.CFLAGS)  # run-time ISA choice instead
+    build.build_key.cache_clear()
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu sse sse2")  # another CPU sharing the home directory
+    try:
+        assert build.build_key() != key
+    finally:
+        build.build_key.cache_clear()
+
+
+def test_a_wider_isa_than_the_cpu_runs_is_refused(best_isa):
+    k = Kernels(isa=3) if best_isa == 2 else Kernels(isa=best_isa + 1)
+    assert not k.wait()
+    assert "instruction set" in k.error
