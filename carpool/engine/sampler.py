@@ -83,7 +83,7 @@ class Sampler:
             if _needs_processing(s.params):
                 self._process_row(logits[i], s)
         greedy = [i for i, p in enumerate(params) if is_greedy(p)]
-        if len(greedy) == len(params) and not grammar_rows:
+        if len(greedy) == len(params):
             tokens = logits.argmax(dim=-1).tolist()
         else:
             tokens = [0] * len(params)
@@ -103,20 +103,23 @@ class Sampler:
 
     def _apply_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
                        errors: dict[int, str]) -> None:
+        """Mask, in place, each constrained row's tokens that its grammar does not allow."""
         mask = allocate_bitmask(len(rows), logits.shape[1])
         for j, i in enumerate(rows):
             g = seqs[i].grammar
             g.fill_bitmask(mask, j)
             if g.error is not None:
                 errors[i] = f"grammar: {g.error}"
-        idx = torch.tensor(rows)
-        x = logits.index_select(0, idx)
-        apply_bitmask(x, mask)
-        dead = (~torch.isfinite(x).any(dim=-1)).nonzero().view(-1).tolist()
-        for j in dead:  # nothing allowed: that row fails; zeros keep the batched draw from NaNs
-            errors.setdefault(rows[j], "the grammar allows no token here (is the schema satisfiable?)")
-            x[j] = 0.0
-        logits.index_copy_(0, idx, x)
+        # A row with no bit set allows nothing: it fails alone (its logits stay, so no NaN reaches a draw).
+        dead = (mask == 0).all(dim=1).tolist()
+        if len(rows) == logits.shape[0] and not any(dead):
+            apply_bitmask(logits, mask)  # the whole batch is constrained: one pass, no copies
+            return
+        for j, i in enumerate(rows):
+            if dead[j]:
+                errors.setdefault(i, "the grammar allows no token here (is the schema satisfiable?)")
+            else:
+                apply_bitmask(logits[i:i + 1], mask[j:j + 1])
 
     def _process_row(self, x: torch.Tensor, seq: Sequence) -> None:
         """min_tokens, logit_bias and the penalties, in place on one row of fp32 logits."""
