@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from carpool.cache.synonyms import synonyms
+
 
 # --- closed word classes (English grammar, not a list of the labelled pairs) -------------
 def _words(text: str) -> list[str]:
@@ -147,7 +149,7 @@ def tokens(text: str) -> list[str]:
     out: list[str] = []
     for word in _TOKEN.findall(text):
         out.extend(_expand(word))
-    return _aspect(out)
+    return _aspect(_rephrase(out))
 
 
 _GET = frozenset(["get", "gets", "got", "gotten", "getting"])
@@ -166,6 +168,111 @@ def _aspect(words: list[str]) -> list[str]:
         if out[i] in _GET and out[i + 1].endswith(("ed", "en")):
             out[i] = "was" if out[i] in ("got", "gotten") else "is"
     return out
+
+
+# --- constructions that ask the same thing (English grammar, not a list of the labelled pairs) --
+# An indirect question asks what its direct form asks: "can you tell me if the shop is open" is
+# "is the shop open", "do you know where the station is" is "where is the station".
+_WRAPPERS = [tuple(w.split()) for w in (
+    "can you tell me", "could you tell me", "would you tell me", "will you tell me", "tell me",
+    "do you know", "does anyone know", "i want to know", "i would like to know", "i wonder",
+    "i am wondering", "i was wondering", "i need to know")]
+_WH = frozenset(_words("what where when who whom whose which why how"))
+# Auxiliaries that an indirect question leaves after its subject and a direct one puts first.
+_AUXILIARIES = frozenset(_words(
+    "is are am was were do does did can could will would should shall may might must has have had"))
+# "Is it possible to X" / "am I able to X" ask what "can I X" asks.
+_POSSIBLE = {("is", "it", "possible", "to"): ["can", "i"],
+             ("is", "it", "possible", "for", "me", "to"): ["can", "i"],
+             ("is", "it", "possible", "for", "us", "to"): ["can", "we"],
+             ("is", "it", "possible", "for", "you", "to"): ["can", "you"],
+             ("am", "i", "able", "to"): ["can", "i"],
+             ("are", "we", "able", "to"): ["can", "we"],
+             ("are", "you", "able", "to"): ["can", "you"]}
+_DO_TO_BE = {"do": "are", "does": "is", "did": "was"}
+_KEEP = frozenset(["keep", "keeps", "kept", "keeping"])
+_LOCATED = frozenset(["located", "situated"])
+_LOCATIVE = frozenset(_words("in at on near inside outside by beside between next close"))
+
+
+def _starts(words: list[str], i: int, phrase: tuple[str, ...]) -> bool:
+    return tuple(words[i:i + len(phrase)]) == phrase
+
+
+def _direct_question(words: list[str]) -> list[str]:
+    """Drop a leading "can you tell me if/whether/wh..." and put the clause's auxiliary first."""
+    i = 0
+    while i < len(words) and words[i] in IGNORABLE:
+        i += 1
+    for phrase in _WRAPPERS:
+        j = i + len(phrase)
+        if not _starts(words, i, phrase) or j >= len(words):
+            continue
+        if words[j] in ("if", "whether"):
+            head, clause = [], words[j + 1:]
+        elif words[j] in _WH:
+            k = j + 2 if words[j] == "how" and j + 1 < len(words) and words[j + 1] in ("much", "many") else j + 1
+            head, clause = words[j:k], words[k:]
+        else:
+            continue  # "do you know Alice": not a question inside a question
+        # the clause's first auxiliary after its subject moves to the front ("the shop is open")
+        aux = next((n for n, w in enumerate(clause[:6]) if w in _AUXILIARIES), None)
+        if aux:
+            clause = [clause[aux], *clause[:aux], *clause[aux + 1:]]
+        return words[:i] + head + clause
+    return words
+
+
+def _rephrase(words: list[str]) -> list[str]:
+    """Write a few constructions one way, so both texts align: indirect -> direct questions,
+    "is it possible to" -> "can I", "what time" -> "when", "how much does X cost" -> "how much
+    is X", "keeps on crashing" -> "keeps crashing", "where is X located" -> "where is X",
+    "it feels cheap to me" -> "it feels cheap"."""
+    words = _direct_question(words)
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        w = words[i]
+        for phrase, repl in _POSSIBLE.items():
+            if w == phrase[0] and _starts(words, i, phrase):
+                out.extend(repl)
+                i += len(phrase)
+                break
+        else:
+            if w == "what" and i + 1 < len(words) and words[i + 1] == "time":
+                if out and out[-1] == "at":
+                    out.pop()  # "at what time" is "when"
+                out.append("when")
+                i += 2
+                continue
+            if w == "on" and out and out[-1] in _KEEP and i + 1 < len(words) and words[i + 1].endswith("ing"):
+                i += 1  # "keeps on crashing": the particle adds nothing
+                continue
+            if w in _LOCATED and ((i + 1 == len(words) and "where" in words)
+                                  or (i + 1 < len(words) and words[i + 1] in _LOCATIVE)):
+                i += 1  # "is the tower (located) in Paris", "where is it (located)"
+                continue
+            out.append(w)
+            i += 1
+    # "it feels cheap to me" says "it feels cheap": an opinion is the speaker's anyway
+    if len(out) > 3 and out[-2] in ("to", "for") and out[-1] == "me" and any(w in _PERCEPTION for w in out[:-3]):
+        out = out[:-2]
+    # "how much does X cost" asks "how much is X"
+    for n in range(len(out) - 2):
+        if out[n] == "how" and out[n + 1] == "much" and out[n + 2] in _DO_TO_BE and "cost" in out[n + 3:n + 12]:
+            c = out.index("cost", n + 3)
+            out = [*out[:n + 2], _DO_TO_BE[out[n + 2]], *out[n + 3:c], *out[c + 1:]]
+            break
+    # after an indirect question became direct: "how can I reset" -> "how I reset" (as _HOW_TO)
+    for n in range(len(out) - 2):
+        if out[n] == "how" and out[n + 1] in _HOW_AUX and out[n + 2] in ("i", "we", "you", "one"):
+            del out[n + 1]
+            break
+    return out
+
+
+_HOW_AUX = frozenset(_words("do does can could should would will may"))
+_PERCEPTION = frozenset(_words("feel feels felt seem seems seemed look looks looked sound sounds sounded"))
 
 
 @lru_cache(maxsize=1)
@@ -226,7 +333,28 @@ _BRITISH = [("our", "or"), ("ise", "ize"), ("yse", "yze"), ("isation", "ization"
             ("ogue", "og"), ("lled", "led"), ("lling", "ling"), ("ence", "ense")]
 
 
+# British/American spellings no suffix rule covers (each pair as both write it).
+_VARIANT_WORDS = {b: a for b, a in (w.split("/") for w in _words(
+    "grey/gray tyre/tire aluminium/aluminum programme/program jewellery/jewelry pyjamas/pajamas "
+    "cosy/cozy mum/mom aeroplane/airplane plough/plow mould/mold cheque/check kerb/curb draught/draft "
+    "storey/story sceptical/skeptical moustache/mustache doughnut/donut yoghurt/yogurt sulphur/sulfur "
+    "artefact/artifact axe/ax ageing/aging judgement/judgment acknowledgement/acknowledgment enrol/enroll "
+    "fulfil/fulfill instalment/installment skilful/skillful wilful/willful practise/practice maths/math "
+    "gaol/jail"))}
+
+
+def _variant_word(a: str, b: str) -> bool:
+    for suffix in ("", "s", "es", "ed", "ing", "ish"):
+        if a.endswith(suffix) and b.endswith(suffix):
+            x, y = a[:len(a) - len(suffix)], b[:len(b) - len(suffix)]
+            if x and y and _VARIANT_WORDS.get(x, x) == _VARIANT_WORDS.get(y, y):
+                return True
+    return False
+
+
 def _spelling_variant(a: str, b: str) -> bool:
+    if _variant_word(a, b):
+        return True
     for brit, amer in _BRITISH:
         for x, y in ((a, b), (b, a)):
             i = x.rfind(brit)
@@ -260,7 +388,7 @@ def equivalent(a: str, b: str) -> bool:
     short, long_ = sorted((a, b), key=len)
     if len(short) >= 3 and long_ in _inflections(short):
         return True
-    return _spelling_variant(a, b) or _is_typo(a, b)
+    return _spelling_variant(a, b) or _is_typo(a, b) or synonyms(a, b)
 
 
 def _kind(word: str) -> str:

@@ -27,6 +27,16 @@ REFUSED = [
     ("Order 1234 is late.", "Order 1235 is late.", "number"),
     ("Does the hotel have parking?", "Does the hotel have free parking?", "word"),
     ("Is the bag waterproof?", "Was the bag waterproof?", "word"),
+    # the rephrasings and synonyms keep every other difference
+    ("Can you tell me if the shop is open?", "Is the shop closed?", "word"),
+    ("Is it possible to cancel?", "Must I cancel?", "modality"),
+    ("Tell me if the dose is safe.", "Is the dose unsafe?", "negation"),
+    ("Is the soup hot?", "Is the soup spicy?", "word"),  # a rarer sense of "hot" is not a synonym
+    ("It took 30 seconds.", "It took 30 minutes.", "word"),  # "a short time" is not a unit
+    ("What should I make for dinner?", "What should I do for dinner?", "word"),  # light verbs
+    ("Is the shoe red?", "Is she red?", "word"),
+    ("Who fixed the car?", "Who repairs the car?", "word"),  # a synonym in another tense
+    ("Do you know Alice?", "Alice?", "word"),  # not a question inside a question
 ]
 
 ACCEPTED = [
@@ -46,6 +56,20 @@ ACCEPTED = [
     ("Nobody helped me.", "Nobody helped me at all."),
     ("How do I reset my password?", "How can I reset my password?"),
     ("The laptop overheats when I play games.", "The laptop overheats when I am playing games."),
+    # indirect questions, a few constructions written two ways, whole-word spellings, synonyms
+    ("Can you tell me if the shop is open today?", "Is the shop open today?"),
+    ("Do you know where the station is?", "Where is the station?"),
+    ("I was wondering whether the tyres are new.", "Are the tires new?"),
+    ("At what time does the museum open?", "When does the museum open?"),
+    ("Is it possible to pay by card?", "Can I pay by card?"),
+    ("How much does a ticket cost?", "How much is a ticket?"),
+    ("Where is the museum located?", "Where is the museum?"),
+    ("The chair feels flimsy to me.", "The chair feels flimsy."),
+    ("The app keeps on freezing.", "The app keeps freezing."),
+    ("Does it come in grey?", "Does it come in gray?"),
+    ("The sofa is comfy.", "The sofa is comfortable."),
+    ("Who fixed the car?", "Who repaired the car?"),
+    ("Is the cup larger?", "Is the cup bigger?"),
 ]
 
 
@@ -99,3 +123,26 @@ def test_a_malformed_pair_line_names_the_file_and_line(tmp_path, monkeypatch):
     (tmp_path / "pairs_tune.txt").write_text("negation | same | a | b\n")
     with pytest.raises(ValueError, match="labelled 'same'"):
         pairs_mod.load_pairs("tune")
+
+
+# Word pairs written for this test (not from the labelled set): synonyms whose first senses are one
+# synset, and antonyms, siblings and broad words that must never count as synonyms.
+SYNONYMS = ["car automobile", "help assist", "begin start", "cheap inexpensive", "fix repair", "large big",
+            "sick ill", "lawyer attorney", "baby infant", "movie film", "cars automobiles", "bigger larger"]
+NOT_SYNONYMS = ["large small", "larger smaller", "husband wife", "buyer seller", "monday tuesday", "good bad",
+                "open close", "increase decrease", "love hate", "north south", "red blue", "lend borrow",
+                "buy sell", "rise fall", "push pull", "import export", "black white", "strong weak",
+                "early late", "first last", "father mother", "brother sister", "king queen", "doctor nurse",
+                "before after", "second minute", "hour minute", "make do", "really truly", "hot spicy",
+                "fixed repair", "cat dog", "tea coffee", "celsius fahrenheit", "upload download"]
+
+
+def test_synonyms_are_first_senses_of_one_synset_and_never_antonyms():
+    from carpool.cache.synonyms import synonyms
+
+    for pair in SYNONYMS:
+        a, b = pair.split()
+        assert synonyms(a, b) and synonyms(b, a), pair
+    for pair in NOT_SYNONYMS:
+        a, b = pair.split()
+        assert not synonyms(a, b) and not synonyms(b, a), pair
