@@ -10,13 +10,18 @@ can change an answer.
 The check aligns the two word sequences with greedy string tiling (longest common runs
 first, moves allowed), then
 
+* a few constructions are written one way first: an indirect question becomes direct ("can
+  you tell me if the shop is open" -> "is the shop open"), "is it possible to" -> "can I",
+  "what time" -> "when", "how much does X cost" -> "how much is X" (``_rephrase``);
 * every word left unaligned must be *equivalent* to one left in the other text, or be
   ignorable: the same word misspelt (one edit for short words, two for long ones, and only
   when exactly one of the two is a word MiniLM's vocabulary knows, so "cat"/"car" or
   "hypothyroidism"/"hyperthyroidism" are not typos), a British/American spelling, a regular
   inflection (-s, -es, -ed, -ing), a verb form that only agrees in number (is/are, was/were,
   has/have, do/does), a contraction ("where's", "hasnt"), a hyphenated or split compound,
-  a number written as a word, or an article / politeness filler ("the", "please", "at all");
+  a number written as a word, a synonym whose first WordNet sense is the same synset
+  (``synonyms.py``: "comfy"/"comfortable", never an antonym), or an article / politeness
+  filler ("the", "please", "at all");
 * the aligned runs keep their order, except for moves that do not swap roles: a run may move
   to the other end ("Yesterday, X" / "X yesterday"), and items may trade places only across
   a coordinator ("burnt and bitter", "Texas or Alaska", "fit, sound").  An exchange around
@@ -24,10 +29,10 @@ first, moves allowed), then
   question, and so is a swap of two short adjacent runs ("USD EUR" / "EUR USD").
 
 Everything else -- another word, an inserted or deleted content word, another number,
-negation ("not", "unsafe"), quantifier, modal, comparative, date, language -- is a miss.
-Synonyms are misses too: MiniLM puts "larger"/"smaller" (0.88) closer than "quick"/"fast"
-(0.65), so no embedding test tells a synonym from an antonym, and a missed hit only costs a
-model call while a false hit is a silent wrong answer.
+negation ("not", "unsafe"), quantifier, modal, comparative, date, language -- is a miss,
+and so is a synonym WordNet's first senses do not give: MiniLM puts "larger"/"smaller" (0.88)
+closer than "quick"/"fast" (0.65), so no embedding test tells a synonym from an antonym, and a
+missed hit only costs a model call while a false hit is a silent wrong answer.
 
 No pair classifier is used: none ships its weights in a PyPI package (docs/cache.md lists
 what was searched), and nothing is downloaded at run time.  The check is pure Python over
