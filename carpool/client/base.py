@@ -33,6 +33,9 @@ class CallResult:
     error_message: str = ""
     retry_after: float | None = None
     endpoint_fault: bool = False  # the endpoint looks unwell (for the balancer)
+    # The endpoint gave no answer and its circuit breaker is open now (carpool.client.breaker):
+    # the failure is the outage's, not the task's.
+    endpoint_down: bool = False
     ttft_s: float | None = None
     e2e_s: float = 0.0
     prompt_tokens: int = 0

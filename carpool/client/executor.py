@@ -1,8 +1,14 @@
 """Runs one request to its final outcome: budget, concurrency slot, call, retries.
 
-The order matters: a request waits for its RPM/TPM budget *before* taking a
-concurrency slot (so waiting for budget does not block others' slots), and gives its
-slot back while it sleeps before a retry.
+The order matters: a request waits while every endpoint is down (the outage gate of
+``breaker.py``: a paused job holds no slots and spends no budget), then for its RPM/TPM
+budget *before* taking a concurrency slot (so waiting for budget does not block others'
+slots), and gives its slot back while it sleeps before a retry.
+
+An outage costs a task nothing: a connection that never reached a server whose breaker
+is now open is not an attempt, and the request simply waits at the gate again.  Only
+when the outage outlasts ``RetryPolicy.outage_timeout_s`` does the gate raise
+``OutageTimeout``: the request is not written, and the job stops so a rerun resumes it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import random
 from collections import Counter
 
 from carpool.client.base import Backend, CallResult, Outcome, Request
+from carpool.client.breaker import OutageGate
 from carpool.client.budget import Budget, NoBudget
 from carpool.client.limiter import FixedLimiter
 from carpool.client.retry import ErrorKind, RetryPolicy, decide
@@ -25,11 +32,14 @@ class Stopped(Exception):
 
 class Executor:
     def __init__(self, backend: Backend, limiter: FixedLimiter, budget: Budget | None = None,
-                 policy: RetryPolicy | None = None, latency_signal: str = "per_token", seed: int | None = None):
+                 policy: RetryPolicy | None = None, latency_signal: str = "per_token", seed: int | None = None,
+                 gate: OutageGate | None = None):
         """``latency_signal``: what the adaptive limiter watches: "per_token" (end-to-end
         latency per output token: it includes time queued in the server, which TPOT alone
-        would miss), "tpot" or "ttft"."""
+        would miss), "tpot" or "ttft".  ``gate``: where requests wait while every endpoint
+        is down (default: the backend's own, when it has one)."""
         self.backend = backend
+        self.gate = gate if gate is not None else outage_gate(backend)
         self.limiter = limiter
         self.budget = budget or NoBudget()
         self.policy = policy or RetryPolicy()
@@ -46,6 +56,15 @@ class Executor:
             return res.tpot_s
         return res.e2e_s / max(1, res.completion_tokens)
 
+    async def _wait_for_an_endpoint(self, gate: OutageGate, req: Request) -> None:
+        """While every endpoint is down: wait (a stop asked meanwhile stops this request
+        unsent; an outage past the timeout raises ``OutageTimeout``)."""
+        while not await gate.wait(self.policy.outage_timeout_s, max_wait_s=0.5):
+            if self.stopping:
+                raise Stopped(req.custom_id)
+        if self.stopping:
+            raise Stopped(req.custom_id)
+
     async def execute(self, req: Request, precheck=None, after=None) -> Outcome:
         """``precheck``: an async callable run once the first slot is held, just before sending;
         a CallResult from it is the answer (e.g. a semantic-cache hit of a task that finished
@@ -54,8 +73,19 @@ class Executor:
         retried: list[ErrorKind] = []
         while True:
             attempt += 1  # ``after``: an async callable(result) run on success before the slot is freed
+            if self.gate is not None:
+                await self._wait_for_an_endpoint(self.gate, req)
             await self.budget.acquire(1, req.est_tokens)
             await self.limiter.acquire()
+            if self.gate is not None and self.gate.down():
+                # The endpoints went down while this request waited for its slot: it waits
+                # again holding the slot (giving it back would be a sample the limiter
+                # learns from; nothing else can use it while every endpoint is down).
+                try:
+                    await self._wait_for_an_endpoint(self.gate, req)
+                except BaseException:
+                    self.limiter.release()
+                    raise
             if self.stopping:
                 self.limiter.release()
                 raise Stopped(req.custom_id)
@@ -83,7 +113,9 @@ class Executor:
                 except BaseException:
                     self.limiter.release()
                     raise
-            self.limiter.release(self._latency(res) if res.ok else None, dropped=dropped, e2e=res.e2e_s)
+            # A request the outage failed says nothing about the server's speed or load.
+            self.limiter.release(self._latency(res) if res.ok else None, dropped=dropped,
+                                 e2e=None if res.endpoint_down else res.e2e_s)
             if res.ok:
                 used = res.prompt_tokens + res.completion_tokens
                 if used and req.est_tokens:
@@ -91,6 +123,13 @@ class Executor:
                 return Outcome(req, res, attempt, retried)
             kind = res.error_kind or ErrorKind.SERVER_ERROR
             decision = decide(kind, req.idempotent)
+            if kind == ErrorKind.CONNECT and res.endpoint_down:
+                # Never reached a server that is down: not an attempt; wait at the gate.
+                attempt -= 1
+                self.retries[kind] += 1
+                if len(retried) < 100:
+                    retried.append(kind)
+                continue
             if not decision.retry or attempt >= self.policy.max_attempts:
                 res.error_kind = decision.kind
                 if decision.kind == ErrorKind.MAYBE_EXECUTED:
@@ -98,5 +137,12 @@ class Executor:
                                          f"({res.error_message}); rerun it explicitly if wanted")
                 return Outcome(req, res, attempt, retried)
             self.retries[kind] += 1
-            retried.append(kind)
+            if len(retried) < 100:
+                retried.append(kind)
             await asyncio.sleep(self.policy.backoff(attempt, res.retry_after, self._rng))
+
+
+def outage_gate(backend: object) -> OutageGate | None:
+    """The backend's outage gate, if it has endpoints that can be down (HTTP); else None."""
+    gate = getattr(backend, "gate", None)
+    return gate if isinstance(gate, OutageGate) else None

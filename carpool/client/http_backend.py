@@ -6,7 +6,9 @@ so TTFT and TPOT are measured per request; the streamed chunks are put back toge
 field for field, which is what the output file and the result cache hold.  An error sent
 inside a 200 stream is an error, not a short answer.
 Every failure is mapped to one error kind of ``retry.py``, together with whether the
-request may already have run on the server.  ``record_chunks=True`` (bench) also stamps
+request may already have run on the server.  Whether the endpoint answered at all goes to
+its circuit breaker (``breaker.py``); while a breaker is open this backend probes the
+endpoint until it answers again.  ``record_chunks=True`` (bench) also stamps
 every chunk that carries text and the time spent opening a new connection, so TTFT and
 ITL come from the same client code a batch job uses.
 """
@@ -14,13 +16,15 @@ ITL come from the same client code a batch job uses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import aiohttp
 
-from carpool.client.balancer import Balancer
+from carpool.client.balancer import Balancer, Endpoint
 from carpool.client.base import CallResult, Request
+from carpool.client.breaker import NO_ANSWER, BreakerPolicy, OutageGate, State
 from carpool.client.pool import Timeouts, make_session
 from carpool.client.retry import ErrorKind, parse_retry_after
 from carpool.client.sse_reader import EventTooLarge, SSEReader
@@ -35,8 +39,9 @@ class HttpBackend:
 
     def __init__(self, endpoints: list[str], model: str | None = None, api_key: str | None = None,
                  stream: bool = True, timeouts: Timeouts | None = None, max_connections: int = 0,
-                 balancer: Balancer | None = None, *, fresh_connections: bool = False, record_chunks: bool = False):
-        self.balancer = balancer or Balancer(endpoints)
+                 balancer: Balancer | None = None, breaker: BreakerPolicy | None = None, *,
+                 fresh_connections: bool = False, record_chunks: bool = False):
+        self.balancer = balancer or Balancer(endpoints, breaker=breaker)
         self.model = model
         self.stream = stream
         self.timeouts = timeouts or Timeouts()
@@ -44,9 +49,16 @@ class HttpBackend:
         self._fresh_connections = fresh_connections
         self.record_chunks = record_chunks
         self._session: aiohttp.ClientSession | None = None
+        self._probe_session: aiohttp.ClientSession | None = None
+        self._prober: asyncio.Task | None = None
         self._headers = {"Content-Type": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+
+    @property
+    def gate(self) -> OutageGate:
+        """Every endpoint's breaker as one: the executor waits here while all are down."""
+        return self.balancer.gate
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -69,9 +81,15 @@ class HttpBackend:
             return []
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+            self._prober = None
+        for s in (self._session, self._probe_session):
+            if s is not None:
+                await s.close()
+        self._session = self._probe_session = None
 
     def prepare_body(self, req: Request) -> dict:
         body = req.body
@@ -104,7 +122,56 @@ class HttpBackend:
                 res.endpoint_fault = True
         res.e2e_s = time.perf_counter() - t0
         self.balancer.done(ep, res.ok, res.endpoint_fault)
+        self._tell_breaker(ep, res)
         return res
+
+    # -- circuit breakers -----------------------------------------------------------------
+    def _tell_breaker(self, ep: Endpoint, res: CallResult) -> None:
+        if res.ok or res.status_code or res.error_kind not in NO_ANSWER:
+            ep.breaker.on_answer()  # an HTTP answer of any status: the endpoint is there
+            return
+        assert res.error_kind is not None
+        ep.breaker.on_no_answer(res.error_kind, res.error_message)
+        if not ep.breaker.closed:
+            res.endpoint_down = True
+            if self._prober is None or self._prober.done():
+                self._prober = asyncio.get_running_loop().create_task(self._probe_while_down())
+
+    async def _probe_while_down(self) -> None:
+        """Probe every open endpoint when its breaker says so, until all are closed."""
+        while True:
+            now = time.monotonic()
+            down = [e for e in self.balancer.endpoints if not e.breaker.closed]
+            if not down:
+                return
+            due = [e for e in down if e.breaker.probe_due(now)]
+            if due:
+                await asyncio.gather(*(self._probe(e) for e in due))
+                continue
+            waits = [e.breaker.next_probe - now for e in down if e.breaker.state == State.OPEN]
+            await asyncio.sleep(max(0.01, min(waits, default=0.05)))
+
+    async def _probe(self, ep: Endpoint) -> None:
+        """``GET <base>/models`` on a fresh connection: any HTTP answer below 500 closes the breaker."""
+        b = ep.breaker
+        b.start_probe()
+        if self._probe_session is None:
+            # A connection of the pool may be one the outage killed: each probe opens its own.
+            self._probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                                        skip_auto_headers=("User-Agent",))
+        headers = {k: v for k, v in self._headers.items() if k != "Content-Type"}
+        try:
+            async with asyncio.timeout(b.policy.probe_timeout_s), \
+                    self._probe_session.get(ep.url + "/models", headers=headers) as resp:
+                status = resp.status
+                await resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            b.probe_failed(_why(e))
+            return
+        if status >= 500:
+            b.probe_failed(f"probe GET /models: HTTP {status}")
+        else:
+            b.on_answer()
 
     async def _call(self, base: str, req: Request, res: CallResult, t0: float) -> None:
         body = self.prepare_body(req)
@@ -140,7 +207,7 @@ class HttpBackend:
                     _take_usage(res, res.body.get("usage"))
                     res.ok = True
         except aiohttp.ClientConnectorError as e:  # refused, DNS, unreachable: never sent
-            res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.CONNECT, str(e), True
+            res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.CONNECT, _connect_why(e), True
         except aiohttp.ConnectionTimeoutError as e:
             res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.CONNECT, f"connect timeout: {e}", True
         except aiohttp.SocketTimeoutError:
@@ -241,6 +308,22 @@ class HttpBackend:
                 res.chunk_times.append(now)
         acc.add(chunk)
         return False
+
+
+def _connect_why(e: aiohttp.ClientConnectorError) -> str:
+    where = f"{e.host}:{e.port}"
+    if isinstance(e.os_error, ConnectionRefusedError):
+        return f"cannot connect to {where}: connection refused"
+    return f"cannot connect to {where}: {e.os_error.strerror or e.os_error}"
+
+
+def _why(e: BaseException) -> str:
+    """Why a probe failed, in a few words."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return _connect_why(e)
+    if isinstance(e, TimeoutError):
+        return "no answer to a probe"
+    return str(e) or type(e).__name__
 
 
 def _in_band_error(res: CallResult, err: object) -> None:

@@ -84,6 +84,9 @@ class RetryPolicy:
     base_s: float = 0.25
     cap_s: float = 20.0
     max_retry_after_s: float = 120.0
+    # How long every endpoint may stay down before the job gives up (exit code 4, resumable);
+    # until then an outage pauses the job (carpool.client.breaker).
+    outage_timeout_s: float = 900.0
 
     def backoff(self, attempt: int, retry_after: float | None = None, rng: random.Random | None = None) -> float:
         """Seconds to wait before attempt ``attempt + 1`` (``attempt`` counts from 1)."""

@@ -72,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--connect-timeout", type=float, default=10.0)
     g.add_argument("--read-timeout", type=float, default=60.0, help="seconds between two chunks")
     g.add_argument("--total-timeout", type=float, default=600.0, help="seconds for one attempt")
+    g.add_argument("--outage-timeout", type=_duration, default=900.0, metavar="DURATION",
+                   help="while every endpoint is down the job pauses (nothing fails); after this long "
+                        "(seconds, or 30s / 15m / 2h; default 15m) it stops with exit code 4 and the same "
+                        "command resumes the unfinished tasks")
     g.add_argument("--fresh", action="store_true", help="ignore (delete) an earlier output instead of resuming")
     g = p.add_argument_group("cache")
     g.add_argument("--cache", default=None, help="sqlite:///path, redis://host:6379/0 or off "
@@ -91,6 +95,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-run", action="store_true", help="validate and write without calling any model")
     g.add_argument("--quiet", action="store_true")
     _add_ray_arguments(p)
+
+
+def _duration(value: str) -> float:
+    """Seconds, or a number with s / m / h: ``90``, ``30s``, ``15m``, ``2h``."""
+    text = value.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(text[-1:])
+    number = text[:-1] if scale is not None else text
+    try:
+        seconds = float(number) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a duration: give seconds (90) or 30s, 15m, 2h") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r}: a duration must be a positive number of seconds")
+    return seconds
 
 
 def _ray_address(value: str) -> str:
@@ -142,7 +160,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         concurrency=args.concurrency, max_concurrency=args.max_concurrency, rpm=args.rpm, tpm=args.tpm,
         stream=not args.no_stream,
         timeouts=Timeouts(args.connect_timeout, args.read_timeout, args.total_timeout),
-        max_attempts=args.max_attempts, ordered=args.ordered, prefix_order=args.prefix_order,
+        max_attempts=args.max_attempts, outage_timeout=args.outage_timeout, ordered=args.ordered,
+        prefix_order=args.prefix_order,
         prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
         cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, semantic_audit=args.semantic_audit,
         dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
@@ -204,6 +223,8 @@ def main(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"results: {opts.output}" + (f", errors: {opts.errors}" if opts.errors else "")
               + (f", report: {opts.report}" if opts.report else ""), file=sys.stderr)
+    if stats.stopped_by_outage:
+        return 4  # the endpoints stayed down past --outage-timeout; the same command resumes
     if stats.interrupted:
         return 130
     return 0
@@ -270,7 +291,8 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     def f(v: float | None, unit: str = "") -> str:
         return "-" if v is None else f"{v:,}{unit}" if isinstance(v, int) else f"{v:,.2f}{unit}"
 
-    t = Table(title="carpool run" + (" (interrupted)" if stats.interrupted else ""), show_header=False)
+    title = " (stopped: outage)" if stats.stopped_by_outage else " (interrupted)" if stats.interrupted else ""
+    t = Table(title="carpool run" + title, show_header=False)
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
     t.add_row("backend", d["backend"])
@@ -290,6 +312,12 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_row("TTFT P50 / P99", f"{f(d['ttft_ms_p50'])} / {f(d['ttft_ms_p99'])} ms")
     t.add_row("TPOT P50 / P99", f"{f(d['tpot_ms_p50'])} / {f(d['tpot_ms_p99'])} ms")
     t.add_row("retries", ", ".join(f"{k} {v}" for k, v in stats.retries.items()) or "0")
+    if stats.stopped_by_outage:
+        t.add_row("stopped", stats.outage_stop.removeprefix("paused: ") + ", past --outage-timeout")
+    elif stats.outages and stats.outages["outages"]:
+        o = stats.outages
+        periods = ", ".join(f"{p['start']} for {p['seconds']:.0f} s" for p in o["periods"][-3:])
+        t.add_row("paused (endpoint down)", f"{o['outages']} time(s), {o['paused_s']:.0f} s in all: {periods}")
     t.add_row("cache", d["cache"])
     t.add_row("cache hits / semantic / dedup", f"{d['cache_hits']:,} / {d['semantic_hits']:,} / {d['dedup_fanouts']:,}")
     if d["saved_tokens"]:

@@ -46,6 +46,9 @@ class RunOptions:
     stream: bool = True
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_attempts: int = 6
+    # Seconds every endpoint may stay down before the job stops (exit code 4, resumable);
+    # until then an outage pauses the job instead of failing its tasks.
+    outage_timeout: float = 900.0
     ordered: bool = False
     prefix_order: bool = False
     prefix_window: int = 1024

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from carpool.cache.audit import AuditItem, SemanticAudit
 from carpool.client.base import CallResult, Request
+from carpool.client.breaker import OutageTimeout
 from carpool.client.executor import Executor, Stopped
 from carpool.client.retry import ErrorKind, RetryPolicy
 from carpool.jobs.caching import EXACT_HIT_ID
@@ -83,7 +84,9 @@ class Pipeline:
         self.stats = JobStats()
         self.messages = parts.messages  # what the user should read after the run (warnings, resume)
         self.executor = Executor(parts.backend, parts.limiter, parts.budget,
-                                 RetryPolicy(max_attempts=opts.max_attempts), latency_signal=opts.latency_signal)
+                                 RetryPolicy(max_attempts=opts.max_attempts, outage_timeout_s=opts.outage_timeout),
+                                 latency_signal=opts.latency_signal)
+        self._paused_told = False
         self.dedup = Dedup() if opts.dedup else None
         self._slots = asyncio.Semaphore(opts.max_pending)
         self._pending: set[asyncio.Task] = set()
@@ -114,6 +117,41 @@ class Pipeline:
         self._stop = True
         self.executor.stopping = True
         self._cancel_all()
+
+    def _stop_for_outage(self) -> None:
+        """Every endpoint stayed down past --outage-timeout: stop sending and reading (exit
+        code 4).  Tasks waiting for the endpoint are not written, so a rerun resumes them;
+        requests still in flight finish or fail as they would."""
+        if self.stats.stopped_by_outage:
+            return
+        self.stats.stopped_by_outage = True
+        gate = self.executor.gate
+        self.stats.outage_stop = gate.status() if gate is not None else ""
+        self._stop = True
+        self.executor.stopping = True
+        self._slots.release()  # the reader may wait for a slot
+        if self.notify is not None:
+            self.notify(f"\ncarpool run: stopping: {self.stats.outage_stop}, longer than --outage-timeout "
+                        f"{self.opts.outage_timeout:g} s; the unfinished tasks run on resume")
+
+    def _watch_outage(self) -> str:
+        """Called every tick: the pause shown in the progress line ("" when not paused); says
+        once when a pause begins and ends; stops the job when it is too long."""
+        gate = self.executor.gate
+        if gate is None:
+            return ""
+        status = gate.status()
+        if status and not self._paused_told and self.notify is not None:
+            self.notify(f"\ncarpool run: {status}; sending resumes when it answers again "
+                        f"(gives up after --outage-timeout {self.opts.outage_timeout:g} s)")
+        elif not status and self._paused_told and self.notify is not None:
+            last = gate.history[-1] if gate.history else None
+            self.notify("\ncarpool run: the endpoint answers again"
+                        + (f" after {last.seconds():.0f} s" if last is not None else "") + "; resuming")
+        self._paused_told = bool(status)
+        if status and gate.expired(self.opts.outage_timeout):
+            self._stop_for_outage()
+        return status
 
     def _cancel_all(self) -> None:
         for t in list(self._pending):
@@ -155,19 +193,26 @@ class Pipeline:
             writer.close()
             st.finished = time.monotonic()
             st.retries.update(self.executor.retries)
+            if self.executor.gate is not None:
+                st.outages = self.executor.gate.summary()
             st.sample(parts.limiter.snapshot())
             progress.stop()
             await self._close()
             if writer.error is not None:
                 st.interrupted = True
                 st.done -= writer.dropped
-            parts.journal.write_state(self._input, finished=not st.interrupted, argv=o.argv)
+            parts.journal.write_state(self._input, finished=not (st.interrupted or st.stopped_by_outage), argv=o.argv)
         if writer.error is not None:
             e = writer.error
             raise OutputError(e.errno, f"cannot write {writer.error_path}: {e.strerror or e}. The complete "
                               "lines already in it are kept; fix it (free space, another -o) and resume "
                               f"with:\n  {self.resume_command()}")
-        if st.interrupted:
+        if st.stopped_by_outage:
+            self.messages.append(f"stopped by an outage ({st.outage_stop}, past --outage-timeout "
+                                 f"{o.outage_timeout:g} s): {st.done + st.skipped:,} tasks are in {o.output}; "
+                                 f"the others were not run. Resume once the endpoint is back with:\n"
+                                 f"  {self.resume_command()}")
+        elif st.interrupted:
             self.messages.append(f"interrupted: {st.done + st.skipped:,} tasks are in {o.output}. "
                                  f"Resume with:\n  {self.resume_command()}")
         return st
@@ -206,7 +251,9 @@ class Pipeline:
             if writer.error is not None and not self._write_failed:
                 self._stop_on_write_error()
             lim = self.parts.limiter.snapshot()
-            progress.update(f" conc {lim['in_flight']}/{lim['limit']:g}" if self.opts.endpoints else "")
+            paused = self._watch_outage()
+            progress.update(f" {paused}" if paused else
+                            f" conc {lim['in_flight']}/{lim['limit']:g}" if self.opts.endpoints else "")
             now = time.monotonic()
             if now - last_sample >= 1.0:
                 last_sample = now
@@ -362,6 +409,10 @@ class Pipeline:
         try:
             outcome = await self.executor.execute(req, probe.lookup if probe else None,
                                                   probe.store if probe else None)
+        except OutageTimeout:
+            self._stop_for_outage()
+            self._slots.release()
+            return  # not written: it runs on resume
         except Stopped:
             self._slots.release()
             return  # not written: it is done on resume

@@ -63,6 +63,11 @@ class JobStats:
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
     interrupted: bool = False
+    # Set by the outage handling (issue 20) when the endpoints stayed down past
+    # --outage-timeout and the job stopped: exit code 4 (carpool.jobs.exit_codes).
+    stopped_by_outage: bool = False
+    outage_stop: str = ""  # the pause it stopped in ("paused: endpoint down since ...")
+    outages: dict | None = None  # carpool.client.breaker.OutageGate.summary() (HTTP jobs)
     backend: str = ""
     cache_backend: str = "off"
 
@@ -124,6 +129,8 @@ class JobStats:
             "cache_hits": self.cache_hits, "semantic_hits": self.semantic_hits,
             "dedup_fanouts": self.dedup_fanouts, "saved_tokens": self.saved_tokens,
             "saved_time_s": round(self.saved_time_s(), 2), "interrupted": self.interrupted,
+            "stopped_by_outage": self.stopped_by_outage,
+            **({"outages": self.outages} if self.outages is not None else {}),
             "backend": self.backend, "cache": self.cache_backend,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
         }

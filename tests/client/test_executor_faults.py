@@ -122,17 +122,19 @@ def test_4xx_is_not_retried(fault_server):
     assert out.result.status_code == 400
 
 
-def test_connection_refused_retried_then_reported():
-    # A port nobody listens on: connect errors are always safe to retry, then reported.
+def test_connection_refused_pauses_then_gives_up_unsent_after_the_outage_timeout():
+    # A port nobody listens on: a refused connection never reached a server, so it is not an
+    # attempt and never a final error line; past the outage timeout the request gives up unsent.
     import socket
+
+    from carpool.client.breaker import OutageTimeout
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    (out,), ex = run([f"http://127.0.0.1:{port}/v1"], [chat("a", 1.0)], policy=RetryPolicy(3, 0.01, 0.02))
-    assert out.result.error_kind == ErrorKind.CONNECT and out.attempts == 3
-    assert ex.retries[ErrorKind.CONNECT] == 2
+    with pytest.raises(OutageTimeout):
+        run([f"http://127.0.0.1:{port}/v1"], [chat("a", 1.0)], policy=RetryPolicy(3, 0.01, 0.02, outage_timeout_s=0.3))
 
 
 def test_balancer_cools_down_dead_endpoint(fault_server):
