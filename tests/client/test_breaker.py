@@ -101,7 +101,7 @@ def _outage_then_server(reqs, down_s: float, *, policy: RetryPolicy, limiter=Non
 
 def test_requests_wait_out_an_outage_and_none_pays_an_attempt_for_it():
     reqs = [chat(f"g{i}") for i in range(10)] + [chat(f"s{i}", temperature=1.0) for i in range(10)]
-    outs, ex, be, srv, seen = _outage_then_server(reqs, 1.5, policy=RetryPolicy(max_attempts=2, base_s=0.01))
+    outs, _ex, be, srv, seen = _outage_then_server(reqs, 1.5, policy=RetryPolicy(max_attempts=2, base_s=0.01))
     assert all(o.result.ok for o in outs), [o.result.error_message for o in outs if not o.result.ok]
     assert all(o.attempts == 1 for o in outs)  # refused connections cost nothing, sampled tasks too
     assert seen["paused"].startswith("paused: endpoint down since ") and "connection refused" in seen["paused"]
@@ -130,7 +130,7 @@ def test_an_outage_past_the_timeout_raises_outage_timeout_for_every_waiting_requ
 
 def test_a_stop_asked_during_a_pause_stops_the_waiting_requests_unsent():
     reqs = [chat(f"r{i}") for i in range(6)]
-    outs, ex, _, srv, _ = _outage_then_server(reqs, 0.8, policy=RetryPolicy(), stop_after=0.0)
+    outs, _ex, _, srv, _ = _outage_then_server(reqs, 0.8, policy=RetryPolicy(), stop_after=0.0)
     assert all(isinstance(o, Stopped) for o in outs), outs
     assert srv.total_requests == 0
 
