@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
+import urllib.parse
 
 import aiohttp
 
@@ -176,7 +178,7 @@ class HttpBackend:
     async def _call(self, base: str, req: Request, res: CallResult, t0: float) -> None:
         body = self.prepare_body(req)
         streaming = bool(body.get("stream"))
-        headers = {**self._headers, "X-Carpool-Custom-Id": req.custom_id}
+        headers = {**self._headers, "X-Carpool-Custom-Id": custom_id_header(req.custom_id)}
         got_headers = False
         trace: dict[str, float] = {}
         try:
@@ -308,6 +310,25 @@ class HttpBackend:
                 res.chunk_times.append(now)
         acc.add(chunk)
         return False
+
+
+# Longer ids are cut and end in a digest: a header line has a size limit (8 KiB in aiohttp,
+# vLLM's uvicorn and most proxies), and a 10k-character custom_id is a valid one.
+MAX_ID_HEADER = 256
+
+
+def custom_id_header(custom_id: str) -> str:
+    """The task's custom_id as a header value (it tells the server's logs which task a request
+    is; the fault server keys its faults on it).  Percent-encoded, so any string is safe
+    (``\n``, ``\r`` or ``\0`` in a raw header would be refused before sending), and at most
+    ``MAX_ID_HEADER`` characters.  ``urllib.parse.unquote`` gives the id back."""
+    value = urllib.parse.quote(custom_id, safe="")
+    if len(value) <= MAX_ID_HEADER:
+        return value
+    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    head = value[: MAX_ID_HEADER - 20]
+    head = head[: head.rfind("%")] if "%" in head[-2:] else head  # never cut an escape in two
+    return f"{head}~{digest}"
 
 
 def _connect_why(e: aiohttp.ClientConnectorError) -> str:

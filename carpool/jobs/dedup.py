@@ -3,8 +3,9 @@
 The first task with a key becomes the leader (``lead``); a task with the same key that
 arrives while the leader is in flight waits for the leader's answer (``find`` gives its
 future), one that arrives shortly after gets the remembered answer (the last
-``keep_recent`` successes).  Only successes are remembered: a failed leader's followers
-still get its answer (they would have failed the same way), but a later task is sent.
+``keep_recent`` successes).  Only successes are shared: a failed leader's followers are
+sent on their own (``Pipeline._follow``), since the failure may be the leader's alone
+(its custom_id, its connection) and must never become another task's error line.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Dedup:
         return lead
 
     def finish(self, lead: Lead, res: CallResult) -> None:
-        """The leader has its answer: followers get it, later tasks too if it succeeded."""
+        """The leader has its answer: followers see it (and take it if it succeeded), later tasks too."""
         self._leaders.pop(lead.key, None)
         if not lead.answer.done():
             lead.answer.set_result(res)

@@ -25,6 +25,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from carpool.cache.audit import AuditItem, SemanticAudit
 from carpool.client.base import CallResult, Request
@@ -370,9 +371,12 @@ class Pipeline:
                 self._write_cache_hit(out, task, hit)
                 return
             if self.dedup is not None:
-                if await self._follow(out, task, self.dedup, key):
+                how = await self._follow(out, task, self.dedup, key)
+                if how == "done":
                     return
-                lead = self.dedup.lead(key)
+                if how == "lead":
+                    lead = self.dedup.lead(key)
+                # "alone": the leader failed; this task is sent on its own, leading nobody
         try:
             await self._send(out, task, key, lead)
         finally:
@@ -384,11 +388,15 @@ class Pipeline:
         self.stats.saved_tokens += _usage_tokens(body)
         out.emit(success_line(task.request.custom_id, 200, EXACT_HIT_ID, body))
 
-    async def _follow(self, out: _TaskWriter, task: Task, dedup: Dedup, key: str) -> bool:
-        """A duplicate of a task in flight, or just answered, takes that answer; False: it leads."""
+    async def _follow(self, out: _TaskWriter, task: Task, dedup: Dedup,
+                      key: str) -> Literal["done", "lead", "alone"]:
+        """A duplicate of a task in flight, or just answered, takes that answer ("done");
+        "lead": none is in flight, this task leads; "alone": the leader failed, this task is
+        sent on its own: a failure may be the leader's own (its custom_id, a fault of its
+        connection), never another task's error line."""
         found = dedup.find(key)
         if found is None:
-            return False
+            return "lead"
         if isinstance(found, CallResult):
             res = found
         else:
@@ -398,10 +406,12 @@ class Pipeline:
                 if not found.cancelled():
                     raise  # we are cancelled ourselves
                 self._slots.release()  # the leader stopped unsent: so do we (resume redoes both)
-                return True
+                return "done"
+        if not res.ok:
+            return "alone"
         self.stats.dedup_fanouts += 1
         self._write_result(out, task, res, 1, fanout=True)
-        return True
+        return "done"
 
     async def _send(self, out: _TaskWriter, task: Task, key: str | None, lead: Lead | None) -> None:
         req = task.request

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import csv
 import os
+import stat
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from carpool.jobs.tasks import (
     BadLine,
@@ -26,6 +27,15 @@ from carpool.jobs.tasks import (
 )
 
 FORMATS = ("jsonl", "batch", "csv", "parquet")
+
+# A JSONL line longer than this is an error line, read past in pieces, never held whole:
+# /dev/zero or a file without newlines would otherwise grow the process without bound.
+# 32 MiB is the body limit of carpool serve (and far past any context window).
+MAX_LINE_BYTES = 32 << 20
+
+
+class TooLong(int):
+    """Stands for a line that was longer than ``MAX_LINE_BYTES``: its length in bytes."""
 
 
 class TaskSource(Protocol):
@@ -48,10 +58,31 @@ def detect_format(path: str | os.PathLike) -> str:
     return "jsonl"  # .jsonl, .json, .ndjson; Batch-format lines are recognised line by line
 
 
-def parse_jsonl_lines(lines: Iterable[tuple[int, bytes]], defaults: TaskDefaults) -> Iterator[Task | BadLine]:
+def numbered_lines(f: BinaryIO, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes | TooLong]]:
+    """(line number, raw line) from 1; a line past ``max_bytes`` is read past in pieces of that
+    size and comes as ``TooLong(its length)``."""
+    line_no = 0
+    while raw := f.readline(max_bytes + 1):
+        line_no += 1
+        if raw.endswith(b"\n") or len(raw) <= max_bytes:  # the newline may be the (max + 1)th byte
+            yield line_no, raw
+            continue
+        n = len(raw)
+        while not raw.endswith(b"\n") and (raw := f.readline(max_bytes)):
+            n += len(raw)
+        yield line_no, TooLong(n)
+
+
+def parse_jsonl_lines(lines: Iterable[tuple[int, bytes | TooLong]],
+                      defaults: TaskDefaults) -> Iterator[Task | BadLine]:
     """Tasks from numbered raw JSONL lines; used for a whole file here and for one byte-range
     shard by ``carpool.distributed.worker``. Undecodable bytes make a ``BadLine``, blank lines nothing."""
     for line_no, raw in lines:
+        if isinstance(raw, TooLong):
+            yield BadLine(line_no, f"line-{line_no}", "",
+                          f"line is {int(raw):,} bytes long, past the limit of {MAX_LINE_BYTES >> 20} MiB "
+                          "a task line may have (is this a JSONL file?)")
+            continue
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -60,6 +91,20 @@ def parse_jsonl_lines(lines: Iterable[tuple[int, bytes]], defaults: TaskDefaults
         item = parse_json_line(text, line_no, defaults)
         if item is not None:
             yield item
+
+
+def refuse_special_file(path: Path) -> None:
+    """An input must be a regular file: a FIFO without a writer blocks ``open()`` for ever (no
+    signal gets a thread out of it), ``/dev/zero`` never ends, and a resume reads the input
+    again, which a pipe cannot give.  Raises ``ValueError`` (exit code 2) naming what it is."""
+    mode = path.stat().st_mode  # follows symlinks: a link to a regular file is fine
+    if stat.S_ISREG(mode):
+        return
+    what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise ValueError(f"input {str(path)!r} is {what}: carpool run reads a regular file (it reads it again "
+                     "to resume); write the tasks to a file first, e.g. `producer > tasks.jsonl`")
 
 
 class RecordSource:
@@ -84,6 +129,7 @@ class Reader:
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"input file {str(self.path)!r} does not exist")
+        refuse_special_file(self.path)
         self.fmt = fmt or detect_format(path)
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown input format {self.fmt!r}; one of {', '.join(FORMATS)}")
@@ -114,7 +160,7 @@ class Reader:
 
     def _jsonl(self) -> Iterator[Task | BadLine]:
         with open(self.path, "rb") as f:
-            yield from parse_jsonl_lines(enumerate(f, 1), self.defaults)
+            yield from parse_jsonl_lines(numbered_lines(f), self.defaults)
 
     def _csv_rows(self) -> Iterator[tuple[int, dict]]:
         # Undecodable bytes become U+FFFD rather than stopping the job mid-file.

@@ -5,7 +5,7 @@ It answers ``/v1/chat/completions``, ``/v1/completions`` (streaming or not) and
 misbehave: 429 with Retry-After, 500/503, connection resets before or after the
 request body was read, stalls past the client's read timeout, truncated SSE
 streams, invalid JSON, and a capacity limit that 429s everything past N requests
-in flight.  It counts what it saw per custom_id (``X-Carpool-Custom-Id`` header,
+in flight.  It counts what it saw per custom_id (``X-Carpool-Custom-Id`` header, percent-encoded,
 else the body's hash) so tests can assert "this was not sent twice".
 
 Start it in-process (``async with FaultServer(cfg) as srv``), in a background
@@ -23,6 +23,7 @@ import json
 import random
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Self
@@ -162,7 +163,7 @@ class FaultServer:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.total_requests += 1
-        cid = request.headers.get("X-Carpool-Custom-Id", "")
+        cid = urllib.parse.unquote(request.headers.get("X-Carpool-Custom-Id", ""))  # the client encodes it
         # Faults that act before the body is read can only match on the custom_id.
         early = self._pick_early_fault(cid)
         if early is not None:
