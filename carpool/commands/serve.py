@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $CARPOOL_API_KEY)")
+    g.add_argument("--idle-timeout", type=float, default=d_server.idle_timeout_s,
+                   help="close a connection that sends no (whole) request for this many seconds")
+    g.add_argument("--body-timeout", type=float, default=d_server.body_timeout_s,
+                   help="seconds a request body may take to arrive (then 408)")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections past this get a 503 (default: from the file-descriptor limit)")
 
     g = p.add_argument_group("admission control")
     g.add_argument("--max-queue-size", type=int, default=d_server.max_queue_size,
@@ -91,6 +97,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         preferred_batch_sizes=args.preferred_batch_sizes,
         max_batch_tokens=args.max_batch_tokens,
         embedding_queue_timeout_ms=args.embedding_queue_timeout_ms,
+        idle_timeout_s=args.idle_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
     )
 
 

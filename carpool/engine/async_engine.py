@@ -100,7 +100,10 @@ class AsyncEngine:
             await self.start()
         if self.error is not None:
             raise EngineError(f"the engine loop has failed: {self.error!r}")
-        seq = self.engine.make_sequence(request)  # raises EngineError for a bad request
+        if _text_chars(request) > OFF_LOOP_CHARS:  # templating + tokenizing a long prompt: not on the loop
+            seq = await asyncio.to_thread(self.engine.make_sequence, request)
+        else:
+            seq = self.engine.make_sequence(request)  # raises EngineError for a bad request
         rid = request.request_id
         if rid in self._streams:
             raise EngineError(f"request_id {rid!r} is already running; use a unique id")
@@ -210,3 +213,15 @@ class _Failed:
 def _put_all(items: list) -> None:
     for queue, d in items:
         queue.put_nowait(d.error if isinstance(d, _Failed) else d)
+
+
+# A prompt of more text than this is tokenized on a worker thread (the tokenizer has its own
+# lock): a long one takes seconds, during which the event loop would serve nobody
+# (issue 20: a 3 MB body held /health for 4 s).  A short one costs less than the thread hop.
+OFF_LOOP_CHARS = 16_384
+
+
+def _text_chars(request: GenerateRequest) -> int:
+    if request.messages is not None:
+        return sum(len(m.get("content") or "") for m in request.messages if isinstance(m, dict))
+    return len(request.prompt) if request.prompt is not None else 0

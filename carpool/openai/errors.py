@@ -44,4 +44,19 @@ class OpenAIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": bounded(self.message), "type": self.type,
+                          "param": bounded(self.param, MAX_PARAM_CHARS) if self.param is not None else None,
+                          "code": self.code}}
+
+
+# An error echoes what it refuses (a model name, a field path, a value): a 1 MB "model" must
+# not come back as a 1 MB error body, nor go whole into a log.
+MAX_MESSAGE_CHARS = 2000
+MAX_PARAM_CHARS = 200
+
+
+def bounded(text: str, most: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to ``most`` characters, saying how much was left out."""
+    if len(text) <= most:
+        return text
+    return f"{text[: most - 40]}... ({len(text) - most + 40:,} more characters)"

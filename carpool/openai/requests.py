@@ -36,6 +36,11 @@ from carpool.openai.schema import chat_request_schema, completion_request_schema
 from carpool.openai.validation import SchemaError, validate
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions API and vLLM
+# No token of the byte-level BPE vocabularies carpool runs is longer than this many characters
+# (SmolLM2's longest is 81 bytes: a newline and 80 spaces), so a prompt of more than
+# max_model_len * this many characters cannot fit and is refused before it is tokenized:
+# tokenizing a 30 MB body took 77 s and 4 GB (issue 20).
+MAX_CHARS_PER_TOKEN = 128
 DEFAULT_MAX_N = 16
 
 _ID_PREFIX = {"chat": "chatcmpl", "completion": "cmpl"}
@@ -162,12 +167,24 @@ class Translator:
                 bases.append((req, "prompt" if len(prompts) == 1 else f"prompt[{i}]"))
         counted = []
         for req, param in bases:
+            self._check_length_before_tokenizing(req, param)
+        for req, param in bases:
             n_tokens = self._count(req, param)
             req.params = sampling_params(body, max_tokens_for(body, n_tokens, self.max_model_len, kind, param))
             counted.append((req, n_tokens))
         stream_options = body.get("stream_options") or {}
         return Prepared(kind, rid, _expand(counted, body, rid), stream=bool(body.get("stream")),
                         include_usage=bool(stream_options.get("include_usage")))
+
+    def _check_length_before_tokenizing(self, req: GenerateRequest, param: str) -> None:
+        """A 400 for text that is too long for the context whatever its tokens (O(1) a string)."""
+        chars = prompt_chars(req)
+        most = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > most:
+            raise OpenAIError(
+                400, f"'{param}' holds {chars:,} characters: more than a {self.max_model_len:,}-token context can hold "
+                f"(at most {most:,} characters are tokenized); shorten it", param=param,
+                code="context_length_exceeded")
 
     def _count(self, req: GenerateRequest, param: str) -> int:
         if req.prompt_token_ids is not None:
@@ -179,6 +196,13 @@ class Translator:
         if n <= 0:
             raise OpenAIError(400, f"'{param}' is empty after tokenization; send some text", param=param)
         return n
+
+
+def prompt_chars(req: GenerateRequest) -> int:
+    """Characters of text the request's prompt holds (0 for token ids): what tokenizing costs."""
+    if req.messages is not None:
+        return sum(len(m.get("content") or "") + len(m.get("name") or "") for m in req.messages)
+    return len(req.prompt) if req.prompt is not None else 0
 
 
 def _prompts(prompt: str | list) -> list:

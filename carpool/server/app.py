@@ -13,7 +13,8 @@ from carpool.embed.dynamic_batcher import DynamicBatcher
 from carpool.engine.protocol import EngineClient
 from carpool.server import embeddings, generation, info
 from carpool.server.config import ServerConfig
-from carpool.server.middleware import auth_middleware, error_middleware
+from carpool.server.http import BODY_TIMEOUT
+from carpool.server.middleware import auth_middleware, body_limit_middleware, error_middleware
 from carpool.server.state import STATE, ServerState
 
 
@@ -29,11 +30,13 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None,
               batcher: DynamicBatcher | None = None) -> web.Application:
     """The server as an aiohttp app.  Without ``engine``, an AsyncEngine is built from
     ``config.engine`` at startup and shut down with the app (likewise the embedding batcher)."""
-    middlewares = [error_middleware]
+    limit = config.client_max_size_mb * 2**20
+    middlewares = [error_middleware, body_limit_middleware(limit)]
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
-    app = web.Application(middlewares=middlewares, client_max_size=config.client_max_size_mb * 2**20)
+    app = web.Application(middlewares=middlewares, client_max_size=limit)
     app[STATE] = ServerState(config, engine, batcher)
+    app[BODY_TIMEOUT] = config.body_timeout_s
     app.router.add_post("/v1/chat/completions", generation.chat_completions)
     app.router.add_post("/v1/completions", generation.completions)
     app.router.add_post("/v1/embeddings", embeddings.create_embeddings)

@@ -26,6 +26,12 @@ class ServerConfig:
     embedding_queue_timeout_ms: int = 30000
     embedding_max_queue_size: int | None = None  # None: max_queue_size
     client_max_size_mb: int = 32  # largest request body
+    # Connection hygiene (server/connections.py): a connection with no request for this long
+    # (idle between requests, or never sending one whole) is closed; a body must arrive
+    # within body_timeout_s; past max_connections open ones a new one gets a 503.
+    idle_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    max_connections: int | None = None  # None: from the file-descriptor limit
 
     def model_names(self) -> list[str]:
         return list(self.served_model_names) or [self.engine.model]

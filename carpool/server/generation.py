@@ -9,6 +9,7 @@ cancelled it), the ``finally`` aborts the engine requests that still run.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from aiohttp import web
@@ -20,7 +21,7 @@ from carpool.openai.requests import Prepared
 from carpool.openai.responses import Choice, ResponseBuilder
 from carpool.server import sse
 from carpool.server.admission import Rejection, Ticket
-from carpool.server.http import json_response, read_json
+from carpool.server.http import OFF_LOOP_BYTES, json_response, read_json
 from carpool.server.state import STATE, ServerState
 
 # Client went away while we were writing (aiohttp raises one of these, version dependent).
@@ -82,7 +83,12 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     model = state.resolve_model(body, "generate")
-    prepared = state.translator.prepare(kind, body)
+    if (request.content_length or 0) > OFF_LOOP_BYTES:
+        # Validating, templating and tokenizing a long prompt takes a while: on the event
+        # loop it would stall every other request and /health (issue 20).
+        prepared = await asyncio.to_thread(state.translator.prepare, kind, body)
+    else:
+        prepared = state.translator.prepare(kind, body)
     run = _Observed(state, prepared, _admit(state, prepared))
     shape = ResponseBuilder(kind, prepared.id, model, include_usage=prepared.stream and prepared.include_usage)
     try:

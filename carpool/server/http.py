@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 
 from aiohttp import web
 
 from carpool.openai.errors import OpenAIError
+
+# Work on a body larger than this (parsing, templating, tokenizing) runs on a worker thread,
+# so one big request never stalls the event loop (/health, every other stream); a small
+# body takes well under a millisecond, less than the hop to a thread.
+OFF_LOOP_BYTES = 16 * 1024
+
+# Seconds a request body may take to arrive (ServerConfig.body_timeout_s, set by build_app).
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
 
 _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
@@ -26,13 +36,64 @@ def error_response(e: OpenAIError) -> web.Response:
 
 async def read_json(request: web.Request) -> dict:
     """The request body as a JSON object, or a 400 saying what is wrong with it."""
-    raw = await request.read()
     try:
-        body = json.loads(raw)
+        async with asyncio.timeout(request.app[BODY_TIMEOUT]):
+            raw = await request.read()
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s",
+                          code="body_timeout") from None
+    try:
+        body = await asyncio.to_thread(_loads, raw) if len(raw) > OFF_LOOP_BYTES else _loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:  # json's decoder recurses per nesting level
         raise OpenAIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # an integer literal past Python's 4300-digit conversion limit
+        raise OpenAIError(400, f"request body is not usable JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):
+        where = lone_surrogate_path(body)
+        if where is not None:
+            raise OpenAIError(400, f"'{where}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                              "pair): not Unicode text; send the character itself or a valid pair",
+                              param=where, code="invalid_json")
     return body
+
+
+def _loads(raw: bytes) -> object:
+    return json.loads(raw)
+
+
+# Only a JSON escape can put a surrogate in a string (the UTF-8 decoder refuses encoded
+# ones), so the body is walked only when one of these is in the raw bytes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_path(obj: object, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string or key holding a lone surrogate."""
+    if isinstance(obj, str):
+        return path or "body" if _has_lone_surrogate(obj) else None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            name = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # the path itself must be text
+            here = f"{path}.{name}" if path else name
+            if _has_lone_surrogate(k):
+                return here
+            found = lone_surrogate_path(v, here)
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = lone_surrogate_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

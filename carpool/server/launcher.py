@@ -28,18 +28,18 @@ from carpool.embed.dynamic_batcher import DynamicBatcher
 from carpool.engine.protocol import EngineClient
 from carpool.server.app import build_app
 from carpool.server.config import ServerConfig
+from carpool.server.connections import GuardedSite, rate_limit_logging
 from carpool.server.state import STATE, ServerState
 
 
 class _Running:
-    def __init__(self, runner: web.AppRunner, site: web.TCPSite) -> None:
+    def __init__(self, runner: web.AppRunner, site: GuardedSite) -> None:
         self.runner = runner
         self.site = site
 
     @property
     def port(self) -> int:
-        server = self.site._server  # the bound socket tells the real port when 0 was asked
-        return server.sockets[0].getsockname()[1] if server and server.sockets else 0
+        return self.site.port  # the bound port tells the real one when 0 was asked
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -51,9 +51,10 @@ async def start(config: ServerConfig, engine: EngineClient | None = None,
     app = build_app(config, engine=engine, batcher=batcher)
     # handler_cancellation: a client that goes away cancels its handler, whose cleanup aborts
     # the engine request (frees KV blocks) even while it still waits for its first token.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    rate_limit_logging()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.idle_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    site = GuardedSite(runner, config.host, config.port, backlog=1024, max_connections=config.max_connections)
     try:
         await site.start()
     except BaseException:

@@ -1,4 +1,5 @@
-"""Middlewares: every failure becomes an OpenAI error body; the optional bearer-key check."""
+"""Middlewares: every failure becomes an OpenAI error body; a body past the limit is refused
+before it is read; the optional bearer-key check."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except OpenAIError as e:
-        return error_response(e)
+        resp = error_response(e)
+        if e.status == 408:  # the rest of the body may still come: do not read it
+            resp.force_close()
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -26,21 +30,44 @@ async def error_middleware(request: web.Request, handler):
         message = {404: f"no route {request.method} {request.path}",
                    405: f"method {request.method} not allowed on {request.path}",
                    413: "request body too large"}.get(e.status, e.reason)
-        return error_response(OpenAIError(e.status, message, code=str(e.status)))
+        headers = None
+        if isinstance(e, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 says which methods are allowed
+            headers = {"Allow": ", ".join(sorted(e.allowed_methods))}
+        return error_response(OpenAIError(e.status, message, code=str(e.status), headers=headers))
     except Exception:  # the server keeps serving whatever one handler did
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(OpenAIError(500, "internal server error; see the server log", type="server_error"))
 
 
+def body_limit_middleware(limit: int):
+    """A Content-Length past ``limit`` is refused before a byte of the body is read (aiohttp
+    would read up to the limit first) and the connection closed (the body stays unread)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.content_length is not None and request.content_length > limit:
+            resp = error_response(OpenAIError(
+                413, f"request body too large: Content-Length {request.content_length:,} is past the limit of "
+                f"{limit:,} bytes", code="request_too_large"))
+            resp.force_close()
+            return resp
+        return await handler(request)
+
+    return check
+
+
 def auth_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
         if request.path != "/health":
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                what = "provided" if given else "missing; send 'Authorization: Bearer <key>'"
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.strip().partition(" ")
+            # The scheme is case-insensitive (RFC 9110 11.1): "bearer KEY" is as good as "Bearer KEY".
+            given = token.strip().encode() if scheme.lower() == "bearer" else b""
+            if not (given and hmac.compare_digest(given, expected)):
+                what = "provided" if header else "missing; send 'Authorization: Bearer <key>'"
                 raise OpenAIError(401, f"Incorrect API key {what}.", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
