@@ -33,7 +33,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         vectors = await state.batcher.embed(texts)
     except (QueueFullError, QueueTimeoutError) as e:
         raise _queue_error(state, e) from None
-    if (request.content_length or 0) > OFF_LOOP_BYTES:  # tokenizing many or long inputs: off the event loop
+    if request.content_length is None or request.content_length > OFF_LOOP_BYTES:  # long inputs: off the loop
         tokens = sum(await asyncio.to_thread(state.batcher.count_tokens, texts))
     else:
         tokens = sum(state.batcher.count_tokens(texts))

@@ -83,7 +83,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     model = state.resolve_model(body, "generate")
-    if (request.content_length or 0) > OFF_LOOP_BYTES:
+    if request.content_length is None or request.content_length > OFF_LOOP_BYTES:
         # Validating, templating and tokenizing a long prompt takes a while: on the event
         # loop it would stall every other request and /health (issue 20).
         prepared = await asyncio.to_thread(state.translator.prepare, kind, body)
