@@ -182,8 +182,9 @@ class Translator:
         most = self.max_model_len * MAX_CHARS_PER_TOKEN
         if chars > most:
             raise OpenAIError(
-                400, f"'{param}' holds {chars:,} characters: more than a {self.max_model_len:,}-token context can hold "
-                f"(at most {most:,} characters are tokenized); shorten it", param=param,
+                400, f"This model's maximum context length is {self.max_model_len} tokens, and '{param}' holds "
+                f"{chars:,} characters: more than that many tokens can hold (refused before tokenizing; at most "
+                f"{most:,} characters); shorten '{param}'.", param=param,
                 code="context_length_exceeded")
 
     def _count(self, req: GenerateRequest, param: str) -> int:
