@@ -52,7 +52,11 @@ async def start(config: ServerConfig, engine: EngineClient | None = None,
     # handler_cancellation: a client that goes away cancels its handler, whose cleanup aborts
     # the engine request (frees KV blocks) even while it still waits for its first token.
     rate_limit_logging()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.idle_timeout_s)
+    # lingering_time: after answering a request whose body was not read (413, 408), aiohttp
+    # reads and drops what still comes for this long before closing; 10 s by default is
+    # 10 s of a hostile sender's connection held for nothing.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.idle_timeout_s,
+                           lingering_time=2.0)
     await runner.setup()
     site = GuardedSite(runner, config.host, config.port, backlog=1024, max_connections=config.max_connections)
     try:

@@ -41,12 +41,17 @@ def request(url: str, raw: bytes | None = None, method: str = "POST", headers: d
 
 
 def raw_exchange(port: int, data: bytes, timeout: float = 30) -> bytes:
-    """Send bytes on a fresh connection and read until the server closes it."""
+    """Send bytes on a fresh connection; read one whole response (or until the server closes)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(data)
         out = b""
         while chunk := s.recv(65536):
             out += chunk
+            head, sep, body = out.partition(b"\r\n\r\n")
+            length = next((int(x.split(b":")[1]) for x in head.split(b"\r\n")
+                           if x.lower().startswith(b"content-length:")), None)
+            if sep and length is not None and len(body) >= length:
+                break
         return out
 
 
