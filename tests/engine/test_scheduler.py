@@ -151,3 +151,77 @@ def test_max_model_len_error_names_the_field(tiny, h):
         LLMEngine(h.engine_config(num_kv_blocks=2), loaded=loaded).add_request(
             GenerateRequest(request_id="w", prompt_token_ids=[1] * 40, params=greedy(2)))
     assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "lof"])
+def test_waiting_queue_pops_in_policy_order_through_removals_and_requeues(policy):
+    """The heap gives the order the old per-step sort gave: the policy's key, then queue order."""
+    import random
+
+    from carpool.engine.scheduler import WaitingQueue
+    from carpool.engine.sequence import Sequence
+
+    rng = random.Random(3)
+    q = WaitingQueue(policy)
+    live: dict[int, tuple[Sequence, int]] = {}
+    now = 1000.0
+    for order in range(400):
+        s = Sequence(f"s{order}", [1, 2, 3], greedy(1), 16, priority=rng.randint(0, 3),
+                     arrival_time=now - rng.choice([1.0, 2.0, 3.0]))  # ties on purpose
+        s.wait_accum = rng.choice([0.0, 0.5])
+        s.waiting_since = s.arrival_time + rng.choice([0.0, 0.5])
+        q.push(s, order)
+        live[order] = (s, order)
+        if rng.random() < 0.3:  # a removal (finish/abort) of a random waiting sequence
+            gone = rng.choice(list(live))
+            assert q.remove(live.pop(gone)[0])
+    assert not q.remove(Sequence("never", [1], greedy(1), 16))
+
+    def key(item):
+        s, order = item
+        if policy == "priority":
+            return (s.priority, s.arrival_time, order)
+        if policy == "lof":
+            return (-s.current_wait(now), s.arrival_time, order)
+        return (s.arrival_time, order)
+
+    expected = [s for s, _ in sorted(live.values(), key=key)]
+    assert len(q) == len(expected)
+    assert list(q) == expected
+    half = len(expected) // 2
+    popped = [q.pop() for _ in range(half)]
+    for s in popped[:5]:  # deferred and pushed back (the scheduler's one-step wait): first again
+        q.push(s, next(order for order, (t, _) in live.items() if t is s))
+    rest = [q.pop() for _ in range(len(q))]
+    assert popped[5:] + rest == expected[5:half] + expected[:5] + expected[half:] and not q
+
+
+def test_a_step_looks_at_a_bounded_part_of_a_huge_waiting_queue(tiny, h):
+    """3000 identical prompts: the first computes the shared blocks, every other one would be
+    deferred a step (engine-surface's rule); a step still looks at no more than max_num_seqs of
+    them, not the whole queue, and every request ends with the same tokens."""
+    _, loaded = tiny
+    eng = LLMEngine(h.engine_config(max_num_seqs=8, num_kv_blocks=64), loaded=loaded)
+    prompt = h.prompts(9, [40])[0]
+    for i in range(3000):
+        eng.add_request(GenerateRequest(request_id=f"r{i}", prompt_token_ids=prompt, params=greedy(2)))
+    looked = [0]
+    match = eng.scheduler.bm.match_prefix
+
+    def counting(seq):
+        looked[0] += 1
+        return match(seq)
+
+    eng.scheduler.bm.match_prefix = counting
+    eng.step()
+    assert 1 <= looked[0] <= 8 + 1
+    assert len(eng.scheduler.waiting) == 2999
+    outs: dict[str, list[int]] = {}
+    for _ in range(200):
+        looked[0] = 0
+        for d in eng.step():
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+        assert looked[0] <= 2 * 8 + 1
+        if len(outs) >= 40:
+            break
+    assert len({tuple(v) for k, v in outs.items() if len(v) == 2}) == 1
