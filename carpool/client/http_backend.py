@@ -279,6 +279,7 @@ class HttpBackend:
         if res.completion_tokens == 0:
             res.completion_tokens = acc.pieces  # no usage chunk: count pieces (about one token each)
         res.ok = True
+        await _drain(resp)
 
     @staticmethod
     def _take_event(payload: bytes, acc: StreamAccumulator, res: CallResult, t0: float) -> bool:
@@ -361,6 +362,22 @@ def _in_band_error(res: CallResult, err: object) -> None:
         res.error_kind, res.endpoint_fault = ErrorKind.CLIENT_ERROR, False
     else:
         res.error_kind = ErrorKind.SERVER_ERROR
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    """Read what follows ``[DONE]`` (the end of the chunked body) so the connection goes back to
+    the pool: released with bytes still unread, aiohttp closes it, and the next request pays for a
+    new connection (on a busy machine the end often arrives just after ``[DONE]``)."""
+    if resp.content.at_eof():
+        return
+    try:
+        async with asyncio.timeout(_DRAIN_S):
+            await resp.content.read()
+    except (TimeoutError, aiohttp.ClientError):
+        pass  # the answer is whole; only this connection is not reused
+
+
+_DRAIN_S = 1.0  # a server that keeps the stream open past [DONE] is not waited for longer
 
 
 def _connect_trace() -> aiohttp.TraceConfig:

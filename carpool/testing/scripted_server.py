@@ -41,6 +41,9 @@ class Script:
     rate_limit_rps: float | None = None  # token bucket; past it: 429 with Retry-After
     rate_limit_burst: float = 1.0
     new_connection_delay_s: float = 0.0  # charged once per new TCP connection
+    # Pause between ``[DONE]`` and the end of the chunked body: what a busy server (or proxy)
+    # does at random; a client that stops reading at ``[DONE]`` then cannot reuse the connection.
+    eof_delay_s: float = 0.0
     role_chunk: bool = False  # send an OpenAI-style role-only delta at once (no text)
     expose_metrics: bool = True
     prefix_hit_rate: float = 0.0  # fraction of prompt tokens reported as prefix-cache hits
@@ -313,6 +316,8 @@ class ScriptedServer:
         if (body.get("stream_options") or {}).get("include_usage"):
             await send([], {"usage": usage})
         await resp.write(b"data: [DONE]\n\n")
+        if self.script.eof_delay_s:
+            await asyncio.sleep(self.script.eof_delay_s)
         await resp.write_eof()
         return resp
 
