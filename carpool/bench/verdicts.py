@@ -187,12 +187,15 @@ class Evidence:
 
     @cached_property
     def conn_verdict_ms(self) -> float:
-        # The lower quartile of the paired differences: a real per-connection cost shows in
-        # (nearly) every pair, scheduling noise on a busy client only in some.
+        # Lower quartiles, of the paired differences and of the connect times themselves: a real
+        # per-connection cost shows in (nearly) every request, scheduling noise on a busy client
+        # only in some (one connect stalled 150 ms used to carry a mean over the threshold).
         if self.fresh is None:
             return 0.0
         low = 1000.0 * float(np.percentile(self._paired, 25)) if self._paired else 0.0
-        return max(low, self.fresh.mean_connect_ms)
+        connects = [r.connect_time for r in self.fresh.records if r.new_connection]
+        typical_connect = 1000.0 * float(np.percentile(connects, 25)) if connects else 0.0
+        return max(low, typical_connect)
 
     # -- scaling
     @cached_property
@@ -214,14 +217,25 @@ class Evidence:
         return round(self.big.throughput * self.alone.e2el / 1000.0) if self.big is not None else 0
 
     @cached_property
+    def full_at_c(self) -> bool:
+        """The server's own counters say it runs no more than C at once: at the bigger
+        concurrency some requests waited in its queue while at most C ran.  Measured, so it
+        outranks the gain and the knee, which a busy client's timing noise can move."""
+        view = self.big.server if self.big is not None else None
+        return view is not None and view.peak_waiting > 0 and view.peak_running <= self.conc.concurrency
+
+    @cached_property
     def client_bound(self) -> bool:
         g = self.gain
-        return self.headroom and (g is None or g >= 1.5 or (g >= 1.1 and self.knee > self.conc.concurrency))
+        if not self.headroom or self.full_at_c:
+            return False
+        return g is None or g >= 1.5 or (g >= 1.1 and self.knee > self.conc.concurrency)
 
     @cached_property
     def loaded(self) -> Phase:
-        """The phase that shows the server saturated: C, or the bigger one when C had headroom."""
-        return self.big if self.headroom and self.big is not None else self.conc
+        """The phase that shows the server saturated: C, or the bigger one when C had headroom
+        or the server's counters show it full there."""
+        return self.big if self.big is not None and (self.headroom or self.full_at_c) else self.conc
 
     # -- the saturated server
     @cached_property

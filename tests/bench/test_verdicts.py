@@ -1,0 +1,41 @@
+"""diagnose's rules on hand-built phases: the verdict follows the evidence, not timing luck."""
+
+from __future__ import annotations
+
+from carpool.bench.loadgen import RequestRecord
+from carpool.bench.metrics import compute_metrics
+from carpool.bench.verdicts import Phase, ServerView, explain
+
+
+def _phase(name: str, concurrency: int, n: int, ttft: float, latency: float, duration: float,
+           server: ServerView | None = None, fresh: bool = False) -> Phase:
+    records = [RequestRecord(f"{name}{i}", 20, success=True, status=200, ttft=ttft, latency=latency,
+                             output_tokens=8, new_connection=fresh) for i in range(n)]
+    return Phase(name, concurrency, fresh, n, duration, compute_metrics(records, duration), 0, 0, 0.0,
+                 server, records)
+
+
+def _phases(big_throughput: float, big_server: ServerView) -> list[Phase]:
+    """A server with 4 slots seen at C=4 (perfect scaling) and at 16 in flight."""
+    serial = _phase("serial", 1, 6, 0.05, 0.19, 6 * 0.19, ServerView(peak_running=1))
+    fresh = _phase("fresh", 1, 6, 0.05, 0.19, 6 * 0.19, ServerView(peak_running=1), fresh=True)
+    conc = _phase("concurrent", 4, 16, 0.05, 0.20, 0.8, ServerView(peak_running=4))
+    big = _phase("concurrent-4x", 16, 16, 0.335, 0.475, 16 / big_throughput, big_server)
+    return [serial, fresh, conc, big]
+
+
+def test_a_server_full_at_c_is_not_client_bound_whatever_the_gain():
+    # 16 in flight measured 20% more throughput than 4 (a busy client's noise: the 4-phase ran
+    # late), which alone reads as "the server levels off past 4, raise the concurrency". The
+    # server's counters say otherwise: never more than 4 running, 12 waiting in its queue.
+    full = ServerView(peak_running=4, peak_waiting=12, queue_time_mean_ms=285.0)
+    _, verdict, change = explain(_phases(24.0, full), server_metrics=True)
+    assert verdict == "server-queueing", change
+    assert "above ~4 concurrent requests" in change
+
+
+def test_a_server_running_more_than_c_with_a_gain_is_client_bound():
+    running = ServerView(peak_running=16, peak_waiting=0, queue_time_mean_ms=0.0)
+    _, verdict, change = explain(_phases(32.0, running), server_metrics=True)
+    assert verdict == "client-bound", change
+    assert "from 4 to 16" in change
