@@ -31,7 +31,9 @@ class Generation:
         """(choice, delta) as the engine produces them, every choice's last one included.
 
         A failed engine request raises its exception here (``engine_failure`` says which
-        error answer it is)."""
+        error answer it is), and so does a choice the engine ended with finish_reason "error"
+        (it failed inside a step and was dropped alone): ``request_failed``, a 500 for this
+        request only; the engine serves on."""
         if self._gen is None:
             self._gen = self._deltas()
         return self._gen
@@ -46,6 +48,7 @@ class Generation:
             choice = self.choices[0]
             async for delta in self.engine.submit(choice.request):
                 choice.add(delta)
+                _raise_if_failed(delta)
                 yield choice, delta
             return
         queue: asyncio.Queue[tuple[Choice, TokenDelta | Exception]] = asyncio.Queue()
@@ -64,6 +67,7 @@ class Generation:
             if isinstance(item, Exception):
                 raise item
             choice.add(item)
+            _raise_if_failed(item)
             if item.finished:
                 remaining -= 1
             yield choice, item
@@ -83,6 +87,18 @@ class Generation:
                     await self.engine.abort(c.request.request_id)
                 except Exception:
                     log.exception("abort of %s failed", c.request.request_id)
+
+
+def _raise_if_failed(delta: TokenDelta) -> None:
+    if delta.finish_reason == "error":
+        raise request_failed(delta)
+
+
+def request_failed(delta: TokenDelta) -> OpenAIError:
+    """The answer for a choice the engine ended with finish_reason "error": a 500 (the request
+    was valid; the engine failed on it), its reason in the message."""
+    # The engine has logged it (with the traceback); the answer says why.
+    return OpenAIError(500, delta.error or "the engine failed on this request", type="server_error", code="engine_request_failed")
 
 
 def engine_failure(e: Exception, engine: EngineClient) -> OpenAIError:

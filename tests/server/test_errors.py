@@ -120,3 +120,73 @@ def test_health_is_open_and_sdk_with_key_works(keyed_server):
     good = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key="sekrit", max_retries=0)
     r = good.chat.completions.create(model="tiny-random", messages=MSG, max_tokens=2)
     assert r.choices[0].message.role == "assistant"
+
+
+FAIL_AT_ONCE, FAIL_LATER = 666, 667  # seeds the injected sampler fault picks out
+
+
+@pytest.fixture()
+def failing_sampler(monkeypatch):
+    """A fault injected into the real engine: the sampler raises for a request seeded FAIL_AT_ONCE
+    (at its first token) or FAIL_LATER (once it has 2 tokens); the engine then fails that request
+    alone (finish_reason "error") and the rest of the batch goes on."""
+    from carpool.engine.sampler import Sampler
+
+    real = Sampler.__call__
+
+    def call(self, logits, seqs):
+        for s in seqs:
+            if s.params.seed == FAIL_AT_ONCE or (s.params.seed == FAIL_LATER and s.num_output_tokens >= 2):
+                raise RuntimeError("injected sampler fault")
+        return real(self, logits, seqs)
+
+    monkeypatch.setattr(Sampler, "__call__", call)
+
+
+def _sse_events(raw: bytes) -> list:
+    return [line[6:] if line[6:] == b"[DONE]" else json.loads(line[6:])
+            for line in raw.splitlines() if line.startswith(b"data: ")]
+
+
+def test_a_request_the_engine_fails_on_is_a_500_alone(server, tiny_engine, failing_sampler):
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from carpool.client.base import Request
+    from carpool.client.engine_backend import EngineBackend
+
+    url = server.base_url + "/v1/chat/completions"
+    good = {"messages": MSG, "max_tokens": 6, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:  # a good request in the same batches as the failing ones
+        neighbours = [pool.submit(_call, url, good) for _ in range(2)]
+        failed = _call(url, {"messages": MSG, "max_tokens": 6, "seed": FAIL_AT_ONCE})
+        failed_later = _call(url, {"messages": MSG, "max_tokens": 6, "seed": FAIL_LATER})
+        results = [f.result() for f in neighbours]
+    for result in (failed, failed_later):
+        assert result[0] == 500, result
+        err = _error(result)
+        assert err["type"] == "server_error" and err["code"] == "engine_request_failed"
+        assert "injected sampler fault" in err["message"]
+    for status, _, raw in results:
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 6
+
+    # Streamed: failing before the first token is a plain 500; after it, the error is in-band.
+    status, _, raw = _call(url, {"messages": MSG, "max_tokens": 6, "seed": FAIL_AT_ONCE, "stream": True})
+    assert status == 500 and _error((status, None, raw))["code"] == "engine_request_failed"
+    status, _, raw = _call(url, {"messages": MSG, "max_tokens": 6, "seed": FAIL_LATER, "stream": True,
+                                 "ignore_eos": True})
+    events = _sse_events(raw)
+    assert status == 200
+    assert [e for e in events[:-2] if "error" in e] == []
+    assert events[-2]["error"]["code"] == "engine_request_failed" and events[-1] == b"[DONE]"
+    assert sum(len(e["choices"][0]["delta"].get("content") or "") > 0 for e in events[:-2]) >= 1
+
+    # In-process: the same answer carpool run writes for that task.
+    backend = EngineBackend(tiny_engine)
+    res = asyncio.run(backend.call(Request("t", "chat", {"messages": MSG, "max_tokens": 6, "seed": FAIL_AT_ONCE})))
+    assert (res.ok, res.status_code, res.body) == (False, 500, json.loads(failed[2]))
+
+    # The server serves on, the engine loop never stopped.
+    ok = _call(url, good)
+    assert ok[0] == 200 and json.loads(ok[2])["usage"]["completion_tokens"] == 6
+    assert tiny_engine.error is None
