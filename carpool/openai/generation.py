@@ -98,7 +98,8 @@ def request_failed(delta: TokenDelta) -> OpenAIError:
     """The answer for a choice the engine ended with finish_reason "error": a 500 (the request
     was valid; the engine failed on it), its reason in the message."""
     # The engine has logged it (with the traceback); the answer says why.
-    return OpenAIError(500, delta.error or "the engine failed on this request", type="server_error", code="engine_request_failed")
+    return OpenAIError(500, delta.error or "the engine failed on this request", type="server_error",
+                       code="engine_request_failed")
 
 
 def engine_failure(e: Exception, engine: EngineClient) -> OpenAIError:
