@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -17,6 +18,9 @@ class Request:
     body: dict  # the OpenAI request body
     idempotent: bool = False
     est_tokens: int = 0  # for the TPM budget: prompt estimate + max_tokens
+    # Set by the executor for one attempt: a backend calls it when the first token of a
+    # streamed answer arrives (the limiter counts the request as decoding from then on).
+    on_first_token: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> str:

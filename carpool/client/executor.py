@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 
 from carpool.client.base import Backend, CallResult, Outcome, Request
@@ -24,6 +25,23 @@ from carpool.client.limiter import FixedLimiter
 from carpool.client.retry import ErrorKind, RetryPolicy, decide
 
 _DROP_KINDS = (ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED)
+
+
+class _FirstToken:
+    """The backend calls this when a streamed answer's first token arrives: the limiter then
+    counts the request as decoding (in the server's batch) rather than waiting or prefilling."""
+
+    __slots__ = ("limiter", "seen", "sent")
+
+    def __init__(self, limiter: FixedLimiter):
+        self.limiter = limiter
+        self.seen = False
+        self.sent = time.monotonic()
+
+    def __call__(self) -> None:
+        if not self.seen:
+            self.seen = True
+            self.limiter.first_token(time.monotonic() - self.sent)
 
 
 class Stopped(Exception):
@@ -99,23 +117,29 @@ class Executor:
                     self.limiter.release()
                     return Outcome(req, early, 0, retried)
             self.attempts += 1
+            first = _FirstToken(self.limiter)
+            req.on_first_token = first
             try:
                 res = await self.backend.call(req)
             except asyncio.CancelledError:
-                self.limiter.release()
+                self.limiter.release(decoding=first.seen)
                 raise
             except Exception as e:  # noqa: BLE001  (a bug or an unexpected library error: a value, not a crash)
                 res = CallResult(ok=False, error_kind=ErrorKind.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
+            finally:
+                req.on_first_token = None
             dropped = res.error_kind in _DROP_KINDS
             if res.ok and after is not None:
                 try:
                     await after(res)
                 except BaseException:
-                    self.limiter.release()
+                    self.limiter.release(decoding=first.seen)
                     raise
             # A request the outage failed says nothing about the server's speed or load.
             self.limiter.release(self._latency(res) if res.ok else None, dropped=dropped,
-                                 e2e=None if res.endpoint_down else res.e2e_s)
+                                 e2e=None if res.endpoint_down else res.e2e_s,
+                                 ttft=res.ttft_s, tokens=res.prompt_tokens + res.completion_tokens,
+                                 decoding=first.seen, completion_tokens=res.completion_tokens)
             if res.ok:
                 used = res.prompt_tokens + res.completion_tokens
                 if used and req.est_tokens:

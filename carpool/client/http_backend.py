@@ -21,6 +21,7 @@ import hashlib
 import json
 import time
 import urllib.parse
+from collections.abc import Callable
 
 import aiohttp
 
@@ -255,14 +256,14 @@ class HttpBackend:
         try:
             async for data in resp.content.iter_any():
                 for payload in sse.feed(data):
-                    done = self._take_event(payload, acc, res, t0)
+                    done = self._take_event(payload, acc, res, t0, req.on_first_token)
                     if done or res.error_kind:
                         break
                 if done or res.error_kind:
                     break
             else:
                 for payload in sse.close():
-                    done = self._take_event(payload, acc, res, t0)
+                    done = self._take_event(payload, acc, res, t0, req.on_first_token)
                     if done or res.error_kind:
                         break
         except EventTooLarge as e:
@@ -282,7 +283,8 @@ class HttpBackend:
         await _drain(resp)
 
     @staticmethod
-    def _take_event(payload: bytes, acc: StreamAccumulator, res: CallResult, t0: float) -> bool:
+    def _take_event(payload: bytes, acc: StreamAccumulator, res: CallResult, t0: float,
+                    first_token: Callable[[], None] | None = None) -> bool:
         """Folds one event into ``acc``; True at ``[DONE]``; sets ``res.error_*`` on a bad or error event."""
         payload = payload.strip()
         if payload == b"[DONE]":
@@ -307,6 +309,8 @@ class HttpBackend:
             now = time.perf_counter()
             if res.ttft_s is None:
                 res.ttft_s = now - t0
+                if first_token is not None:
+                    first_token()  # the limiter counts the request as decoding from now on
             if res.chunk_times is not None:
                 res.chunk_times.append(now)
         acc.add(chunk)

@@ -1,21 +1,42 @@
 """Concurrency limiters: how many requests may be in flight right now.
 
-``FixedLimiter`` holds a constant limit (``--concurrency N``).  ``AdaptiveLimiter``
-finds the limit on its own from two signals:
+``FixedLimiter`` holds a constant limit (``--concurrency N``).  ``AdaptiveLimiter`` finds
+the limit on its own, in the two regimes an LLM endpoint has:
 
-- drops (429/503): the server told us it is past its capacity.  The limit falls to just
-  below the number that was in flight when the drop happened, and that level is
-  remembered as a ceiling that is probed again only slowly (one step after several
-  clean windows, backing off exponentially each time the probe drops).  This keeps a
-  capacity-limited server busy without a 429 storm.
-- latency (Gradient2 style): a short-term average of the per-token latency (or TTFT)
-  against a slowly moving long-term baseline.  When the short term runs past
-  ``tolerance`` times the baseline, requests are queueing inside the server and the
-  limit shrinks by the gradient; otherwise it grows by about sqrt(limit) per window
-  (doubling while nothing has dropped yet: slow start).
+- A rate-limited API answers 429/503 past its capacity.  The limit falls to just below
+  the number that was in flight when the drop happened, and that level is remembered as a
+  ceiling that is probed again only slowly (one step after several clean windows, backing
+  off exponentially each time the probe drops): the server stays busy without a 429 storm.
+- A continuous-batching server (vLLM, SGLang, ``carpool serve``) never says no: past its
+  knee it queues, and latency grows.  Its throughput rises with the number of sequences it
+  decodes together until the batch is full (``max_num_seqs``, or the KV cache); past that,
+  more requests only wait.  Latency rises all along (a bigger batch is a slower step), so
+  a latency signal cannot tell the knee: gradient limiters (TCP Vegas, Netflix's
+  concurrency-limits) back off far below it.  This limiter watches the *decode batch*.  A
+  streamed request that got its first token is decoding (the executor reports first
+  tokens); one that did not is prefilling or queued inside the server.  The most decoding
+  at once is what the server runs for us; the fewest waiting for a first token over a
+  window of about one round trip is the queue that never drains (CoDel's standing queue):
+  zero while the server admits everything, ``limit - batch`` once the batch is full.
 
-A "window" ends when about ``limit`` requests have completed since the last one, i.e.
-roughly one round trip, so the limiter reacts once per RTT and not per request.
+Slow start is clocked by the server's admissions: the limit is the largest batch seen so
+far plus a quarter as many again waiting (at least 8), so the server always has prompts to
+prefill, as under a high fixed limit, while the queue it holds stays short; every request
+it takes in raises the limit.  Taking requests in is bound by the server's prefill, so
+this ramps about as fast as any limit could.  Once the batch stops growing while requests
+wait, it is full, and the limit settles at ``batch * (1 + margin)``: a short queue in the
+server refills a finished sequence's slot at once, where the client's round trip would
+leave it empty for a moment, and costs little latency.  Then, once per window, the limiter
+comes down when a longer queue stands (the server's capacity shrank: another tenant, a
+stretch of long prompts that fills the KV cache) and probes upward when nothing queues at
+all (capacity grew); a probe is kept only if throughput (Little's law: in flight / mean
+latency, in tokens) rose with it, which stops growth on a server whose limit is the
+hardware rather than a batch size.  A server that merely gets slower keeps its limit: its
+best batch is the same size.  Without streaming there are no first tokens: the limiter
+then doubles, and later probes, on that throughput alone, one step per two round trips.
+
+Read to learn, not copied: TCP Vegas, Netflix's concurrency-limits (gradient2), BBR
+(startup until the bottleneck is found, then probing), CoDel (the standing queue).
 """
 
 from __future__ import annotations
@@ -23,19 +44,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import statistics
 import time
+from collections.abc import Callable
 
 
 class FixedLimiter:
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
         self.limit: float = max(1, int(limit))  # the adaptive limiter moves it in fractions
         self.in_flight = 0
+        self.decoding = 0  # in flight and past their first token (streamed requests)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self.drops = 0
+        self.clock = clock
+
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free now (and nobody waits for one)."""
+        if self.in_flight < int(self.limit) and not self._waiters:
+            self.in_flight += 1
+            self._observe()
+            return True
+        return False
 
     async def acquire(self) -> None:
-        if self.in_flight < self.limit and not self._waiters:
-            self.in_flight += 1
+        if self.try_acquire():
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
@@ -44,21 +76,41 @@ class FixedLimiter:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.in_flight -= 1  # we were granted a slot but are leaving: give it back
+                self._observe()
                 self._wake()
             else:
                 self._waiters.remove(fut)
             raise
 
-    def release(self, latency: float | None = None, dropped: bool = False, e2e: float | None = None) -> None:
-        """``latency``: seconds per output token (or TTFT) of a success; ``dropped``: 429/503;
-        ``e2e``: the request's whole duration (sets how long one round trip is)."""
+    def first_token(self, ttft: float | None = None) -> None:
+        """A request in flight received its first token: the server is decoding it."""
+        self.decoding += 1
+        self._on_first_token(ttft)
+        self._observe()
+
+    def release(self, latency: float | None = None, dropped: bool = False, e2e: float | None = None,
+                ttft: float | None = None, tokens: int = 0, decoding: bool = False,
+                completion_tokens: int = 0) -> None:
+        """``latency``: seconds per output token of a success; ``dropped``: 429/503; ``e2e``: the
+        request's whole duration; ``decoding``: ``first_token`` was called for it; ``tokens``:
+        prompt + completion tokens."""
         self.in_flight -= 1
+        if decoding:
+            self.decoding -= 1
         if dropped:
             self.drops += 1
-        self._on_sample(latency, dropped, e2e)
+        self._on_sample(dropped, e2e, ttft, tokens, decoding, completion_tokens)
+        self._observe()
         self._wake()
 
-    def _on_sample(self, latency: float | None, dropped: bool, e2e: float | None) -> None:
+    def _observe(self) -> None:
+        """Called after in_flight / decoding changed (the adaptive limiter watches them)."""
+
+    def _on_first_token(self, ttft: float | None) -> None:
+        pass
+
+    def _on_sample(self, dropped: bool, e2e: float | None, ttft: float | None, tokens: int,
+                   decoding: bool, completion_tokens: int) -> None:
         pass
 
     def _wake(self) -> None:
@@ -66,127 +118,351 @@ class FixedLimiter:
             fut = self._waiters.popleft()
             if not fut.done():
                 self.in_flight += 1
+                self._observe()
                 fut.set_result(None)
 
     def snapshot(self) -> dict:
-        return {"limit": self.limit, "in_flight": self.in_flight, "waiting": len(self._waiters),
-                "drops": self.drops}
+        return {"limit": self.limit, "in_flight": self.in_flight, "decoding": self.decoding,
+                "waiting": len(self._waiters), "drops": self.drops}
+
+    def describe(self) -> str:
+        """The progress line's part: in flight / limit (and, adaptive, why it is there)."""
+        return f"conc {self.in_flight}/{self.limit:g}"
+
+    def summary(self) -> dict:
+        """For the run summary: the concurrency the job ran at, and why."""
+        return {"mode": "fixed", "limit": self.limit, "why": "--concurrency (or the engine's batch)"}
+
+
+# Why the adaptive limit last moved: a few words for the progress line, a sentence for the summary.
+REASON_SHORT = {"slow start": "slow start", "batch full": "batch full at {batch}", "server queue": "queue in server",
+          "probe up": "probing up", "throughput plateau": "plateau", "429s": "429s at {ceiling}",
+          "429 probe": "429 probe", "429 recovery": "after 429s"}
+REASON_WHY = {
+    "slow start": "still growing: the server took every request into its batch",
+    "batch full": "the server's batch is full at {batch} decoding; more in flight would only queue there",
+    "server queue": "requests queued in the server (its batch shrank to {batch}), so the limit came down",
+    "probe up": "nothing queued in the server, so the limit probed upward",
+    "throughput plateau": "more in flight bought no throughput, so the limit went back down",
+    "429s": "the server answered 429/503 at {ceiling} in flight",
+    "429 probe": "probing one past the level that drew 429/503 ({ceiling})",
+    "429 recovery": "growing back below the 429/503 level ({ceiling})",
+}
+
+
+# The decode batch is a signal only if answers spend a fair part of their time decoding:
+# judged on the first MIN_SHARES streamed answers (a full batch frees slots only as answers
+# end, so "batch full" cannot be told before a few of them anyway).
+MIN_SHARES, MIN_DECODE_SHARE = 4, 0.15
+
+
+class _Window:
+    """What one measuring window saw: in flight and decoding (time means and extremes) and
+    the completions that came back in it."""
+
+    def __init__(self, now: float, limit: float, in_flight: int, decoding: int, limit_before: float = 0.0):
+        self.start = self.last = now
+        self.limit = limit
+        self.limit_before = limit_before  # the limit of the window before
+        self.d_start = decoding
+        self.t = self.f = self.d = 0.0
+        self.f_now, self.d_now = in_flight, decoding
+        self.batch = decoding  # most decoding at once
+        self.batch_t = now  # when it was reached
+        self.standing = in_flight - decoding  # fewest waiting for a first token at once
+        self.completed = 0
+        self.tokens = 0
+        self.e2es: list[float] = []
+        self.ttfts: list[float] = []
+        self.drops = 0
+
+    def observe(self, now: float, in_flight: int, decoding: int) -> None:
+        dt = now - self.last
+        if dt > 0:
+            self.t += dt
+            self.f += self.f_now * dt
+            self.d += self.d_now * dt
+            self.last = now
+        self.f_now, self.d_now = in_flight, decoding
+        if decoding > self.batch:
+            self.batch, self.batch_t = decoding, now
+        self.standing = min(self.standing, in_flight - decoding)
+
+    @property
+    def mean_f(self) -> float:
+        return self.f / self.t if self.t > 0 else float(self.f_now)
+
+    @property
+    def mean_d(self) -> float:
+        return self.d / self.t if self.t > 0 else float(self.d_now)
+
+    def rate(self) -> float | None:
+        """Throughput by Little's law: requests/s = mean in flight / mean latency, times the
+        mean tokens of a request (requests/s when no usage is reported).  Counting the
+        completions of a window of about one round trip instead would swing with requests
+        that started together."""
+        if self.completed < 3 or self.t <= 0:
+            return None
+        return self.mean_f / statistics.fmean(self.e2es) * (self.tokens / self.completed or 1)
 
 
 class AdaptiveLimiter(FixedLimiter):
-    def __init__(self, initial: int = 8, min_limit: int = 1, max_limit: int = 1024,
-                 tolerance: float = 2.0, long_window: int = 500, probe_windows: int = 4, smoothing: float = 0.2,
-                 drop_tolerance: float = 0.05):
-        super().__init__(initial)
+    def __init__(self, initial: int = 16, min_limit: int = 1, max_limit: int = 1024, margin: float = 0.1,
+                 probe: float = 0.125, min_gain: float = 0.05, probe_windows: int = 4,
+                 drop_tolerance: float = 0.05, start_queue: float = 0.25, clock=time.monotonic):
+        super().__init__(initial, clock)
         self.limit = float(max(min_limit, min(initial, max_limit)))
         self.min_limit, self.max_limit = min_limit, max_limit
-        self.tolerance = tolerance
-        self.smoothing = smoothing
+        self.margin = margin  # the standing queue kept in the server, relative to its batch
+        self.start_queue = start_queue  # in slow start: requests kept waiting, relative to the batch
+        self.probe = probe  # relative size of a step up while nothing queues
+        self.min_gain = min_gain  # throughput elasticity below which more concurrency does not pay
         self.drop_tolerance = drop_tolerance
-        self._drops_in_window = 0
-        self._long_alpha = 2.0 / (long_window + 1)
-        self._long: float | None = None  # long-term latency baseline (EMA)
-        self._short_sum = 0.0
-        self._short_n = 0
-        self._completed_in_window = 0
-        self._slow_start = True
+        self.phase = "start"  # start -> steady; "drops" while a 429 ceiling binds
+        self.reason = "slow start"  # why the limit last moved (progress line, summary)
+        self.moves: collections.Counter[str] = collections.Counter()
+        self.history: list[tuple[float, float]] = []  # (clock time, limit) after each change
+        self.windows: list[tuple] = []  # (start, limit, mean in flight, batch, standing, throughput)
+        self.batch: int | None = None  # the server's decode batch for us, once it was seen full
+        # 429 regime
         self.ceiling: float | None = None  # in-flight level that last caused a drop
         self._probe_every = probe_windows
         self._probe_base = probe_windows
         self._clean_windows = 0
-        self._last_drop = 0.0
-        self._rtt: float | None = None  # EMA of request duration: the length of a round trip
-        self.history: list[tuple[float, float]] = []  # (monotonic time, limit) after each change
+        self._last_drop = -math.inf
+        # latency
+        self._rtt: float | None = None  # EMA of request duration: the window length
+        self._win_e2e: list[float] = []  # the last window's latencies (the EMA lags a rising one)
+        self._streaming = False  # first tokens are reported, and decoding is long enough to be seen
+        # Per streamed answer, the share of its time spent after the first token.  A server that
+        # sends its whole answer at once (or answers of a token or two) shows no decode batch:
+        # every request looks queued until it ends, so the limiter steers by throughput instead.
+        self._shares: collections.deque[float] = collections.deque(maxlen=64)
+        self._decode_hidden = False
+        self._peak = 0  # slow start: the most decoding at once so far, and when it was reached
+        self._peak_t = self.clock()
+        # a probe upward: [limit before, throughput before, mean in flight before, settled?]
+        self._probing: list | None = None
+        self._hold = 0  # windows to wait before the next probe upward (grows when probes fail)
+        self._hold_base = 1
+        self._win = _Window(self.clock(), self.limit, 0, 0)
 
-    def _on_sample(self, latency: float | None, dropped: bool, e2e: float | None) -> None:
-        if e2e is not None and e2e > 0:
-            self._rtt = e2e if self._rtt is None else self._rtt + 0.1 * (e2e - self._rtt)
+    # -- events ---------------------------------------------------------------------------
+    def _on_first_token(self, ttft: float | None) -> None:
+        self._streaming = not self._decode_hidden
+        if ttft is not None and ttft > 0:
+            self._win.ttfts.append(ttft)
+
+    def _on_sample(self, dropped: bool, e2e: float | None, ttft: float | None, tokens: int,
+                   decoding: bool, completion_tokens: int) -> None:
+        w = self._win
         if dropped:
+            w.drops += 1
             self._on_drop()
             return
-        if latency is not None and latency > 0:
-            self._short_sum += latency
-            self._short_n += 1
-        self._completed_in_window += 1
-        if self._completed_in_window >= max(1.0, self.limit):
-            self._end_window()
+        if e2e is None or e2e <= 0:
+            return
+        self._rtt = e2e if self._rtt is None else self._rtt + 0.1 * (e2e - self._rtt)
+        w.completed += 1
+        w.tokens += tokens
+        w.e2es.append(e2e)
+        if decoding and ttft is not None and not self._decode_hidden:
+            self._shares.append(max(0.0, e2e - ttft) / e2e)
+            if len(self._shares) >= MIN_SHARES and statistics.median(self._shares) < MIN_DECODE_SHARE:
+                self._decode_hidden = True
+                self._streaming = False
+                self._new_window(self.clock())
 
+    def _observe(self) -> None:
+        now = self.clock()
+        w = self._win
+        w.observe(now, self.in_flight, self.decoding)
+        if self.phase == "start" and self._streaming:
+            self._start_check(now)
+        elif now - w.start >= self._window_s():
+            self._end_window(now)
+
+    def _window_s(self) -> float:
+        """About one round trip: the decode batch of a job whose requests started together
+        swings once per round trip, and its extremes need a whole swing."""
+        if self._rtt is None:
+            return math.inf  # until the first answer
+        recent = statistics.median(self._win_e2e) if self._win_e2e else 0.0
+        return max(0.5, self._rtt, recent)
+
+    def _new_window(self, now: float) -> None:
+        if self._win.e2es:
+            self._win_e2e = self._win.e2es[-32:]
+        self._win = _Window(now, self.limit, self.in_flight, self.decoding, self._win.limit)
+
+    # -- slow start (streamed) ----------------------------------------------------------------
+    def _start_check(self, now: float) -> None:
+        """Slow start clocked by the server's admissions: the limit follows the most requests
+        decoding at once, plus half as many again waiting (prefilling or queued), so the
+        server always has prompts to prefill, as under a high fixed limit, while the queue
+        it holds stays bounded by half the batch.  Each request the server takes in raises
+        the limit by 1.5: exponential growth as long as there is room.  Once the batch has
+        not grown for a while with requests waiting, it is full."""
+        w = self._win
+        if w.batch > self._peak:
+            self._peak, self._peak_t = w.batch, now
+            grown = self._peak + max(8.0, self.start_queue * self._peak)
+            if grown > self.limit:
+                self._set(grown, "slow start")
+            return
+        if not w.ttfts or self.in_flight < 0.9 * int(self.limit) or len(self._shares) < MIN_SHARES:
+            return  # nothing taken in yet, the job does not fill the limit, or too few answers to judge
+        ref = statistics.median(w.ttfts[-64:])
+        waiting = self.in_flight - self.decoding
+        if waiting >= 2 and now - self._peak_t >= max(1.0, 3 * ref):
+            self.batch = self._peak
+            self.phase = "steady"
+            self._set(self._peak * (1 + self.margin), "batch full")
+            self._new_window(now)
+
+    # -- windows ------------------------------------------------------------------------------
+    def _end_window(self, now: float) -> None:
+        w = self._win
+        x = w.rate()
+        self.windows.append((round(w.start, 3), round(w.limit, 1), round(w.mean_f, 1), w.batch, w.standing,
+                             None if x is None else round(x, 1)))
+        if len(self.windows) > 2000:
+            del self.windows[:1000]
+        self._new_window(now)
+        if self.phase == "drops":
+            self._drops_window(w.drops > 0)
+            return
+        if w.mean_f < 0.75 * w.limit or w.mean_f > 1.05 * w.limit:
+            # The job does not fill the limit (its tail, a slow reader), or more are in flight
+            # than the limit (a cut is draining): this window says nothing about the limit.
+            self._probing = None
+            return
+        if self._streaming:
+            target = self.margin * w.batch
+            if w.standing > 1.5 * target + 1:
+                # A queue that never drains: the batch is full at w.batch.  Come halfway down
+                # to the target queue (this window's requests were sent under the old limit).
+                self.batch = w.batch
+                self._probing = None
+                self._set(self.limit - 0.5 * (w.standing - target), "server queue")
+                return
+            if self._judge_probe(w, x):
+                return
+            if w.standing <= max(0.0, 0.5 * target - 1):
+                self._probe_up(w, x, "probe up")
+            return
+        # Without streaming: climb on throughput alone (double while it pays, then probe).
+        if self._judge_probe(w, x):
+            return
+        self._probe_up(w, x, "slow start" if self.phase == "start" else "probe up")
+
+    def _probe_up(self, w: _Window, x: float | None, reason: str) -> None:
+        if self._hold > 0:
+            self._hold -= 1
+            return
+        if x is None:
+            return
+        self._probing = [self.limit, x, w.mean_f, False]
+        self._set(self.limit * (2 if self.phase == "start" else 1 + self.probe), reason)
+
+    def _judge_probe(self, w: _Window, x: float | None) -> bool:
+        """After a probe upward: one window to settle (its answers were sent before the
+        move), then compare the next window's throughput with the level before.  True when
+        this window was used up by that."""
+        if self._probing is None:
+            return False
+        before, x0, f0, settled = self._probing
+        if not settled:
+            self._probing[3] = True
+            return True
+        self._probing = None
+        if x is None or w.mean_f <= f0 * 1.02:
+            return False
+        gain = math.log(x / x0) / math.log(w.mean_f / f0)
+        if gain >= (self.min_gain if self.phase != "start" else max(self.min_gain, 0.15)):
+            self._hold_base = 1
+            return False
+        # More in flight bought no throughput: back to the level before, and probe less often.
+        if self.phase == "start":
+            self.phase = "steady"
+        self._hold = self._hold_base
+        self._hold_base = min(64, self._hold_base * 2)
+        self._set(before, "throughput plateau")
+        return True
+
+    # -- the 429 regime ---------------------------------------------------------------------------
     def _on_drop(self) -> None:
-        self._drops_in_window += 1
         # A lone drop per window is tolerated (the request is simply retried): a limit right at
         # the server's capacity keeps it busier than one safely below it.  More means too far.
-        if not self._slow_start and self._drops_in_window <= max(1.0, self.drop_tolerance * self.limit):
+        if self.ceiling is not None and self._win.drops <= max(1.0, self.drop_tolerance * self.limit):
             return
-        now = time.monotonic()
+        now = self.clock()
         level = self.in_flight + 1  # this request was in flight when the server refused it
         # Several requests of one burst drop together: react once, then ignore the echo.
         echo = max(0.02, self._rtt or 0.0)
         if now - self._last_drop < echo and self.ceiling is not None and level >= self.ceiling:
             return
         self._last_drop = now
-        if self._slow_start or self.ceiling is None or level < self.ceiling:
+        if self.ceiling is None or level < self.ceiling:
             self._probe_every = self._probe_base
         else:
             self._probe_every = min(self._probe_every * 2, 256)  # the probe failed: probe less often
-        self._slow_start = False
         self.ceiling = float(level)
-        self._set(min(self.limit, level) - 1)
+        self.phase = "drops"
         self._clean_windows = 0
-        self._completed_in_window = 0
+        self._set(min(self.limit, level) - 1, "429s")
+        self._new_window(now)
 
-    def _end_window(self) -> None:
-        self._completed_in_window = 0
-        had_drops, self._drops_in_window = self._drops_in_window, 0
-        short = self._short_sum / self._short_n if self._short_n else None
-        self._short_sum, self._short_n = 0.0, 0
-        if short is not None:
-            if self._long is None:
-                self._long = short
-            else:
-                self._long += self._long_alpha * (short - self._long)
-        if short is not None and self._long and short > self.tolerance * self._long:
-            # Smoothed like Gradient2: one noisy window moves the limit by at most ~10%.
-            gradient = max(0.5, self.tolerance * self._long / short)
-            self._slow_start = False
-            self._set(self.limit * (1 - self.smoothing) + self.smoothing * self.limit * gradient)
-            # Let the baseline drift up a little so a permanently slower server is not punished forever.
-            self._long *= 1.05
+    def _drops_window(self, had_drops: bool) -> None:
+        """Under a 429 ceiling: sit just below it, probe one above now and then."""
+        ceiling = self.ceiling
+        if had_drops or ceiling is None or self.in_flight + len(self._waiters) < self.limit * 0.5:
             return
-        if had_drops or self.in_flight + len(self._waiters) < self.limit * 0.5:
-            return  # at the edge (a tolerated drop), or not using the limit we have: hold
-        if self._slow_start:
-            self._set(self.limit * 2)
-            return
-        if self.ceiling is not None and self.limit + 1 >= self.ceiling:
+        if self.limit + 1 >= ceiling:
             self._clean_windows += 1
             if self._clean_windows >= self._probe_every:
                 self._clean_windows = 0
-                self._set(self.limit + 1)
-                if self.limit > self.ceiling:  # the probe held: capacity grew, move the ceiling up
+                self._set(self.limit + 1, "429 probe")
+                if self.limit > ceiling:  # the probe held: capacity grew, move the ceiling up
                     self.ceiling = self.limit
                     self._probe_every = max(self._probe_base, self._probe_every // 2)
             return
-        self._set(self.limit + max(1.0, math.sqrt(self.limit) / 2))
+        self._set(self.limit + max(1.0, math.sqrt(self.limit) / 2), "429 recovery")
 
-    def _set(self, value: float) -> None:
+    # -------------------------------------------------------------------------------------------
+    def _set(self, value: float, reason: str) -> None:
         value = max(float(self.min_limit), min(float(self.max_limit), value))
         if self.ceiling is not None:
             value = min(value, self.ceiling + 1)
+        self.reason = reason
         if value != self.limit:
+            self.moves[reason] += 1
             self.limit = value
-            self.history.append((time.monotonic(), value))
+            self.history.append((self.clock(), value))
             if len(self.history) > 10000:
                 del self.history[: len(self.history) // 2]
             self._wake()
 
+    def _fill(self, text: str) -> str:
+        return text.format(batch=self.batch if self.batch is not None else "?",
+                           ceiling=f"{self.ceiling:g}" if self.ceiling is not None else "?")
+
+    def describe(self) -> str:
+        return f"conc {self.in_flight}/{self.limit:.0f} {self._fill(REASON_SHORT.get(self.reason, self.reason))}"
+
+    def summary(self) -> dict:
+        return {"mode": "adaptive", "limit": round(self.limit, 1), "reason": self.reason,
+                "why": self._fill(REASON_WHY.get(self.reason, self.reason)), "batch": self.batch,
+                "ceiling": self.ceiling, "drops": self.drops, "moves": dict(self.moves)}
+
     def snapshot(self) -> dict:
         snap = super().snapshot()
-        snap["limit"] = round(self.limit, 2)
-        snap["ceiling"] = self.ceiling
+        snap.update(limit=round(self.limit, 2), ceiling=self.ceiling, phase=self.phase, reason=self.reason,
+                    batch=self.batch)
         return snap
 
 
-def make_limiter(concurrency: int | None, max_concurrency: int | None, initial: int = 8) -> FixedLimiter:
+def make_limiter(concurrency: int | None, max_concurrency: int | None, initial: int = 16) -> FixedLimiter:
     """``--concurrency N`` fixes the limit; otherwise adaptive, capped by ``--max-concurrency``."""
     if concurrency:
         return FixedLimiter(concurrency if not max_concurrency else min(concurrency, max_concurrency))

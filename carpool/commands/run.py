@@ -311,6 +311,9 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
     t.add_row("TTFT P50 / P99", f"{f(d['ttft_ms_p50'])} / {f(d['ttft_ms_p99'])} ms")
     t.add_row("TPOT P50 / P99", f"{f(d['tpot_ms_p50'])} / {f(d['tpot_ms_p99'])} ms")
+    if stats.concurrency is not None:
+        c = stats.concurrency
+        t.add_row("concurrency", f"{c['mode']} {c['limit']:g}: {c['why']}")
     t.add_row("retries", ", ".join(f"{k} {v}" for k, v in stats.retries.items()) or "0")
     if stats.stopped_by_outage:
         t.add_row("stopped", stats.outage_stop.removeprefix("paused: ") + ", past --outage-timeout")

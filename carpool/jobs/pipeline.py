@@ -197,6 +197,7 @@ class Pipeline:
             if self.executor.gate is not None:
                 st.outages = self.executor.gate.summary()
             st.sample(parts.limiter.snapshot())
+            st.concurrency = parts.limiter.summary()
             progress.stop()
             await self._close()
             if writer.error is not None:
@@ -254,7 +255,7 @@ class Pipeline:
             lim = self.parts.limiter.snapshot()
             paused = self._watch_outage()
             progress.update(f" {paused}" if paused else
-                            f" conc {lim['in_flight']}/{lim['limit']:g}" if self.opts.endpoints else "")
+                            " " + self.parts.limiter.describe() if self.opts.endpoints else "")
             now = time.monotonic()
             if now - last_sample >= 1.0:
                 last_sample = now

@@ -49,6 +49,7 @@ class JobStats:
     semantic_hits: int = 0
     semantic_similarities: list = field(default_factory=list)  # (custom_id, similarity), first 1000
     semantic_audit: dict | None = None  # --semantic-audit N: carpool.cache.audit.SemanticAudit.report()
+    concurrency: dict | None = None  # the limiter's summary(): the limit the job ran at, and why
     dedup_fanouts: int = 0
     saved_tokens: int = 0
     sent: int = 0  # requests that went to the backend (first attempts)
@@ -101,7 +102,7 @@ class JobStats:
                "retries": sum(self.retries.values())}
         if limiter_snapshot:
             row.update(limit=limiter_snapshot.get("limit"), in_flight=limiter_snapshot.get("in_flight"),
-                       drops=limiter_snapshot.get("drops"))
+                       decoding=limiter_snapshot.get("decoding"), drops=limiter_snapshot.get("drops"))
         self.timeline.append(row)
         if len(self.timeline) > 20000:  # very long jobs: keep every other point
             self.timeline = self.timeline[::2]
@@ -133,4 +134,5 @@ class JobStats:
             **({"outages": self.outages} if self.outages is not None else {}),
             "backend": self.backend, "cache": self.cache_backend,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
+            **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
         }

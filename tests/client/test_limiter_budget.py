@@ -42,32 +42,6 @@ def test_adaptive_drop_sets_limit_below_level_and_remembers_ceiling():
     assert lim.drops == 1
 
 
-def test_adaptive_grows_in_slow_start_when_busy():
-    lim = AdaptiveLimiter(initial=4, max_limit=64)
-    for _ in range(3):
-        lim.in_flight = int(lim.limit) + 1
-        for _ in range(int(lim.limit)):
-            lim.release(latency=0.01)
-            lim.in_flight += 1
-    assert lim.limit >= 16
-
-
-def test_adaptive_shrinks_when_latency_climbs():
-    lim = AdaptiveLimiter(initial=32, max_limit=64)
-    lim._slow_start = False
-    for _ in range(10):  # a steady baseline
-        lim.in_flight = 33
-        for _ in range(32):
-            lim.release(latency=0.01)
-            lim.in_flight += 1
-    before = lim.limit
-    lim.in_flight = int(before) + 1
-    for _ in range(int(before)):
-        lim.release(latency=0.1)  # 10x slower: requests are queueing in the server
-        lim.in_flight += 1
-    assert lim.limit < before
-
-
 def test_make_limiter_fixed_and_capped():
     assert isinstance(make_limiter(5, None), FixedLimiter) and make_limiter(5, None).limit == 5
     assert make_limiter(50, 10).limit == 10
