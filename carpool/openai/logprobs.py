@@ -19,24 +19,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
-
-class _Top(Protocol):
-    token: str
-    bytes: list[int]
-    logprob: float
-
-
-class _Token(_Top, Protocol):
-    top_logprobs: Sequence[_Top]
+from carpool.engine.protocol import TokenLogprob
 
 
 def _finite(value: float) -> float:
     return -9999.0 if math.isinf(value) or math.isnan(value) else float(value)
 
 
-def chat_content(entries: Sequence[_Token]) -> list[dict[str, Any]]:
+def chat_content(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """The ``logprobs.content`` items of these tokens."""
     return [
         {"token": e.token, "logprob": _finite(e.logprob), "bytes": list(e.bytes),
@@ -46,7 +38,7 @@ def chat_content(entries: Sequence[_Token]) -> list[dict[str, Any]]:
     ]
 
 
-def chat_logprobs(entries: Sequence[_Token]) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     return {"content": chat_content(entries), "refusal": None}
 
 
@@ -56,7 +48,7 @@ class CompletionLogprobs:
     def __init__(self, start_offset: int = 0) -> None:
         self.offset = start_offset
 
-    def piece(self, entries: Sequence[_Token]) -> dict[str, list]:
+    def piece(self, entries: Sequence[TokenLogprob]) -> dict[str, list]:
         tokens, token_logprobs, top, offsets = [], [], [], []
         for e in entries:
             tokens.append(e.token)

@@ -16,6 +16,15 @@ The default policy follows vLLM 0.32's OpenAI server and the OpenAI API:
   are joined with "\\n"; ``name`` is kept.
 - ``stop``: a string or a list; an empty stop string is refused by the schema (vLLM too).
 - ``n``: n engine requests per prompt; a seeded request gives choice i the seed ``seed + i``.
+- ``logprobs``: chat ``logprobs: true`` + ``top_logprobs: k`` (k defaults to 0), completions
+  ``logprobs: k``: the engine gives each generated token's logprob and k alternatives.
+  ``top_logprobs`` without ``logprobs: true`` is a 400 (OpenAI refuses it too).
+- penalties, ``logit_bias`` (token id strings -> bias, clamped to [-100, 100]), ``min_tokens``,
+  ``min_p``, ``seed``, ``stop_token_ids``: passed through with vLLM's meanings.
+- one grammar at most: ``response_format`` ``json_object`` / ``json_schema`` (its ``schema``),
+  vLLM's ``structured_outputs``, or ``tools`` under ``tool_choice`` "required" or a named
+  function (``carpool.engine.tool_calls``); two of them in one request is a 400.  With tools,
+  the model is told about them in the system message (``tools.with_tools_prompt``).
 
 ``sampling_params`` is the one place a body field becomes an engine field: a parameter the
 engine learns (logprobs, penalties, structured output) is one line there plus its schema
@@ -29,7 +38,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from carpool.engine.protocol import EngineClient, EngineError, GenerateRequest, SamplingParams
+from carpool.engine.protocol import EngineClient, EngineError, GenerateRequest, SamplingParams, StructuredOutputs
+from carpool.engine.tool_calls import tool_call_constraint
+from carpool.openai import tools as T
 from carpool.openai.errors import OpenAIError
 from carpool.openai.responses import Choice
 from carpool.openai.schema import chat_request_schema, completion_request_schema
@@ -46,20 +57,24 @@ DEFAULT_MAX_N = 16
 _ID_PREFIX = {"chat": "chatcmpl", "completion": "cmpl"}
 
 
-def chat_messages(messages: list[dict]) -> list[dict]:
-    """The messages as the chat template gets them (see the module docstring for the rules)."""
+def chat_messages(messages: list[dict], body: dict | None = None) -> list[dict]:
+    """The messages as the chat template gets them (see the module docstring for the rules);
+    with ``body``, its tools are described in the system message."""
     out = []
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
             content = "\n".join(part["text"] for part in content)
+        shown = T.history_content(m)  # an earlier assistant turn that called tools
+        if shown is not None:
+            content = shown
         msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
         if m.get("name"):
             msg["name"] = m["name"]
         out.append(msg)
     if any(m["role"] == "developer" for m in messages):
         out = _merge_system(out)
-    return out
+    return T.with_tools_prompt(out, body) if body is not None else out
 
 
 def _merge_system(messages: list[dict]) -> list[dict]:
@@ -72,22 +87,121 @@ def _merge_system(messages: list[dict]) -> list[dict]:
     return [merged, *(m for m in messages if m["role"] != "system")]
 
 
-def sampling_params(body: dict, max_tokens: int) -> SamplingParams:
-    """The engine's sampling parameters of a validated body (OpenAI and vLLM meanings)."""
+def sampling_params(body: dict, max_tokens: int, kind: str = "chat") -> SamplingParams:
+    """The engine's sampling parameters of a validated body (OpenAI and vLLM meanings).
+
+    The body must have passed ``check_fields`` (the checks the schema cannot say)."""
     stop = body.get("stop")
     top_k = body.get("top_k")
+    bias = body.get("logit_bias")
     return SamplingParams(
         temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
         # A top_p that rounds to 0 in float32 would mask every token; below 1e-6 the nucleus
         # is the top token anyway, so the floor changes no result.
         top_p=max(1e-6, float(1.0 if body.get("top_p") is None else body["top_p"])),
         top_k=int(top_k) if top_k and top_k > 0 else 0,
+        min_p=float(body.get("min_p") or 0.0),
         max_tokens=max_tokens,
+        min_tokens=int(body.get("min_tokens") or 0),
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
         seed=None if body.get("seed") is None else int(body["seed"]),
         ignore_eos=bool(body.get("ignore_eos") or False),
+        presence_penalty=float(body.get("presence_penalty") or 0.0),
+        frequency_penalty=float(body.get("frequency_penalty") or 0.0),
+        repetition_penalty=float(1.0 if body.get("repetition_penalty") is None else body["repetition_penalty"]),
+        logit_bias={int(k): float(v) for k, v in bias.items()} if bias else None,
+        logprobs=logprobs_asked(body, kind),
+        structured_outputs=structured_outputs(body),
     )
+
+
+def logprobs_asked(body: dict, kind: str) -> int | None:
+    """How many alternatives per token the answer shows (None: no logprobs)."""
+    if kind == "chat":
+        return int(body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    return None if body.get("logprobs") is None else int(body["logprobs"])
+
+
+def structured_outputs(body: dict) -> StructuredOutputs | None:
+    """The one grammar of a checked body, or None."""
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_object":
+        return StructuredOutputs(json_object=True)
+    if fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        # No schema: any JSON object (OpenAI requires one; vLLM takes its absence this way).
+        return StructuredOutputs(json=schema) if schema else StructuredOutputs(json_object=True)
+    so = body.get("structured_outputs")
+    if so:
+        return StructuredOutputs(**{k: v for k, v in so.items() if v not in (None, False)})
+    if T.active(body):
+        try:
+            return tool_call_constraint(body["tools"], body.get("tool_choice", "auto"),
+                                        body.get("parallel_tool_calls", True) is not False)
+        except EngineError as e:
+            raise OpenAIError(400, str(e), param="tool_choice") from None
+    return None
+
+
+def check_fields(kind: str, body: dict) -> None:
+    """What the schema cannot say about the new fields; an OpenAIError (400) naming the field."""
+    bias = body.get("logit_bias")
+    if bias:
+        for key, value in bias.items():
+            if not key.strip().lstrip("-").isdigit() or int(key) < 0:
+                raise OpenAIError(400, f"'logit_bias': keys are token ids (as strings, e.g. \"50256\"), got {key!r}",
+                                  param=f"logit_bias.{key}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise OpenAIError(400, f"'logit_bias.{key}': a bias must be a number in [-100, 100], got {value!r}",
+                                  param=f"logit_bias.{key}")
+    if kind == "chat" and body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise OpenAIError(400, "'top_logprobs': needs 'logprobs': true as well", param="top_logprobs")
+    so = body.get("structured_outputs")
+    if so is not None:
+        set_ = [k for k, v in so.items() if v not in (None, False)]
+        if len(set_) != 1:
+            raise OpenAIError(400, "'structured_outputs': set exactly one of json, json_object, regex, choice, "
+                              f"grammar (got {', '.join(set_) or 'none'})", param="structured_outputs")
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_schema" and not fmt.get("json_schema"):
+        raise OpenAIError(400, "'response_format.json_schema': required with type json_schema: "
+                          "{\"name\": ..., \"schema\": {...}}", param="response_format.json_schema")
+    grammars = [name for name, on in (("response_format", fmt.get("type") in ("json_object", "json_schema")),
+                                      ("structured_outputs", so is not None),
+                                      ("tool_choice", _tools_constrain(body))) if on]
+    if len(grammars) > 1:
+        raise OpenAIError(400, f"'{grammars[1]}': only one output constraint per request, and "
+                          f"'{grammars[0]}' is one already; leave one out", param=grammars[1])
+    if kind == "chat":
+        _check_tools(body)
+    min_tokens = body.get("min_tokens")
+    max_asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    if min_tokens and max_asked and min_tokens > max_asked:
+        raise OpenAIError(400, f"'min_tokens': {min_tokens} is more than max_tokens ({max_asked})",
+                          param="min_tokens")
+
+
+def _tools_constrain(body: dict) -> bool:
+    choice = body.get("tool_choice", "auto")
+    return T.active(body) and (choice == "required" or isinstance(choice, dict))
+
+
+def _check_tools(body: dict) -> None:
+    tools = body.get("tools") or []
+    choice = body.get("tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise OpenAIError(400, f"'tools[{i}].function.name': {name!r} is declared twice", param=f"tools[{i}]")
+    if choice in ("required",) or isinstance(choice, dict):
+        if not tools:
+            raise OpenAIError(400, "'tool_choice': names a function or is \"required\", but no 'tools' are given",
+                              param="tool_choice")
+        name = T.named_function(choice)
+        if isinstance(choice, dict) and name not in names:
+            raise OpenAIError(400, f"'tool_choice.function.name': {name!r} is not one of the tools "
+                              f"({', '.join(names)})", param="tool_choice.function.name")
 
 
 def max_tokens_for(body: dict, prompt_tokens: int, max_model_len: int, kind: str, prompt_param: str) -> int:
@@ -153,11 +267,12 @@ class Translator:
             validate(body, self.schemas[kind])
         except SchemaError as e:
             raise OpenAIError(400, e.message, param=e.param) from None
+        check_fields(kind, body)
         rid = response_id or f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
         priority = int(body.get("priority") or 0)
         if kind == "chat":
-            bases = [(GenerateRequest(request_id=rid, messages=chat_messages(body["messages"]), priority=priority),
-                      "messages")]
+            bases = [(GenerateRequest(request_id=rid, messages=chat_messages(body["messages"], body),
+                                      priority=priority), "messages")]
         else:
             prompts = _prompts(body["prompt"])
             bases = []
@@ -170,7 +285,7 @@ class Translator:
             self._check_length_before_tokenizing(req, param)
         for req, param in bases:
             n_tokens = self._count(req, param)
-            req.params = sampling_params(body, max_tokens_for(body, n_tokens, self.max_model_len, kind, param))
+            req.params = sampling_params(body, max_tokens_for(body, n_tokens, self.max_model_len, kind, param), kind)
             counted.append((req, n_tokens))
         stream_options = body.get("stream_options") or {}
         return Prepared(kind, rid, _expand(counted, body, rid), stream=bool(body.get("stream")),
@@ -217,6 +332,8 @@ def _expand(prompts: list[tuple[GenerateRequest, int]], body: dict, rid: str) ->
     """n choices per prompt: choice i of prompt p is index p*n + i, its own engine request."""
     n = int(body.get("n") or 1)
     now = time.monotonic()
+    tools = body["tools"] if T.active(body) and "messages" in body else None
+    tool_choice = body.get("tool_choice", "auto")
     choices = []
     for p, (req, n_tokens) in enumerate(prompts):
         for i in range(n):
@@ -224,5 +341,6 @@ def _expand(prompts: list[tuple[GenerateRequest, int]], body: dict, rid: str) ->
             if i and params.seed is not None:  # seeded choices must still differ from each other
                 params = dataclasses.replace(params, seed=params.seed + i)
             sub = dataclasses.replace(req, request_id=f"{rid}-{p * n + i}", params=params, arrival_time=now)
-            choices.append(Choice(index=p * n + i, prompt_index=p, request=sub, prompt_tokens=n_tokens))
+            choices.append(Choice(index=p * n + i, prompt_index=p, request=sub, prompt_tokens=n_tokens,
+                                  tools=tools, tool_choice=tool_choice))
     return choices

@@ -8,8 +8,16 @@ field the engine learns to produce (logprobs, tool calls) is gathered in ``add``
 written in ``_message``/``_chunk_choice``; nothing else changes.
 
 The shapes are OpenAI's (as vLLM sends them): chat choices carry ``message{role, content,
-refusal}``, text choices ``text``; every choice has ``logprobs`` (null) and ``finish_reason``;
-``usage`` counts a prompt once however many choices it has.
+refusal}`` (and ``tool_calls``), text choices ``text``; every choice has ``logprobs`` (null
+unless asked: ``logprobs.py`` has both shapes) and ``finish_reason``; ``usage`` counts a
+prompt once however many choices it has.
+
+A stream rebuilt by a client (``accumulator.py``) equals the body field for field: each
+chunk's logprobs are those of its tokens (a delta whose text the detokenizer holds back
+passes its logprobs on to the next chunk); a choice that may answer with tool calls holds
+its text back from the moment it looks like a call (at once under "required" or a named
+function, at a leading ``[``/``{`` under "auto") and, once finished, sends either the calls
+or the held text in one chunk (``tools.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from carpool.engine.protocol import GenerateRequest, TokenDelta, Usage
+from carpool.engine.protocol import GenerateRequest, TokenDelta, TokenLogprob, Usage
+from carpool.engine.tool_calls import ToolCall, parse_tool_calls
+from carpool.openai import tools as T
+from carpool.openai.errors import OpenAIError
+from carpool.openai.logprobs import CompletionLogprobs, chat_content, chat_logprobs
 
 
 @dataclass
@@ -31,21 +43,45 @@ class Choice:
     prompt_index: int
     request: GenerateRequest
     prompt_tokens: int  # counted before submit (admission, context checks)
+    tools: list[dict] | None = None  # the request's tools, when the answer is read for calls
+    tool_choice: object = "auto"
     parts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # the engine's: "stop", "length", "abort"
     usage: Usage | None = None
+    tool_calls: list[ToolCall] | None = None  # read from the text once finished
+    tool_call_ids: list[str] = field(default_factory=list)
 
     def add(self, delta: TokenDelta) -> None:
         """Gather one delta of this choice's engine request."""
+        if delta.finish_reason == "error":  # this request failed inside a step; the others run on
+            raise OpenAIError(500, f"the engine failed on this request: {delta.error or 'unknown error'}",
+                              type="server_error")
         if delta.text:
             self.parts.append(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.usage = delta.usage or Usage()
+            if self.tools and delta.finish_reason != "abort":
+                self.tool_calls = parse_tool_calls(self.text, self.tools, self.tool_choice)
+                self.tool_call_ids = [T.new_call_id() for _ in self.tool_calls or ()]
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.params.logprobs is not None
+
+    @property
+    def final_finish_reason(self) -> str | None:
+        """What the answer says: "tool_calls" (or "stop" for a named function) when it called tools."""
+        if self.tool_calls:
+            return T.finish_reason(self.tool_choice)
+        return self.finish_reason
 
 
 def usage(choices: list[Choice]) -> dict:
@@ -79,6 +115,7 @@ class ResponseBuilder:
         self.created = int(time.time()) if created is None else created
         self.object = "chat.completion" if self.chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        self._streams: dict[int, _StreamState] = {}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -91,44 +128,120 @@ class ResponseBuilder:
 
     def _message(self, c: Choice) -> dict:
         if self.chat:
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": None, "finish_reason": c.finish_reason}
-        return {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            message: dict = {"role": "assistant", "content": c.text, "refusal": None}
+            if c.tool_calls:
+                message["content"] = None
+                message["tool_calls"] = T.message_tool_calls(c.tool_calls, c.tool_call_ids)
+            logprobs = chat_logprobs(c.logprobs) if c.wants_logprobs else None
+            return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.final_finish_reason}
+        logprobs = CompletionLogprobs().piece(c.logprobs) if c.wants_logprobs else None
+        return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.final_finish_reason}
 
     # -- stream chunks
 
     def role_chunks(self, choices: list[Choice]) -> list[dict]:
         """What a stream opens with: in chat, the role on its own chunk for every choice."""
-        return [self._chunk(c.index, "", None, role=True) for c in choices] if self.chat else []
+        if not self.chat:
+            return []
+        # An answer that may be tool calls opens with null content, as its body would have it.
+        return [self._chunk(c.index, None if c.tools else "", None, role=True) for c in choices]
 
     def chunks(self, choice: Choice, delta: TokenDelta) -> list[dict]:
-        """The chunks of one delta: its text, then (on the last) the finish reason on its own."""
+        """The chunks of one delta: its text (with its logprobs), then (on the last) the finish reason on its own."""
+        st = self._streams.get(choice.index)
+        if st is None:
+            st = self._streams[choice.index] = _StreamState(self.chat, choice)
         out = []
-        if delta.text:
-            out.append(self._chunk(choice.index, delta.text, None))
+        st.pending.extend(delta.logprobs or ())
+        if st.mode == _HOLD:
+            st.held.append(delta.text)
+        elif st.mode == _UNDECIDED:  # "auto": hold until the first visible character says call or text
+            st.held.append(delta.text)
+            visible = "".join(st.held).lstrip()
+            if visible and visible[0] in "[{":
+                st.mode = _HOLD
+            elif visible:
+                st.mode = _PASS
+                out.append(self._chunk(choice.index, "".join(st.held), None, logprobs=st.take()))
+                st.held = []
+        elif delta.text:
+            out.append(self._chunk(choice.index, delta.text, None, logprobs=st.take()))
         if delta.finished:
-            out.append(self._chunk(choice.index, None, delta.finish_reason))
+            if st.mode != _PASS:
+                out.append(self._held_chunk(choice, st))
+            finish = self._chunk(choice.index, None, choice.final_finish_reason)
+            if st.pending:
+                finish["choices"][0]["logprobs"] = st.take()
+            out.append(finish)
         return out
+
+    def _held_chunk(self, choice: Choice, st: _StreamState) -> dict:
+        """A finished choice's held text: its tool calls, or the text itself."""
+        delta: dict[str, object]
+        if choice.tool_calls:
+            delta = {"tool_calls": T.delta_tool_calls(choice.tool_calls, choice.tool_call_ids)}
+        else:
+            delta = {"content": "".join(st.held)}
+        chunk = {**self._head(self.chunk_object),
+                 "choices": [{"index": choice.index, "delta": delta, "logprobs": st.take(), "finish_reason": None}]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         return {**self._head(self.chunk_object), "choices": [], "usage": usage(choices)}
 
-    def _chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
-        chunk = {**self._head(self.chunk_object), "choices": [self._chunk_choice(index, text, finish, role)]}
+    def _chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
+               logprobs: dict | None = None) -> dict:
+        chunk = {**self._head(self.chunk_object), "choices": [self._chunk_choice(index, text, finish, role, logprobs)]}
         if self.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def _chunk_choice(self, index: int, text: str | None, finish: str | None, role: bool) -> dict:
+    def _chunk_choice(self, index: int, text: str | None, finish: str | None, role: bool,
+                      logprobs: dict | None) -> dict:
         if self.chat:
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
-            if text is not None:
+            if text is not None or role:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+
+_PASS, _UNDECIDED, _HOLD = "pass", "undecided", "hold"
+
+
+class _StreamState:
+    """A streamed choice's logprobs not yet sent and, for an answer that may be tool calls, its held text.
+
+    ``mode``: "pass" (text goes out as it comes), "hold" (the answer is or looks like a call:
+    kept until finished), "undecided" ("auto" before the first visible character)."""
+
+    def __init__(self, chat: bool, choice: Choice) -> None:
+        self.chat = chat
+        self.wants = choice.wants_logprobs
+        self.completion = None if chat else CompletionLogprobs()
+        self.pending: list[TokenLogprob] = []
+        self.held: list[str] = []
+        if not choice.tools:
+            self.mode = _PASS
+        elif choice.tool_choice == "required" or isinstance(choice.tool_choice, dict):
+            self.mode = _HOLD  # the grammar makes the answer a call from its first token
+        else:
+            self.mode = _UNDECIDED
+
+    def take(self) -> dict | None:
+        """The logprobs object of the tokens not sent yet (None when the request asked none)."""
+        if not self.wants:
+            return None
+        entries, self.pending = self.pending, []
+        if self.chat:
+            return {"content": chat_content(entries), "refusal": None}
+        assert self.completion is not None
+        return self.completion.piece(entries)
 
 
 # ------------------------------------------------------------------------------------------------

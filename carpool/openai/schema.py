@@ -3,8 +3,8 @@
 Two strictnesses of the same schemas:
 
 - ``carpool=True``: what carpool's engine runs (the server and the in-process backend).
-  Parameters carpool does not implement yet (logprobs, penalties, tools) are declared with
-  the only value accepted, so a schema-driven fuzzer and a reader both see the truth, and
+  Parameters carpool does not implement (echo, suffix, best_of > 1, dimensions) are
+  declared with the only value accepted, so a schema-driven fuzzer and a reader both see the truth, and
   a body that asks for them gets a 400 naming the field instead of an answer without them.
 - ``carpool=False``: what any OpenAI-compatible endpoint may accept (vLLM, OpenAI): the
   types and ranges of the well-known fields only.  ``carpool run`` checks each input line
@@ -44,6 +44,69 @@ def _bounded(schema: dict, key: str, bound: int | None) -> dict:
 def _model(models: list[str] | None, what: str) -> dict:
     schema = {"type": "string", "description": f"{what}; optional"}
     return {**schema, "enum": list(models)} if models is not None else schema
+
+
+RESPONSE_FORMAT = {
+    "type": "object",
+    "nullable": True,
+    "required": ["type"],
+    "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                "description": {"type": "string", "nullable": True},
+                "schema": {"type": "object", "nullable": True, "description": "a JSON Schema"},
+                "strict": {"type": "boolean", "nullable": True},
+            },
+        },
+    },
+}
+# vLLM's own structured-output parameter (0.32's name): exactly one constraint.
+STRUCTURED_OUTPUTS = {
+    "type": "object",
+    "nullable": True,
+    "properties": {
+        "json": {"anyOf": [{"type": "object", "nullable": True}, {"type": "string"}]},
+        "json_object": {"type": "boolean", "nullable": True},
+        "regex": {"type": "string", "nullable": True},
+        "choice": {"type": "array", "nullable": True, "minItems": 1, "items": {"type": "string"}},
+        "grammar": {"type": "string", "nullable": True},
+    },
+}
+TOP_LOGPROBS_MAX = 20  # OpenAI's and vLLM's bound
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                "description": {"type": "string", "nullable": True},
+                "parameters": {"type": "object", "nullable": True, "description": "a JSON Schema"},
+                "strict": {"type": "boolean", "nullable": True},
+            },
+        },
+    },
+}
+TOOL_CHOICE = {
+    "anyOf": [
+        nullable_enum({"type": "string", "enum": ["none", "auto", "required"]}),
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+            },
+        },
+    ],
+}
 
 
 def _sampling_properties(max_model_len: int | None, max_n: int | None, carpool: bool) -> dict[str, dict]:
@@ -89,12 +152,18 @@ def _sampling_properties(max_model_len: int | None, max_n: int | None, carpool: 
             "nullable": True,
             "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
         },
-        # declared, not implemented: only the neutral value passes
-        "presence_penalty": _unsupported({"type": "number", "minimum": 0, "maximum": 0}, "presence_penalty",
-                                         carpool),
-        "frequency_penalty": _unsupported({"type": "number", "minimum": 0, "maximum": 0}, "frequency_penalty",
-                                          carpool),
-        "logit_bias": _unsupported({"type": "object", "maxProperties": 0}, "logit_bias", carpool),
+        # OpenAI's penalties (over the generated tokens) and vLLM's repetition penalty
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True, "default": 0},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True, "default": 0},
+        "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "nullable": True,
+                               "default": 1, "description": "vLLM/HF: 1 off, > 1 discourages repeats"},
+        # token id (as a string key) -> bias in [-100, 100]; the keys and values are checked in requests.py
+        "logit_bias": {"type": "object", "nullable": True},
+        "min_tokens": {"type": "integer", "minimum": 0, "nullable": True, "default": 0},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True, "default": 0},
+        # Any endpoint: a response_format of a type carpool does not know may be that endpoint's own.
+        "response_format": RESPONSE_FORMAT if carpool else {"type": "object", "nullable": True},
+        "structured_outputs": STRUCTURED_OUTPUTS if carpool else {"type": "object", "nullable": True},
     }
 
 
@@ -127,19 +196,13 @@ def chat_request_schema(models: list[str] | None = None, max_model_len: int | No
         "messages": {"type": "array", "minItems": 1, "items": message},
         "max_completion_tokens": max_completion,
         **_sampling_properties(max_model_len, max_n, carpool),
-        "logprobs": _unsupported({"type": "boolean", "enum": [False]}, "logprobs", carpool),
-        "top_logprobs": _unsupported({"type": "integer", "minimum": 0, "maximum": 0}, "top_logprobs", carpool),
-        "tools": _unsupported({"type": "array", "maxItems": 0, "items": {"type": "object"}}, "tools", carpool),
-        "tool_choice": _unsupported({"type": "string", "enum": ["none"]}, "tool_choice", carpool),
-        "response_format": _unsupported(
-            {
-                "type": "object",
-                "required": ["type"],
-                "properties": {"type": {"type": "string", "enum": ["text"]}},
-            },
-            "response_format other than text",
-            carpool,
-        ),
+        "logprobs": {"type": "boolean", "nullable": True, "default": False},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": TOP_LOGPROBS_MAX, "nullable": True},
+        # Any endpoint: other tool types exist (OpenAI's "custom"); carpool runs functions.
+        "tools": {"type": "array", "nullable": True, "items": _TOOL if carpool else {"type": "object"},
+                  "maxItems": 128},
+        "tool_choice": TOOL_CHOICE if carpool else {},
+        "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True},
     }
     return {"type": "object", "required": ["messages"], "properties": props}
 
@@ -160,7 +223,7 @@ def completion_request_schema(models: list[str] | None = None, max_model_len: in
         "prompt": prompt,
         **_sampling_properties(max_model_len, max_n, carpool),
         "echo": _unsupported({"type": "boolean", "enum": [False]}, "echo", carpool),
-        "logprobs": _unsupported({"type": "integer", "minimum": 0, "maximum": 0}, "logprobs", carpool),
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": TOP_LOGPROBS_MAX, "nullable": True},
         "suffix": _unsupported({"type": "string", "maxLength": 0}, "suffix", carpool),
         "best_of": _unsupported({"type": "integer", "minimum": 1, "maximum": 1}, "best_of other than 1", carpool),
     }

@@ -6,7 +6,9 @@ packaged SmolLM2 (greedy, one task at a time, so both engines see the same batch
 the output lines.  The file covers each point where the copies used to disagree: a chat without
 max_tokens (the rest of the context, not 16), a completion without it (16), a developer message
 (-> system, merged with the system message), content parts (joined with "\\n"), n=2 with a seed,
-and lines both must refuse naming the same field (an empty stop string, logprobs).
+and lines both must refuse naming the same field (an empty stop string, top_logprobs without
+logprobs).  And the OpenAI surface of issue 17: logprobs (chat and completions), a JSON schema,
+JSON mode, tools under "required" and a named function, penalties with logit_bias and a seed.
 """
 
 from __future__ import annotations
@@ -38,10 +40,37 @@ TASKS = [
      "messages": [{"role": "user", "content": "Tell me about the sea."}]},
     {"custom_id": "empty-stop", "temperature": 0, "max_tokens": 4, "stop": ["x", ""],
      "messages": [{"role": "user", "content": "hi"}]},
-    {"custom_id": "logprobs", "temperature": 0, "max_tokens": 4, "logprobs": True,
+    {"custom_id": "top-logprobs-alone", "temperature": 0, "max_tokens": 4, "top_logprobs": 2,
      "messages": [{"role": "user", "content": "hi"}]},
+    # the surface of issue 17
+    {"custom_id": "chat-logprobs", "temperature": 0, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
+     "messages": [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]},
+    {"custom_id": "completion-logprobs", "temperature": 0, "max_tokens": 5, "logprobs": 2,
+     "prompt": "A list of fruits: apple, banana,"},
+    {"custom_id": "json-schema", "temperature": 0, "max_tokens": 60,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+         "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                          "sunny": {"type": "boolean"}},
+         "required": ["city", "sunny"], "additionalProperties": False}}},
+     "messages": [{"role": "user", "content": "It is sunny in Lisbon today. Reply in JSON."}]},
+    {"custom_id": "json-object", "temperature": 0, "max_tokens": 40, "response_format": {"type": "json_object"},
+     "messages": [{"role": "user", "content": "Give me a JSON object with your name."}]},
+    {"custom_id": "tools-required", "temperature": 0, "max_tokens": 60, "tool_choice": "required",
+     "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+         "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+         "additionalProperties": False}}}],
+     "messages": [{"role": "user", "content": "What is the weather in Oslo?"}]},
+    {"custom_id": "tools-named-logprobs", "temperature": 0, "max_tokens": 40, "logprobs": True,
+     "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+     "tools": [{"type": "function", "function": {"name": "get_time", "parameters": {
+         "type": "object", "properties": {"zone": {"enum": ["Asia/Tokyo", "Europe/Paris", "America/Lima"]}},
+         "required": ["zone"], "additionalProperties": False}}}],
+     "messages": [{"role": "user", "content": "What time is it in Tokyo?"}]},
+    {"custom_id": "penalties-bias-seed", "temperature": 0.7, "seed": 3, "max_tokens": 12, "presence_penalty": 0.5,
+     "frequency_penalty": 0.3, "repetition_penalty": 1.1, "logit_bias": {"28": -100, "30": 5},
+     "messages": [{"role": "user", "content": "Write a short line about rain."}]},
 ]
-REFUSED = {"empty-stop": "stop[1]", "logprobs": "logprobs"}
+REFUSED = {"empty-stop": "stop[1]", "top-logprobs-alone": "top_logprobs"}
 
 
 def _run(src, out, *extra: str) -> None:
@@ -56,9 +85,12 @@ def _lines(path) -> dict[str, dict]:
 
 
 def _body(line: dict) -> dict:
-    body = dict(line["response"]["body"])
+    body = json.loads(json.dumps(line["response"]["body"]))
     body.pop("id")
     body.pop("created")
+    for choice in body["choices"]:  # tool call ids are drawn per answer
+        for call in (choice.get("message") or {}).get("tool_calls") or ():
+            call.pop("id")
     return body
 
 
@@ -94,6 +126,30 @@ def test_the_policy_is_the_one_documented(outputs):
     n2 = _body(inproc["n2-seeded"])
     assert [c["index"] for c in n2["choices"]] == [0, 1]
     assert n2["usage"]["prompt_tokens"] == n2["usage"]["total_tokens"] - n2["usage"]["completion_tokens"]
+
+
+def test_the_new_fields_are_in_the_answers(outputs):
+    inproc, _, _ = outputs
+    lp = _body(inproc["chat-logprobs"])["choices"][0]
+    assert len(lp["logprobs"]["content"]) == _body(inproc["chat-logprobs"])["usage"]["completion_tokens"]
+    assert all(len(t["top_logprobs"]) == 3 for t in lp["logprobs"]["content"])
+    cl = _body(inproc["completion-logprobs"])["choices"][0]
+    assert "".join(cl["logprobs"]["tokens"]) == cl["text"] and len(cl["logprobs"]["text_offset"]) == 5
+    city = json.loads(_body(inproc["json-schema"])["choices"][0]["message"]["content"])
+    assert set(city) == {"city", "sunny"} and isinstance(city["sunny"], bool)
+    obj = _body(inproc["json-object"])["choices"][0]  # free keys: SmolLM2 may run on to max_tokens
+    assert obj["message"]["content"].lstrip().startswith("{")
+    if obj["finish_reason"] == "stop":
+        assert isinstance(json.loads(obj["message"]["content"]), dict)
+    req = _body(inproc["tools-required"])["choices"][0]
+    assert req["finish_reason"] == "tool_calls" and req["message"]["content"] is None
+    assert req["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert "city" in json.loads(req["message"]["tool_calls"][0]["function"]["arguments"])
+    named = _body(inproc["tools-named-logprobs"])["choices"][0]
+    assert named["finish_reason"] == "stop" and named["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert named["logprobs"]["content"]
+    ids = inproc["tools-required"]["response"]["body"]["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert ids.startswith("call_")
 
 
 def test_both_refuse_the_same_lines_naming_the_same_field(outputs):

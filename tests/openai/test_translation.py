@@ -74,7 +74,7 @@ def test_prepare_maps_the_body_and_expands_n(engine):
 @pytest.mark.parametrize("body, param", [
     ({"messages": USER, "stop": ""}, "stop"),
     ({"messages": USER, "stop": ["a", ""]}, "stop[1]"),
-    ({"messages": USER, "logprobs": True}, "logprobs"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": USER, "max_tokens": 129}, "max_tokens"),
     ({"messages": USER, "n": 17}, "n"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -34,6 +34,9 @@ def _error(status_body) -> dict:
     return body["error"]
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize(
     "path, body, status, param, needle",
     [
@@ -49,7 +52,26 @@ def _error(status_body) -> dict:
         ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 2045}, 400,
          "max_completion_tokens", "context length"),
         ("/v1/chat/completions", {"messages": MSG, "n": 1000}, 400, "n", "<="),
-        ("/v1/chat/completions", {"messages": MSG, "logprobs": True}, 400, "logprobs", "not supported"),
+        ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "'logprobs': true"),
+        ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+         "<= 20"),
+        ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"abc": 1}}, 400, "logit_bias.abc", "token ids"),
+        ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"5": 300}}, 400, "logit_bias.5", "[-100, 100]"),
+        ("/v1/chat/completions", {"messages": MSG, "presence_penalty": 3}, 400, "presence_penalty", "<= 2"),
+        ("/v1/chat/completions", {"messages": MSG, "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "xml"}}, 400,
+         "response_format.type", "xml"),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+         "response_format.json_schema", "schema"),
+        ("/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", "no 'tools'"),
+        ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL],
+                                  "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+         "tool_choice.function.name", "nope"),
+        ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL, TOOL]}, 400, "tools[1]", "twice"),
+        ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL], "tool_choice": "required",
+                                  "response_format": {"type": "json_object"}}, 400, "tool_choice", "only one"),
+        ("/v1/chat/completions", {"messages": MSG, "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "more"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "<= 20"),
         ("/v1/chat/completions", {"messages": MSG, "stop": 5}, 400, "stop", "string"),
         ("/v1/completions", {"prompt": 12}, 400, "prompt", "must be"),
         ("/v1/completions", {"prompt": "x" * 30000, "max_tokens": 1}, 400, "prompt", "context length"),

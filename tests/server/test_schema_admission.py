@@ -37,8 +37,12 @@ def test_valid_chat_bodies(body):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop[0]"),
-    ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "any"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+                                                                          "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name"),
 ])
 def test_invalid_chat_bodies_name_the_field(body, param):
     with pytest.raises(SchemaError) as e:
@@ -69,7 +73,10 @@ def test_openapi_document_carries_the_request_schemas():
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["required"] == ["messages"]
     assert body["properties"]["max_tokens"]["maximum"] == 100
-    assert body["properties"]["logprobs"]["x-carpool-unsupported"] is True
+    assert body["properties"]["logprobs"]["type"] == "boolean"
+    assert "x-carpool-unsupported" not in body["properties"]["tools"]
+    completion = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert completion["properties"]["echo"]["x-carpool-unsupported"] is True
     assert doc["security"] == [{"bearer": []}] and doc["paths"]["/health"]["get"]["security"] == []
     assert "/v1/embeddings" not in doc["paths"]
 

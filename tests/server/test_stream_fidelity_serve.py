@@ -16,6 +16,9 @@ from carpool.client.http_backend import HttpBackend
 from carpool.testing.body_diff import answer_diff
 
 MSG = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
+          "required": ["colour", "bright"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "paint", "description": "Paint the wall", "parameters": COLOUR}}
 
 CASES = [
     ("chat-greedy", "chat", {"messages": MSG, "temperature": 0, "max_tokens": 12, "ignore_eos": True}),
@@ -28,6 +31,27 @@ CASES = [
                                                  "temperature": 0.8, "seed": 3, "max_tokens": 7,
                                                  "ignore_eos": True}),
     ("completion-token-ids", "completion", {"prompt": [5, 17, 42, 99], "temperature": 0, "max_tokens": 5}),
+    # the surface of issue 17
+    ("chat-logprobs", "chat", {"messages": MSG, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+                               "logprobs": True, "top_logprobs": 4}),
+    ("chat-n2-logprobs-penalties", "chat", {"messages": MSG, "n": 2, "temperature": 0.9, "seed": 11,
+                                            "max_tokens": 8, "ignore_eos": True, "logprobs": True,
+                                            "presence_penalty": 1.0, "frequency_penalty": 0.5,
+                                            "repetition_penalty": 1.2, "logit_bias": {"60": 3, "7": -100}}),
+    ("completion-logprobs", "completion", {"prompt": ["Once upon a time", "Roses are red"], "temperature": 0,
+                                           "max_tokens": 6, "ignore_eos": True, "logprobs": 3}),
+    ("chat-json-schema", "chat", {"messages": MSG, "temperature": 0, "max_tokens": 40,
+                                  "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "colour", "schema": COLOUR}}}),
+    ("chat-tools-required", "chat", {"messages": MSG, "temperature": 0, "max_tokens": 60, "tools": [TOOL],
+                                     "tool_choice": "required", "logprobs": True}),
+    ("chat-tools-named-n2", "chat", {"messages": MSG, "temperature": 0.8, "seed": 2, "n": 2, "max_tokens": 40,
+                                     "tools": [TOOL],
+                                     "tool_choice": {"type": "function", "function": {"name": "paint"}}}),
+    ("chat-tools-auto", "chat", {"messages": MSG, "temperature": 0, "max_tokens": 8, "tools": [TOOL],
+                                 "logprobs": True, "top_logprobs": 1}),
+    ("chat-tools-cut-by-length", "chat", {"messages": MSG, "temperature": 0, "max_tokens": 3, "tools": [TOOL],
+                                          "tool_choice": "required"}),
 ]
 
 
@@ -54,8 +78,14 @@ def test_rebuilt_stream_equals_plain_answer(server, name, kind, body):
     prompts = body.get("prompt")
     count = (body.get("n") or 1) * (len(prompts) if isinstance(prompts, list) and isinstance(prompts[0], str) else 1)
     assert [c["index"] for c in streamed.body["choices"]] == list(range(count))
-    texts = [c["message"]["content"] if kind == "chat" else c["text"] for c in streamed.body["choices"]]
-    assert all(texts), "an empty answer would make the comparison vacuous"
+    for c in streamed.body["choices"]:
+        answer = c["text"] if kind == "completion" else (c["message"]["content"] or c["message"].get("tool_calls"))
+        assert answer, "an empty answer would make the comparison vacuous"
+        if body.get("logprobs"):
+            assert c["logprobs"], "logprobs were asked"
+        if body.get("tool_choice") and c["finish_reason"] != "length":
+            assert c["message"]["tool_calls"] and c["message"]["content"] is None
+            assert c["finish_reason"] == ("tool_calls" if body["tool_choice"] == "required" else "stop")
     assert streamed.body["usage"]["completion_tokens"] == plain.body["usage"]["completion_tokens"] > 0
     assert streamed.ttft_s is not None and streamed.completion_tokens == plain.completion_tokens > 0
 
