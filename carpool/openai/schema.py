@@ -109,6 +109,51 @@ TOOL_CHOICE = {
 }
 
 
+_NULL_ONLY: dict[str, list] = {"enum": []}  # nullable_enum turns it into "only null"
+
+
+def _vllm_unimplemented(kind: str, carpool: bool) -> dict[str, dict]:
+    """vLLM 0.32 parameters that change the answer and that carpool's engine does not run: only
+    their neutral value passes, anything else is a 400 naming the field (instead of an answer
+    that silently lacks it, then cached).  Fields that do not change the answer (``user``,
+    ``cache_salt``, ``request_id``, ``stream_interval``, ...) stay ignored, as vLLM ignores
+    unknown ones."""
+    neutral: dict[str, dict] = {
+        "use_beam_search": {"type": "boolean", "enum": [False]},
+        "length_penalty": {"type": "number", "enum": [1, 1.0]},
+        "include_stop_str_in_output": {"type": "boolean", "enum": [False]},
+        "skip_special_tokens": {"type": "boolean", "enum": [True]},
+        "spaces_between_special_tokens": {"type": "boolean", "enum": [True]},
+        "truncate_prompt_tokens": _NULL_ONLY,
+        "truncation_side": _NULL_ONLY,
+        "prompt_logprobs": _NULL_ONLY,
+        "logprob_token_ids": _NULL_ONLY,
+        "allowed_token_ids": _NULL_ONLY,
+        "bad_words": {"type": "array", "maxItems": 0},
+        "add_special_tokens": {"type": "boolean", "enum": [kind != "chat"]},
+        "return_tokens_as_token_ids": {"type": "boolean", "enum": [False]},
+        "return_token_ids": {"type": "boolean", "enum": [False]},
+        "return_token_offsets": {"type": "boolean", "enum": [False]},
+        "watermarking": {"type": "boolean", "enum": [False]},
+        "repetition_detection": _NULL_ONLY,
+        "thinking_token_budget": _NULL_ONLY,
+    }
+    if kind == "chat":
+        neutral |= {
+            "echo": {"type": "boolean", "enum": [False]},
+            "add_generation_prompt": {"type": "boolean", "enum": [True]},
+            "continue_final_message": {"type": "boolean", "enum": [False]},
+            "documents": _NULL_ONLY,
+            "chat_template": _NULL_ONLY,
+            "chat_template_kwargs": _NULL_ONLY,
+        }
+    else:
+        neutral["prompt_embeds"] = _NULL_ONLY
+    if not carpool:
+        return {}
+    return {name: _unsupported(schema, name, carpool) for name, schema in neutral.items()}
+
+
 def _sampling_properties(max_model_len: int | None, max_n: int | None, carpool: bool) -> dict[str, dict]:
     """Parameters shared by chat and completions (OpenAI names plus vLLM's extras)."""
     max_tokens = _bounded({"type": "integer", "minimum": 1, "nullable": True}, "maximum", max_model_len)
@@ -203,6 +248,7 @@ def chat_request_schema(models: list[str] | None = None, max_model_len: int | No
                   "maxItems": 128},
         "tool_choice": TOOL_CHOICE if carpool else {},
         "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True},
+        **_vllm_unimplemented("chat", carpool),
     }
     return {"type": "object", "required": ["messages"], "properties": props}
 
@@ -222,6 +268,7 @@ def completion_request_schema(models: list[str] | None = None, max_model_len: in
         "model": _model(models, "served model name"),
         "prompt": prompt,
         **_sampling_properties(max_model_len, max_n, carpool),
+        **_vllm_unimplemented("completion", carpool),
         "echo": _unsupported({"type": "boolean", "enum": [False]}, "echo", carpool),
         "logprobs": {"type": "integer", "minimum": 0, "maximum": TOP_LOGPROBS_MAX, "nullable": True},
         "suffix": _unsupported({"type": "string", "maxLength": 0}, "suffix", carpool),

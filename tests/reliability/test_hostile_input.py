@@ -213,10 +213,10 @@ def test_over_http_the_servers_refusal_names_the_line_and_field(tiny_engine, tin
     rows = [
         _valid("long", "word " * 5000),  # past the 256-token context
         _valid("n", "hi") | {"n": 999},  # a valid integer past the server's --max-n: its own refusal
-        _valid("logprobs", "hi") | {"logprobs": True},
+        _valid("prompt_logprobs", "hi") | {"prompt_logprobs": 1},  # vLLM's, not carpool's engine
         _valid("fine", "hi"),
     ]
-    fields = {"long": "messages", "n": "n", "logprobs": "logprobs"}
+    fields = {"long": "messages", "n": "n", "prompt_logprobs": "prompt_logprobs"}
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"

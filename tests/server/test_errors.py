@@ -72,6 +72,13 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
                                   "response_format": {"type": "json_object"}}, 400, "tool_choice", "only one"),
         ("/v1/chat/completions", {"messages": MSG, "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "more"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "<= 20"),
+        # vLLM's parameters that carpool's engine does not run: a 400 naming them, never ignored
+        ("/v1/chat/completions", {"messages": MSG, "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+        ("/v1/chat/completions", {"messages": MSG, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+        ("/v1/chat/completions", {"messages": MSG, "continue_final_message": True}, 400, "continue_final_message",
+         "not supported"),
+        ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output",
+         "not supported"),
         ("/v1/chat/completions", {"messages": MSG, "stop": 5}, 400, "stop", "string"),
         ("/v1/completions", {"prompt": 12}, 400, "prompt", "must be"),
         ("/v1/completions", {"prompt": "x" * 30000, "max_tokens": 1}, 400, "prompt", "context length"),
