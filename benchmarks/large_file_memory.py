@@ -1,6 +1,6 @@
 """Peak memory of ``carpool run`` on a large generated file (bounded-memory check).
 
-Generates N task lines, runs the whole pipeline on them in a child process (``--dry-run``
+Generates N task lines, runs the whole pipeline on them in a child process (``--echo-backend``
 answers locally; ``--server`` sends every task to the zero-latency fault server instead)
 and reports the child's peak RSS and lines/s, next to a 20k-line run for comparison.
 Prints one JSON object.
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--server", action="store_true", help="send to the zero-latency fault server")
     a = ap.parse_args()
     proc = None
-    kw: dict = {"dry_run": True, "dedup": False}
+    kw: dict = {"echo": True, "dedup": False}
     if a.server:
         proc = subprocess.Popen([sys.executable, "-m", "carpool.testing.fault_server", "--zero-latency"],
                                 stdout=subprocess.PIPE, text=True)
@@ -71,7 +71,7 @@ def main() -> None:
             proc.terminate()
             proc.wait()
     print(json.dumps({
-        "benchmark": "large_file_memory", "mode": "fault-server" if a.server else "dry-run",
+        "benchmark": "large_file_memory", "mode": "fault-server" if a.server else "echo",
         "lines": a.lines, "input_mb": round(size_mb, 1), "output_mb": round(out_mb, 1),
         "generate_s": round(gen_s, 1),
         "small_20k": r_small, "large": r_big,

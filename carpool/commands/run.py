@@ -77,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(seconds, or 30s / 15m / 2h; default 15m) it stops with exit code 4 and the same "
                         "command resumes the unfinished tasks")
     g.add_argument("--fresh", action="store_true", help="ignore (delete) an earlier output instead of resuming")
+    g.add_argument("--force", action="store_true",
+                   help="resume even when the output was started with another model or other defaults "
+                        "(the run fingerprint beside it)")
+    g.add_argument("--retry-errors", action="store_true",
+                   help="on resume, run again the tasks whose line is an error line (one final line per id)")
     g = p.add_argument_group("cache")
     g.add_argument("--cache", default=None, help="sqlite:///path, redis://host:6379/0 or off "
                                                  "(default: the SQLite file in ~/.cache/carpool)")
@@ -92,7 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--report", help="write an HTML report with plots")
     g.add_argument("--summary-json", help="write the summary as JSON here ('-': stdout)")
-    g.add_argument("--dry-run", action="store_true", help="validate and write without calling any model")
+    g.add_argument("--dry-run", action="store_true",
+                   help="validate the input and say what a run would do; nothing is sent, -o is not touched")
+    g.add_argument("--echo-backend", action="store_true",
+                   help="answer every task with an empty reply, no model (carpool's own overhead); writes -o")
     g.add_argument("--quiet", action="store_true")
     _add_ray_arguments(p)
 
@@ -165,7 +173,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
         cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, semantic_audit=args.semantic_audit,
         dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
-        max_pending=args.max_pending, dry_run=args.dry_run, argv=["run", *_original_argv()], quiet=args.quiet,
+        max_pending=args.max_pending, dry_run=args.dry_run, echo=args.echo_backend, force=args.force,
+        retry_errors=args.retry_errors, argv=["run", *_original_argv()], quiet=args.quiet,
     )
 
 
@@ -198,8 +207,27 @@ def write_summary_json(doc: dict, target: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """The job, and its exit code (``carpool.jobs.exit_codes``: the table is in docs/run.md)."""
+    from carpool.jobs.exit_codes import ExitCode
+
+    try:
+        return int(_main(args))
+    except Exception:  # noqa: BLE001  (a bug: say so with the traceback, exit 1 as documented)
+        import traceback
+
+        traceback.print_exc()
+        print("carpool run: crashed (a bug in carpool; please report it with the traceback above). "
+              "The complete lines already in the output are kept: the same command resumes.", file=sys.stderr)
+        return int(ExitCode.CRASHED)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from carpool.jobs.exit_codes import ExitCode, exit_code
+
     if args.ray is not None:
         return _main_ray(args)
+    if args.dry_run:
+        return _main_dry_run(args)
     from carpool.jobs.pipeline import OutputError
     from carpool.jobs.runner import Runner
 
@@ -207,13 +235,13 @@ def main(args: argparse.Namespace) -> int:
         opts = options_from_args(args)
         runner = Runner(opts, notify=_say)
         stats = run_with_signals(runner)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # StartRefused is a ValueError
         print(f"carpool run: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     except OSError as e:  # the output cannot be written (disk full, a path under a file, ...)
         what = str(e) if isinstance(e, OutputError) else f"cannot write the output: {e}"
         print(f"carpool run: {what}", file=sys.stderr)
-        return 1
+        return ExitCode.OUTPUT_FAILED
     if not args.quiet:
         render_summary(stats)
     for msg in runner.messages:
@@ -223,11 +251,39 @@ def main(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"results: {opts.output}" + (f", errors: {opts.errors}" if opts.errors else "")
               + (f", report: {opts.report}" if opts.report else ""), file=sys.stderr)
-    if stats.stopped_by_outage:
-        return 4  # the endpoints stayed down past --outage-timeout; the same command resumes
-    if stats.interrupted:
-        return 130
-    return 0
+    code = exit_code(stats)
+    if code == ExitCode.TASKS_FAILED and not args.quiet:
+        failed = stats.n_errors + stats.failed_before
+        print(f"carpool run: {failed:,} tasks failed (exit 3); their error lines say why. "
+              "Rerun with --retry-errors to run only those again.", file=sys.stderr)
+    return code
+
+
+def _main_dry_run(args: argparse.Namespace) -> int:
+    """``--dry-run``: validate, count and check; nothing sent, nothing written."""
+    from carpool.jobs.exit_codes import ExitCode
+    from carpool.jobs.plan import plan
+
+    try:
+        opts = options_from_args(args)
+        doc = asyncio.run(plan(opts))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"carpool run: {e}", file=sys.stderr)
+        return ExitCode.REFUSED
+    for msg in doc.get("messages", []):
+        print(msg, file=sys.stderr)
+    if args.summary_json:
+        write_summary_json(doc, args.summary_json)
+    if not args.quiet:
+        kinds = ", ".join(f"{n:,} {k}" for k, n in sorted(doc["kinds"].items())) or "none"
+        print(f"carpool run --dry-run: {doc['tasks_to_send']:,} tasks would be sent ({kinds}); "
+              f"{doc['bad_lines']:,} bad lines; {doc['already_done']:,} already done in {doc['output']}"
+              + (f" ({doc['failed_before']:,} of them error lines)" if doc["failed_before"] else "")
+              + (f"; model {doc['model']!r}" if doc["model"] else ""), file=sys.stderr)
+        for line in doc["first_bad_lines"]:
+            print(f"  {line}", file=sys.stderr)
+        print("nothing was sent and the output was not touched", file=sys.stderr)
+    return ExitCode.OK
 
 
 def run_with_signals(runner: Runner) -> JobStats:
@@ -277,7 +333,11 @@ def _main_ray(args: argparse.Namespace) -> int:
               f"workers, {result['succeeded']:,} succeeded, {sum(result['errors'].values()):,} errors, "
               f"{result['elapsed_s']:.1f} s" + (f"; results: {opts.output}" if result["complete"] else ""),
               file=sys.stderr)
-    return 0 if result["complete"] else 1
+    from carpool.jobs.exit_codes import ExitCode
+
+    if not result["complete"]:
+        return ExitCode.CRASHED
+    return ExitCode.TASKS_FAILED if sum(result["errors"].values()) else ExitCode.OK
 
 
 def render_summary(stats: JobStats, console: Console | None = None) -> None:

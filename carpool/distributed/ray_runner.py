@@ -140,9 +140,14 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
         shard_paths,
     )
     from carpool.jobs.readers import detect_format
+    from carpool.jobs.target import resolve_target_sync
 
     ray_opts = ray_opts or RayOptions()
+    if opts.retry_errors:
+        raise RayRunError("--retry-errors runs in one process: resume without --ray")
     started = time.monotonic()
+    # The model is settled once here (GET /models), not by every worker.
+    opts, resolve_notes = resolve_target_sync(opts)
     input_path = Path(opts.input).resolve()
     if not input_path.exists():
         raise FileNotFoundError(f"input file {str(opts.input)!r} does not exist")
@@ -180,7 +185,7 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
             raise RayRunError(f"the Ray cluster has no room for one worker of {ray_opts.cpus_per_worker:g} CPU "
                               f"and {ray_opts.gpus_per_worker:g} GPU ({ray.cluster_resources()})")
         workers = min(ray_opts.workers or fit, fit)
-        notes = []
+        notes = list(resolve_notes)
         if ray_opts.workers and ray_opts.workers > fit:
             notes.append(f"--ray-workers {ray_opts.workers}: the cluster has room for {fit} workers of "
                          f"{ray_opts.cpus_per_worker:g} CPU / {ray_opts.gpus_per_worker:g} GPU; running {fit}")
@@ -215,7 +220,7 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
         result.update(shards=len(shards), shards_done=len(summaries), workers=workers, workdir=str(workdir),
                       complete=not missing, elapsed_s=round(time.monotonic() - started, 3),
                       backend=f"ray x{workers}: " + (f"http {', '.join(opts.endpoints)}" if opts.endpoints
-                                                     else "dry-run" if opts.dry_run else f"engine {opts.engine_model}"))
+                                                     else "echo" if opts.echo else f"engine {opts.engine_model}"))
         result["messages"] = notes + [m for s in summaries for m in s.get("messages", [])]
         if opts.report:
             result["messages"].append("--report is not written for --ray runs (use --summary-json)")
@@ -293,9 +298,11 @@ def _finished_before(output: Path, input_path: Path) -> dict | None:
 def _write_state(output: Path, input_path: Path, opts) -> None:
     # The runner's state file beside the output, so a later single-process ``carpool run``
     # into the same output resumes from it like from its own.
+    from carpool.jobs.fingerprint import make_fingerprint
     from carpool.jobs.journal import Journal
 
-    Journal(output, opts.errors).write_state(str(input_path), finished=True, argv=opts.argv)
+    Journal(output, opts.errors, fingerprint=make_fingerprint(opts)).write_state(str(input_path), finished=True,
+                                                                                argv=opts.argv)
 
 
 def run_batch_on_ray(input: str, output: str, *, address: str | None = None, workers: int | None = None,

@@ -104,7 +104,7 @@ async def _shared_parts(opts: RunOptions, shared: SharedState | None
     budget: Budget | None = None
     balancer: Balancer | None = None
     closers: list[Callable[[], Awaitable[None]]] = []
-    if len(opts.endpoints) > 1 and not opts.dry_run:
+    if len(opts.endpoints) > 1 and not opts.echo:
         from carpool.distributed.redis_cooldown import RedisCooldown, SharedBalancer
 
         cooldown = RedisCooldown(shared.redis, name=shared.budget_name)
@@ -162,9 +162,9 @@ def reorder_by_input(path: Path, reader: Reader) -> None:
 
 def start_embedded_engine(opts: RunOptions, loop: asyncio.AbstractEventLoop) -> EngineClient | None:
     """The in-process engine ``opts`` asks for, started on ``loop``; None when the job goes to
-    endpoints or is a dry run. Shared by ``ShardWorker`` and ``ray_data.CarpoolMapper``,
+    endpoints or is an echo run. Shared by ``ShardWorker`` and ``ray_data.CarpoolMapper``,
     which each keep the one they get for all their shards or batches."""
-    if opts.endpoints or opts.dry_run:
+    if opts.endpoints or opts.echo:
         return None
     from carpool.engine import AsyncEngine, EngineConfig
 

@@ -31,8 +31,13 @@ def make_options(input: str, output: str, **options) -> RunOptions:
 
 
 async def arun_batch(input: str, output: str, **options) -> dict:
-    """Run a job inside a running event loop."""
-    runner = Runner(make_options(input, output, **options))
+    """Run a job inside a running event loop (``dry_run=True``: the plan, nothing sent or written)."""
+    opts = make_options(input, output, **options)
+    if opts.dry_run:
+        from carpool.jobs.plan import plan
+
+        return await plan(opts)
+    runner = Runner(opts)
     stats = await runner.run()
     out = stats.to_dict()
     out["messages"] = runner.messages

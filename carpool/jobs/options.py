@@ -17,6 +17,7 @@ from carpool.jobs.tasks import TaskDefaults, Template
 
 if TYPE_CHECKING:
     from carpool.client.budget import Budget
+    from carpool.client.models import ModelIdentity
     from carpool.engine.protocol import EngineClient
 
 # Builds the embedding batcher on the first embedding task (loading MiniLM costs seconds);
@@ -62,7 +63,14 @@ class RunOptions:
     progress: bool | None = None  # None: when stderr is a terminal
     report: str | None = None
     max_pending: int = 2048
-    dry_run: bool = False  # answer every task locally without a backend (memory / overhead runs)
+    dry_run: bool = False  # validate and count (carpool.jobs.plan): nothing is sent, the output is not touched
+    echo: bool = False  # answer every task with an empty reply, no model (overhead / memory runs, tests)
+    force: bool = False  # resume even when the run fingerprint differs (carpool.jobs.fingerprint)
+    retry_errors: bool = False  # on resume, run again the tasks whose final line is an error line
+    cache_namespace: str | None = None  # the model identity in cache keys, instead of what /models reports
+    # What the endpoint says the model is (carpool.jobs.target.resolve_target fills it before
+    # the parts are built; None: told from the options alone, carpool.jobs.fingerprint.job_identity).
+    identity: ModelIdentity | None = None
     latency_signal: str = "per_token"
     argv: list[str] | None = None
     quiet: bool = False

@@ -24,6 +24,7 @@ from carpool.client.base import Backend, CallResult, Request
 from carpool.client.budget import Budget, make_budget
 from carpool.client.limiter import FixedLimiter
 from carpool.jobs.caching import TaskCache, open_task_cache
+from carpool.jobs.fingerprint import job_identity, make_fingerprint
 from carpool.jobs.journal import Journal
 from carpool.jobs.options import RunOptions
 from carpool.jobs.readers import Reader, TaskSource
@@ -36,16 +37,19 @@ if TYPE_CHECKING:
 Check = Callable[[Request], "tuple[str, str] | None"]
 
 
-class DryBackend:
-    """Answers at once with a fixed tiny body: the pipeline without any model or network."""
+class EchoBackend:
+    """``--echo-backend``: answers at once with a fixed empty body, the pipeline without any
+    model or network (carpool's own overhead, memory on huge files, tests).  Its output
+    lines are real lines of the journal: the fingerprint (kind ``echo``) keeps a later real
+    run from resuming them as answers."""
 
-    name = "dry-run"
+    name = "echo"
 
     async def call(self, req: Request) -> CallResult:
-        body = {"id": "dry", "object": "chat.completion", "model": "dry-run",
+        body = {"id": "echo", "object": "chat.completion", "model": "echo",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
-        return CallResult(ok=True, status_code=200, body=body, request_id="dry", ttft_s=0.0)
+        return CallResult(ok=True, status_code=200, body=body, request_id="echo", ttft_s=0.0)
 
     async def close(self) -> None:
         return None
@@ -68,13 +72,13 @@ class JobParts:
 
 def job_defaults(opts: RunOptions) -> TaskDefaults:
     """The task defaults of ``opts``; a task sent to an endpoint must name its model."""
-    if opts.endpoints and not opts.dry_run and not opts.defaults.require_model:
+    if opts.endpoints and not opts.echo and not opts.defaults.require_model:
         return dataclasses.replace(opts.defaults, require_model=True)
     return opts.defaults
 
 
 def job_limiter(opts: RunOptions) -> FixedLimiter:
-    if opts.dry_run and not opts.concurrency:
+    if opts.echo and not opts.concurrency:
         return FixedLimiter(256)
     if not opts.endpoints and not opts.concurrency:
         # In-process the engine's own scheduler batches: keep it fed (two per batch slot),
@@ -96,9 +100,9 @@ class _Target:
 
 def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
     """HTTP to ``opts.endpoints`` (through ``balancer`` when given), else the in-process
-    engine (``opts.engine``, or one started here and shut down with the job), or the dry run."""
-    if opts.dry_run:
-        return _Target(DryBackend(), "dry-run", opts.engine_model)
+    engine (``opts.engine``, or one started here and shut down with the job), or the echo backend."""
+    if opts.echo:
+        return _Target(EchoBackend(), "echo", "echo")
     if opts.endpoints:
         from carpool.client.http_backend import HttpBackend
 
@@ -123,10 +127,14 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
 
 
 def endpoint_identity(opts: RunOptions) -> str:
-    """What the cache keys name as the endpoint."""
-    if opts.endpoints:
-        return ",".join(sorted(opts.endpoints))
-    return "carpool-engine" if not opts.dry_run else "dry-run"
+    """What the cache keys name as the endpoint: the model identity it reports (or
+    ``--cache-namespace``), never its URL, so a replica of the same model shares the cache."""
+    return job_identity(opts).cache_identity()
+
+
+def make_journal(opts: RunOptions) -> Journal:
+    return Journal(opts.output, opts.errors, fingerprint=make_fingerprint(opts), force=opts.force,
+                   retry_errors=opts.retry_errors, read_only=opts.dry_run)
 
 
 def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: Budget | None = None,
@@ -136,7 +144,7 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
     messages: list[str] = []
     if source is None:
         source = Reader(opts.input, opts.fmt, opts.template, job_defaults(opts))
-    journal = Journal(opts.output, opts.errors)
+    journal = make_journal(opts)
     target = make_backend(opts, balancer)
     if budget is None:
         budget = opts.budget if opts.budget is not None else make_budget(opts.rpm, opts.tpm)

@@ -40,7 +40,7 @@ from carpool.jobs.parts import JobParts
 from carpool.jobs.progress import Progress
 from carpool.jobs.summary import JobStats
 from carpool.jobs.tasks import BadLine, Task, prefix_key
-from carpool.jobs.writer import ResultWriter, error_line, success_line
+from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
 
 class OutputError(OSError):
@@ -55,16 +55,17 @@ class _TaskWriter:
     any later one is dropped, so the catch-all in ``Pipeline._handle`` can never write a
     task twice (or free its slot twice)."""
 
-    __slots__ = ("done", "seq", "used", "writer")
+    __slots__ = ("done", "seq", "tail", "used", "writer")
 
-    def __init__(self, writer: ResultWriter, seq: int, done: Callable[[], None]):
-        self.writer, self.seq, self.done = writer, seq, done
+    def __init__(self, writer: ResultWriter, seq: int, done: Callable[[], None], tail: bytes = b""):
+        """``tail``: the task's own fields every line of it ends with (``writer.line_tail``)."""
+        self.writer, self.seq, self.done, self.tail = writer, seq, done, tail
         self.used = False
 
     def emit(self, line: bytes, is_error: bool = False) -> None:
         if not self.used:
             self.used = True
-            self.writer.emit(self.seq, line, is_error, self.done)
+            self.writer.emit(self.seq, with_tail(line, self.tail), is_error, self.done)
 
 
 def _usage_tokens(body: dict | None) -> int:
@@ -169,6 +170,7 @@ class Pipeline:
         try:
             done, notes = parts.journal.open(self._input, fresh=o.fresh, argv=o.argv)
             self.messages.extend(notes)
+            self.stats.failed_before = parts.journal.failed_before
             writer = parts.journal.open_writer(o.ordered)
         except BaseException:
             await self._close()
@@ -279,7 +281,7 @@ class Pipeline:
             await self._slots.acquire()
             if self._stop:
                 break
-            out = _TaskWriter(writer, self._seq, self._written)
+            out = _TaskWriter(writer, self._seq, self._written, self._tail(item))
             self._seq += 1
             task = self._admit(item, out)
             if task is None:
@@ -293,6 +295,11 @@ class Pipeline:
             self._dispatch(out, task)
         if window:
             self._dispatch_window(window)
+
+    def _tail(self, item: Task | BadLine) -> bytes:
+        """What the task's line carries besides its answer: the task's ``metadata`` and, when
+        ``--retry-errors`` answers it again, the ``id`` of the error line it supersedes."""
+        return line_tail(item.metadata, self.parts.journal.supersedes(item.custom_id))
 
     def _refuse_repeat(self, item: Task | BadLine) -> Task | BadLine:
         """A custom_id seen on an earlier line becomes an error under an id of its own.

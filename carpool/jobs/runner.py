@@ -1,7 +1,9 @@
 """``Runner``: one batch job from ``RunOptions``, in this process.
 
-It builds the default parts (``carpool.jobs.parts.build_parts``), runs them through the
-pipeline (``carpool.jobs.pipeline.Pipeline``) and writes the ``--report`` page.  The CLI
+It settles the model with the endpoints first (``carpool.jobs.target``: ``/models``
+checked before the first request), builds the default parts
+(``carpool.jobs.parts.build_parts``), runs them through the pipeline
+(``carpool.jobs.pipeline.Pipeline``) and writes the ``--report`` page.  The CLI
 (``carpool.commands.run``) and the Python API (``carpool.jobs.api``) use it; a caller
 that needs other parts composes ``Pipeline`` itself (``carpool.distributed.worker``).
 """
@@ -14,6 +16,7 @@ from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import build_parts
 from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.summary import JobStats
+from carpool.jobs.target import resolve_target
 
 
 class Runner:
@@ -33,7 +36,9 @@ class Runner:
             self.pipeline.request_stop()
 
     async def run(self) -> JobStats:
+        self.opts, notes = await resolve_target(self.opts)
         parts = build_parts(self.opts)
+        parts.messages[:0] = notes
         self.messages = parts.messages
         self.pipeline = Pipeline(parts, self.opts, self.notify)
         for _ in range(self._stops):

@@ -44,6 +44,7 @@ class JobStats:
     ok: int = 0  # answered by the backend (a dedup fan-out counts: it shares a backend answer)
     errors: Counter = field(default_factory=Counter)  # kind -> count
     skipped: int = 0  # already done in an earlier run (resume)
+    failed_before: int = 0  # of those, tasks whose final line is an error line (exit code 3)
     bad_lines: int = 0
     cache_hits: int = 0
     semantic_hits: int = 0
@@ -117,7 +118,7 @@ class JobStats:
         return {
             "total": self.total, "done": self.done, "ok": self.ok, "errors": dict(self.errors),
             "succeeded": self.succeeded,
-            "skipped_done_before": self.skipped, "bad_lines": self.bad_lines,
+            "skipped_done_before": self.skipped, "failed_before": self.failed_before, "bad_lines": self.bad_lines,
             "elapsed_s": round(el, 3), "requests_per_s": round(self.done / el, 2) if el else None,
             "tokens_per_s": round(self.tokens / el, 1) if el else None,
             "output_tokens_per_s": round(self.completion_tokens / el, 1) if el else None,

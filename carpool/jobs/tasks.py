@@ -33,6 +33,7 @@ _META_KEYS = {"custom_id"}
 class Task:
     line_no: int
     request: Request
+    metadata: dict | None = None  # kept in the output line, never sent
 
     @property
     def custom_id(self) -> str:
@@ -45,6 +46,7 @@ class BadLine:
     custom_id: str
     field: str
     reason: str
+    metadata: dict | None = None  # kept in the output line, never sent
 
     @property
     def message(self) -> str:

@@ -1,8 +1,11 @@
 """Output lines (OpenAI Batch output shape) and the appending writers.
 
-Each line: ``{"custom_id", "id", "response": {"status_code", "request_id", "body"} | null,
-"error": {"code", "message", "line", "field"?} | null}``.  ``custom_id`` comes first so
-the journal can read it back cheaply (key order does not matter to JSON readers).
+Each line: ``{"custom_id", "error": {"code", "message", "line", "field"?} | null, "id",
+"response": {"status_code", "request_id", "body"} | null}`` and, when there are any, the
+task's ``metadata`` and ``supersedes`` (the ``id`` of the error line a ``--retry-errors``
+run answered again).  ``custom_id`` and ``error`` come first so the journal can tell a
+success line from an error line without decoding the response (key order does not
+matter to JSON readers).
 
 Lines are flushed to the OS every ``flush_lines`` lines or ``flush_s`` seconds (a
 killed process loses at most those, and they are simply redone on resume) and fsync'd
@@ -35,8 +38,8 @@ def _rid() -> str:
 def success_line(custom_id: str, status: int, request_id: str, body: dict | None,
                  semantic: dict | None = None) -> bytes:
     """``semantic``: for an answer the semantic cache served, {"similarity", "matched_id"}."""
-    doc = {"custom_id": custom_id, "id": _rid(),
-           "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+    doc = {"custom_id": custom_id, "error": None, "id": _rid(),
+           "response": {"status_code": status, "request_id": request_id, "body": body}}
     if semantic is not None:
         doc["semantic"] = semantic
     return _encode_line(doc)
@@ -54,8 +57,26 @@ def error_line(custom_id: str, code: str, message: str, line_no: int | None = No
     response = None
     if status:
         response = {"status_code": status, "request_id": "", "body": body}
-    doc = {"custom_id": custom_id, "id": _rid(), "response": response, "error": err}
+    doc = {"custom_id": custom_id, "error": err, "id": _rid(), "response": response}
     return _encode_line(doc)
+
+
+def line_tail(metadata: dict | None = None, supersedes: str | None = None) -> bytes:
+    """The fields a task's line ends with (``metadata``, ``supersedes``), encoded to go before
+    its closing brace; empty when it has neither."""
+    doc: dict = {}
+    if metadata:
+        doc["metadata"] = metadata
+    if supersedes:
+        doc["supersedes"] = supersedes
+    if not doc:
+        return b""
+    return b"," + _encode_line(doc)[1:-2]
+
+
+def with_tail(line: bytes, tail: bytes) -> bytes:
+    """``line`` (one encoded line, ending in ``}\n``) with ``tail`` added before its brace."""
+    return line[:-2] + tail + b"}\n" if tail else line
 
 
 class Appender:

@@ -70,6 +70,14 @@ class FaultConfig:
     embedding_dim: int = 8
     seed: int = 0
     zero_latency: bool = False  # smallest possible answers, no sleeps: for client overhead
+    # What /v1/models lists (a name, or a whole model card) and the only models a request may
+    # name (404 model_not_found otherwise), as a real server does.  None: no /v1/models (404)
+    # and any model name is accepted, as some gateways do.
+    models: list[str | dict] | None = None
+    # Headers (case-insensitive names) and query parameters every request must carry, else a
+    # 401 naming what was missing (as OpenAI and Azure refuse a missing or wrong key).
+    require_headers: dict[str, str] = field(default_factory=dict)
+    require_query: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def zero(cls) -> FaultConfig:
@@ -95,6 +103,9 @@ class FaultServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.total_requests = 0
+        # What was received, for tests that check what a client sent (the first 1000):
+        # {"method", "path", "query", "headers", "body"}.
+        self.received: list[dict] = []
 
     def counts(self) -> dict:
         return {
@@ -116,7 +127,11 @@ class FaultServer:
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/embeddings", self._handle)
+        # Azure OpenAI's deployment-style paths (the deployment is in the URL, ?api-version=...).
+        for kind in ("chat/completions", "completions", "embeddings"):
+            app.router.add_post(f"/openai/deployments/{{deployment}}/{kind}", self._handle)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/openai/models", self._models)
         app.router.add_get("/stats", self._stats)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -138,8 +153,36 @@ class FaultServer:
         await self.stop()
 
     # -- handlers -------------------------------------------------------------------------
+    def _cards(self) -> list[dict]:
+        return [m if isinstance(m, dict) else {"id": m, "object": "model", "owned_by": "fault-server"}
+                for m in self.config.models or []]
+
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fault-model", "object": "model"}]})
+        refused = self._auth_problem(request)
+        if refused is not None:
+            return refused
+        if self.config.models is None:
+            return self._error(404, "no /v1/models here", None)
+        return web.json_response({"object": "list", "data": self._cards()})
+
+    def _auth_problem(self, request: web.Request) -> web.Response | None:
+        for name, value in self.config.require_headers.items():
+            if request.headers.get(name) != value:
+                return self._error(401, f"header {name} missing or wrong", None)
+        for name, value in self.config.require_query.items():
+            if request.query.get(name) != value:
+                return self._error(401, f"query parameter {name} missing or wrong", None)
+        return None
+
+    def _record(self, request: web.Request, raw: bytes) -> None:
+        if len(self.received) >= 1000:
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        self.received.append({"method": request.method, "path": request.path, "query": dict(request.query),
+                              "headers": dict(request.headers), "body": body})
 
     async def _stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.counts())
@@ -171,6 +214,10 @@ class FaultServer:
             _abort_connection(request)
             return web.Response(status=499)
         raw = await request.read()
+        self._record(request, raw)
+        refused = self._auth_problem(request)
+        if refused is not None:
+            return refused
         key = cid or "body:" + hashlib.sha256(raw).hexdigest()[:16]
         self.seen[key] += 1
         if len(self.order) < 100_000:
@@ -220,6 +267,9 @@ class FaultServer:
             body = json.loads(raw)
         except ValueError:
             return self._error(400, "request body is not JSON", None)
+        if cfg.models is not None and "deployment" not in request.match_info \
+                and body.get("model") not in {c["id"] for c in self._cards()}:
+            return self._error(404, f"The model {body.get('model')!r} does not exist", None)
         path = request.path
         if cfg.latency_s and not cfg.zero_latency:
             await asyncio.sleep(cfg.latency_s)

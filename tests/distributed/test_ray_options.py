@@ -45,15 +45,15 @@ def test_refuses_to_overwrite_an_unfinished_single_process_output(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"custom_id":"line-1","response":null,"error":null}\n')
     with pytest.raises(RayRunError, match="resume it without --ray, or pass --fresh"):
-        run_on_ray(RunOptions(input=str(tasks), output=str(out), dry_run=True))
+        run_on_ray(RunOptions(input=str(tasks), output=str(out), echo=True))
 
 
 def test_a_finished_output_is_not_run_again(tmp_path):
     tasks = tmp_path / "t.jsonl"
     tasks.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     out = tmp_path / "out.jsonl"
-    run_batch(str(tasks), str(out), dry_run=True, cache="off")
-    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), dry_run=True), RayOptions())
+    run_batch(str(tasks), str(out), echo=True, cache="off")
+    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), echo=True), RayOptions())
     assert result["complete"] and result["already_done"] and result["skipped_done_before"] == 2
 
 

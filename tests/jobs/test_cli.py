@@ -19,11 +19,11 @@ def test_dry_run_summary_json_and_resume(tmp_path):
     src = tmp_path / "t.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"a{i}", "prompt": f"p{i}"}) + "\n" for i in range(5)))
     out = tmp_path / "o.jsonl"
-    p = run_cli(str(src), "-o", str(out), "--dry-run", "--cache", "off", "--summary-json", "-", "--quiet")
+    p = run_cli(str(src), "-o", str(out), "--echo-backend", "--cache", "off", "--summary-json", "-", "--quiet")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert s["done"] == 5 and s["total"] == 5
-    again = run_cli(str(src), "-o", str(out), "--dry-run", "--cache", "off", "--summary-json", "-", "--quiet")
+    again = run_cli(str(src), "-o", str(out), "--echo-backend", "--cache", "off", "--summary-json", "-", "--quiet")
     s2 = json.loads(again.stdout.strip().splitlines()[-1])
     assert s2["done"] == 0 and s2["skipped_done_before"] == 5
     assert len(out.read_text().splitlines()) == 5

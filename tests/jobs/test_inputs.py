@@ -1,4 +1,4 @@
-"""Readers and per-line validation, through the whole pipeline in dry-run mode."""
+"""Readers and per-line validation, through the whole pipeline on the echo backend."""
 
 import json
 
@@ -27,7 +27,7 @@ def test_bad_lines_are_reported_with_line_and_field_and_the_rest_runs(tmp_path):
     ]
     src.write_text("\n".join(rows) + "\n")
     out = tmp_path / "out.jsonl"
-    summary = run_batch(src, out, dry_run=True, cache="off")
+    summary = run_batch(src, out, echo=True, cache="off")
     got = {d["custom_id"]: d for d in lines(out)}
     assert len(got) == 8  # the blank line is no task
     assert got["ok1"]["error"] is None and got["ok2"]["response"]["status_code"] == 200
@@ -47,7 +47,7 @@ def test_openai_batch_format_and_output_shape(tmp_path):
                                 "body": {"model": "x", "messages": [{"role": "user", "content": f"q{i}"}]}}) + "\n"
                                for i in range(3))
     out = tmp_path / "out.jsonl"
-    run_batch(src, out, dry_run=True, cache="off")
+    run_batch(src, out, echo=True, cache="off")
     for d in lines(out):
         assert set(d) == {"id", "custom_id", "response", "error"}
         assert set(d["response"]) == {"status_code", "request_id", "body"}
@@ -74,7 +74,7 @@ def test_parquet_with_template_embeddings(tmp_path):
     out = tmp_path / "out.jsonl"
     from carpool.jobs.tasks import Template
 
-    run_batch(src, out, dry_run=True, cache="off", template=Template("{text}", id_column="key", kind="embedding"))
+    run_batch(src, out, echo=True, cache="off", template=Template("{text}", id_column="key", kind="embedding"))
     assert sorted(d["custom_id"] for d in lines(out)) == ["k1", "k2", "k3"]
 
 
@@ -82,6 +82,6 @@ def test_csv_without_template_says_what_to_do(tmp_path):
     src = tmp_path / "r.csv"
     src.write_text("review\nnice\n")
     out = tmp_path / "out.jsonl"
-    run_batch(src, out, dry_run=True, cache="off")
+    run_batch(src, out, echo=True, cache="off")
     (d,) = lines(out)
     assert d["error"]["field"] == "template" and "--template" in d["error"]["message"]

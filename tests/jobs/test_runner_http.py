@@ -90,13 +90,17 @@ def test_exact_cache_across_runs(fault_server, tmp_path):
 
 
 def test_endpoint_tasks_need_a_model(fault_server, tmp_path):
+    """No --model and an endpoint that cannot say what it serves: refused before anything is
+    sent or written (it used to write an invalid_input line for every task, all "done")."""
+    from carpool.jobs.exit_codes import StartRefused
+
     srv = fault_server(FaultConfig())
     src = tmp_path / "in.jsonl"
     write_tasks(src, 2)
     out = tmp_path / "out.jsonl"
-    s = run_batch(src, out, endpoints=[srv.url], cache="off")
-    assert s["bad_lines"] == 2 and srv.server.total_requests == 0
-    assert all(d["error"]["field"] == "model" and "--model" in d["error"]["message"] for d in read(out))
+    with pytest.raises(StartRefused, match="--model"):
+        run_batch(src, out, endpoints=[srv.url], cache="off")
+    assert srv.server.total_requests == 0 and not out.exists()
 
 
 def test_errors_file_and_maybe_executed(fault_server, tmp_path):

@@ -37,10 +37,10 @@ def test_output_whose_parent_is_a_file_is_a_clear_error_then_runs(tmp_path):
     src = _tasks(tmp_path, 20)
     (tmp_path / "afile").write_text("not a directory")
     bad = tmp_path / "afile" / "out.jsonl"
-    res = run_cli([str(src), "-o", str(bad), "--dry-run", "--cache", "off", "--quiet"])
+    res = run_cli([str(src), "-o", str(bad), "--echo-backend", "--cache", "off", "--quiet"])
     _assert_clear_error(res, str(tmp_path / "afile"))
     good = tmp_path / "out.jsonl"
-    res = run_cli([str(src), "-o", str(good), "--dry-run", "--cache", "off", "--quiet"])
+    res = run_cli([str(src), "-o", str(good), "--echo-backend", "--cache", "off", "--quiet"])
     assert res.returncode == 0, res.stderr.decode()[-2000:]
     assert sorted(complete_ids(good)) == sorted(f"t{i}" for i in range(20))
 
@@ -49,7 +49,7 @@ def test_output_on_a_full_device_is_a_clear_error_and_resumes(tmp_path):
     src = _tasks(tmp_path, 50)
     out = tmp_path / "out.jsonl"
     out.symlink_to("/dev/full")
-    args = [str(src), "-o", str(out), "--dry-run", "--cache", "off", "--quiet"]
+    args = [str(src), "-o", str(out), "--echo-backend", "--cache", "off", "--quiet"]
     res = run_cli(args, timeout=120)
     _assert_clear_error(res, "No space left on device", str(out))
     state = json.loads((tmp_path / "out.jsonl.carpool.json").read_text())
@@ -77,7 +77,7 @@ def test_disk_full_mid_job_stops_with_a_clear_error_and_resumes(tmp_path):
     n = 4000
     src = _tasks(tmp_path, n)
     out = tmp_path / "out.jsonl"
-    args = [str(src), "-o", str(out), "--dry-run", "--cache", "off", "--quiet"]
+    args = [str(src), "-o", str(out), "--echo-backend", "--cache", "off", "--quiet"]
     proc = subprocess.Popen(_limited(100_000, run_cmd(args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _, err = proc.communicate(timeout=120)  # a hang here is the bug

@@ -255,17 +255,17 @@ def test_duplicate_custom_ids_are_line_errors_and_resume_loses_nothing(tmp_path)
         return ok, bad
 
     full = tmp_path / "full.jsonl"
-    run_batch(src, full, dry_run=True, cache="off")
+    run_batch(src, full, echo=True, cache="off")
     assert accounted(full) == (["line-3", "x", "y"], [2, 4])
     lines = full.read_text().splitlines(keepends=True)
     for k in range(len(lines)):  # a crash after k lines, then the same command again
         out = tmp_path / f"resume{k}.jsonl"
         out.write_text("".join(lines[:k]))
-        run_batch(src, out, dry_run=True, cache="off")
+        run_batch(src, out, echo=True, cache="off")
         assert accounted(out) == (["line-3", "x", "y"], [2, 4]), k
 
 
-@pytest.mark.parametrize("how", ["http", "dry-run", "engine"])
+@pytest.mark.parametrize("how", ["http", "echo", "engine"])
 @pytest.mark.parametrize("cache", ["off", "sqlite"])
 def test_lone_surrogate_escapes_are_line_errors_not_lost_lines(tiny_engine, logging_fault_server, tmp_path,
                                                                how, cache):
@@ -281,8 +281,8 @@ def test_lone_surrogate_escapes_are_line_errors_not_lost_lines(tiny_engine, logg
     kw: dict = {"cache": "off" if cache == "off" else f"sqlite:///{tmp_path / 'c.sqlite'}"}
     if how == "http":
         kw |= {"endpoints": [logging_fault_server(FaultConfig()).url], "model": "m"}
-    elif how == "dry-run":
-        kw["dry_run"] = True
+    elif how == "echo":
+        kw["echo"] = True
     else:
         kw["engine"] = tiny_engine
     summary = run_batch(src, out, **kw)

@@ -1,0 +1,49 @@
+"""The exit codes of ``carpool run``: what a script calling it can rely on (docs/run.md).
+
+One table for the whole team (decided in /work/coord/STATUS.md, 2026-12-03):
+
+====  =====================================================================================
+0     every task succeeded (tasks skipped on resume count when their line is a success line)
+1     carpool itself crashed (an uncaught exception: please report it)
+2     the start was refused: bad flags, an unreadable input, a fingerprint mismatch on
+      resume, an unknown ``--model``, an endpoints file that cannot be used
+3     the job ran to its end but some tasks failed (their error lines are written)
+4     stopped by an outage (the endpoints stayed down past ``--outage-timeout``; a rerun
+      resumes the unfinished tasks)
+5     the output could not be written (disk full, a read-only place); resume after fixing it
+130   interrupted (SIGINT or SIGTERM); the same command resumes
+====  =====================================================================================
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from carpool.jobs.summary import JobStats
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    CRASHED = 1
+    REFUSED = 2
+    TASKS_FAILED = 3
+    OUTAGE = 4
+    OUTPUT_FAILED = 5
+    INTERRUPTED = 130
+
+
+class StartRefused(ValueError):
+    """The job cannot start as asked (exit 2); the message says why and what to do."""
+
+
+def exit_code(stats: JobStats) -> ExitCode:
+    """The code of a job that ran (a refused start or a write failure never gets here)."""
+    if stats.stopped_by_outage:
+        return ExitCode.OUTAGE
+    if stats.interrupted:
+        return ExitCode.INTERRUPTED
+    if stats.n_errors or stats.failed_before:
+        return ExitCode.TASKS_FAILED
+    return ExitCode.OK

@@ -1,0 +1,98 @@
+"""The run fingerprint: what produced the answers in an output file.
+
+It is stored in the sidecar ``<output>.carpool.json`` when a run starts, and a resume
+into the same output is refused (exit 2) when it would produce answers another way:
+another model (the name sent, or what the endpoint reports under it: ``carpool.client.
+models.ModelIdentity``), another backend kind (an endpoint, the embedded engine, the echo
+backend), another default parameter (``--max-tokens``, ``--temperature``, extra defaults)
+or another ``--template`` / ``--system`` / ``--kind`` / ``--id-column``.  Mixed answers in
+one file cannot be told apart afterwards; ``--force`` resumes anyway and records the new
+fingerprint.
+
+Not in it, on purpose: endpoint URLs (a replica or a moved server serves the same model),
+keys and headers, concurrency, timeouts, retries, cache settings, the input file (the
+sidecar's ``input`` warns about that separately: tasks are matched by custom_id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from carpool.client.models import ModelIdentity
+from carpool.jobs.exit_codes import StartRefused
+
+if TYPE_CHECKING:
+    from carpool.jobs.options import RunOptions
+
+VERSION = 1
+
+
+class FingerprintMismatch(StartRefused):
+    """A resume that would mix answers made another way into the output (exit 2)."""
+
+
+def job_identity(opts: RunOptions) -> ModelIdentity:
+    """The identity ``opts`` was resolved to (``carpool.jobs.target``), or the one that can be
+    told without asking anything (a job composed without resolution: Ray Data batches, tests)."""
+    if opts.identity is not None:
+        return opts.identity
+    if opts.echo:
+        return ModelIdentity("echo", kind="echo")
+    if opts.endpoints:
+        return ModelIdentity(opts.defaults.model or "", namespace=opts.cache_namespace)
+    name = str(getattr(opts.engine, "model_name", None) or opts.engine_model)
+    return ModelIdentity(name, kind="engine", namespace=opts.cache_namespace)
+
+
+def make_fingerprint(opts: RunOptions) -> dict:
+    d = opts.defaults
+    template = dataclasses.asdict(opts.template) if opts.template is not None else None
+    if template is not None:
+        template.pop("columns", None)
+    return {
+        "version": VERSION,
+        "model": job_identity(opts).doc(),
+        "defaults": {"max_tokens": d.max_tokens, "temperature": d.temperature,
+                     "extra": dict(sorted(d.extra.items()))},
+        "template": template,
+    }
+
+
+def _flat(doc: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in doc.items():
+        if isinstance(v, dict) and k != "extra":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+# Fields compared only when both fingerprints have them: an endpoint that could not be
+# asked at one start (down, no /models) does not make a resume look like another model.
+_WHEN_BOTH = {"model.served_id", "model.owned_by", "model.root", "model.created"}
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What changed, one readable phrase a field ("max_tokens: 16 then, 32 now")."""
+    a, b = _flat(old), _flat(new)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k == "version":
+            continue
+        va, vb = a.get(k), b.get(k)
+        if k in _WHEN_BOTH and (va is None or vb is None):
+            continue
+        if k == "template" and va is None and vb is None:
+            continue
+        if va != vb:
+            name = k.removeprefix("defaults.").removeprefix("model.")
+            out.append(f"{name}: {va!r} then, {vb!r} now")
+    return out
+
+
+def mismatch_message(output: str, diffs: list[str]) -> str:
+    return (f"{output} was started with another setup ({'; '.join(diffs)}). Resuming would mix answers "
+            "made two ways in one file. Run with the same settings to resume, --force to resume anyway "
+            "(the new setup is recorded), or --fresh (or another -o) to start over.")

@@ -1,0 +1,111 @@
+"""Before the first request: which model the job talks to, checked against the endpoints.
+
+``resolve_target(opts)`` asks every endpoint's ``GET /models`` once and settles the model:
+
+- ``--model NAME`` that an endpoint which answered does not list: refused (exit 2), with
+  the names it does serve;
+- no ``--model`` and the endpoints serve exactly one model: that one, said in a message;
+  several: refused with their names, unless the first task names its own model;
+- an endpoint that cannot be asked (down, no ``/models``: some gateways): a warning, and the
+  name is sent as given; with no ``--model`` and no task naming one, refused.
+
+The result is ``opts`` with the model filled in and ``opts.identity`` set (what the endpoint
+reports about the model: ``carpool.client.models``), which the run fingerprint and the
+cache keys use.  The embedded engine and the echo backend are resolved without asking
+anything.  Nothing here sends a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from carpool.client.models import ModelIdentity, ModelList, identity_from_card, list_models
+from carpool.jobs.exit_codes import StartRefused
+from carpool.jobs.fingerprint import job_identity
+from carpool.jobs.options import RunOptions
+from carpool.jobs.readers import Reader, TaskSource
+from carpool.jobs.tasks import Task
+
+
+def _first_task_model(opts: RunOptions, source: TaskSource | None, look: int = 64) -> str | None:
+    """The model the first valid task names, if any (a job whose tasks name their models
+    needs no ``--model``)."""
+    src = source if source is not None else Reader(opts.input, opts.fmt, opts.template, opts.defaults)
+    for i, item in enumerate(src):
+        if isinstance(item, Task):
+            model = item.request.body.get("model")
+            return model if isinstance(model, str) and model else None
+        if i >= look:
+            break
+    return None
+
+
+def _auth_headers(opts: RunOptions) -> dict[str, str]:
+    return {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+
+
+async def fetch_model_lists(opts: RunOptions) -> list[ModelList]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=opts.timeouts.connect_s, sock_read=opts.timeouts.read_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return list(await asyncio.gather(*(list_models(session, url, _auth_headers(opts),
+                                                       timeout_s=opts.timeouts.connect_s + opts.timeouts.read_s)
+                                           for url in opts.endpoints)))
+
+
+def settle_model(opts: RunOptions, lists: list[ModelList], source: TaskSource | None = None
+                 ) -> tuple[str | None, ModelIdentity, list[str]]:
+    """(model name to send by default, its identity, messages); raises ``StartRefused``."""
+    notes: list[str] = []
+    answered = [m for m in lists if m.error is None]
+    for m in lists:
+        if m.error is not None:
+            notes.append(f"warning: could not list the models of {m.url} ({m.error}); "
+                         "the model name is sent as given there, unchecked")
+    model = opts.defaults.model
+    if model:
+        for m in answered:
+            if m.card(model) is None:
+                served = ", ".join(m.ids) or "none"
+                raise StartRefused(f"--model {model!r} is not served by {m.url} (it serves: {served}); "
+                                   "pass one of those names")
+    else:
+        names = sorted({i for m in answered for i in m.ids})
+        if len(names) == 1 and answered:
+            model = names[0]
+            notes.append(f"--model not given: {', '.join(m.url for m in answered)} serves only {model!r}; using it")
+        elif _first_task_model(opts, source) is None:
+            if answered:
+                raise StartRefused(f"no --model given and {answered[0].url} serves several models "
+                                   f"({', '.join(names) or 'none'}): pass --model NAME")
+            raise StartRefused("no --model given and the endpoint's models could not be listed "
+                               f"({lists[0].error if lists else 'no endpoint'}): pass --model NAME")
+    if not model:
+        return None, ModelIdentity("", namespace=opts.cache_namespace), notes
+    cards = [(m.url, m.card(model)) for m in answered if m.card(model) is not None]
+    identity = identity_from_card(model, cards[0][1] if cards else None, opts.cache_namespace)
+    for url, card in cards[1:]:
+        other = identity_from_card(model, card, opts.cache_namespace)
+        if other != identity:
+            notes.append(f"warning: {url} and {cards[0][0]} disagree on what {model!r} is "
+                         f"({other.doc()} vs {identity.doc()}); the fingerprint and the cache use the first")
+    return model, identity, notes
+
+
+async def resolve_target(opts: RunOptions, source: TaskSource | None = None) -> tuple[RunOptions, list[str]]:
+    """``opts`` with the model settled and ``identity`` set, and what the user should know."""
+    if opts.identity is not None:
+        return opts, []
+    if opts.echo or not opts.endpoints:
+        return dataclasses.replace(opts, identity=job_identity(opts)), []
+    lists = await fetch_model_lists(opts)
+    model, identity, notes = settle_model(opts, lists, source)
+    defaults = dataclasses.replace(opts.defaults, model=model)
+    return dataclasses.replace(opts, defaults=defaults, identity=identity), notes
+
+
+def resolve_target_sync(opts: RunOptions) -> tuple[RunOptions, list[str]]:
+    """``resolve_target`` from code that has no event loop running (the Ray driver)."""
+    return asyncio.run(resolve_target(opts))
