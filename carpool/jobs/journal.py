@@ -246,13 +246,13 @@ def compact(paths: list[Path]) -> int:
                 here = offset
                 offset += len(line)
                 cid = scan_line(line)[0] if line.endswith(b"\n") else None
-                h = id_hash(cid) if cid is not None else None
-                if h is None or h not in dups:
+                lh = id_hash(cid) if cid is not None else None
+                if lh is None or lh not in dups:
                     out.write(line)
                     continue
-                fi, foff, flen, _ = final[h]
-                if fi == i and h not in placed:  # the final line, at the first place of its id
-                    placed.add(h)
+                fi, foff, flen, _ = final[lh]
+                if fi == i and lh not in placed:  # the final line, at the first place of its id
+                    placed.add(lh)
                     if foff == here:
                         out.write(line)
                     else:
@@ -390,7 +390,7 @@ class Journal:
         if finished and (self.recovered.retry or self.recovered.superseded):
             self.compacted = compact(self.paths)
             self.recovered = Recovered(self.done)
-        doc = {"input": os.path.abspath(input_path) if input_path is not None else None,
+        doc: dict[str, object] = {"input": os.path.abspath(input_path) if input_path is not None else None,
                "input_size": os.stat(input_path).st_size if input_path is not None else None,
                "finished": finished, "argv": argv if argv is not None else sys.argv}
         if self.fingerprint is not None:

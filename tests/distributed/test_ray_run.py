@@ -72,7 +72,7 @@ def test_ray_run_writes_the_same_lines_as_one_process(ray_cluster, zero_server, 
     args = parser.parse_args([str(tasks), "-o", str(out), "--endpoint", zero_server.url, "--model", "m",
                               "--ordered", "--cache", "off", "--ray", "--ray-workers", "2", "--ray-shards", "5",
                               "--quiet"])
-    assert run_command.main(args) == 0  # `carpool run ... --ray` dispatches to Ray
+    assert run_command.main(args) == 3  # `carpool run ... --ray` dispatches to Ray; 4 bad lines: exit 3
     assert normalised(out) == normalised(single)
     # The bad lines are reported with their line numbers in the whole file, not in a shard.
     errors = [json.loads(x)["error"] for x in out.read_text().splitlines() if json.loads(x)["error"]]
