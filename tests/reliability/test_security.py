@@ -142,8 +142,12 @@ def _texts(path) -> dict[str, dict]:
 
 
 def test_exact_cache_never_serves_another_model_or_parameter_scope(logging_fault_server, tmp_path):
-    a = logging_fault_server(FaultConfig())
-    b = logging_fault_server(FaultConfig())
+    # The cache names the model by what the endpoint reports (/v1/models), not by its URL:
+    # b serves other weights under the same name (another root), c is a replica of a.
+    cards = [{"id": "m1", "object": "model", "owned_by": "vllm", "root": "/weights/m1"},
+             {"id": "m2", "object": "model", "owned_by": "vllm", "root": "/weights/m2"}]
+    a = logging_fault_server(FaultConfig(models=cards))
+    b = logging_fault_server(FaultConfig(models=[{**cards[0], "root": "/weights/m1-retrained"}]))
     cache = f"sqlite:///{tmp_path / 'cache.sqlite'}"
     base = [chat_task(f"c{i}", f"classify item {i}", temperature=0.0, max_tokens=4) for i in range(6)]
     src = write_jsonl(tmp_path / "base.jsonl", base)
@@ -170,9 +174,13 @@ def test_exact_cache_never_serves_another_model_or_parameter_scope(logging_fault
         assert srv.server.total_requests - before == 6, name  # every task went to the server
         for resp in _texts(tmp_path / f"{name}.out.jsonl").values():
             assert resp["body"]["model"] == model and not resp["request_id"].startswith("cache"), name
-    # The positive control: the very same tasks again are all served from the cache.
+    # The positive controls: the very same tasks again, and on a replica of a (another URL),
+    # are all served from the cache.
     s = run_batch(src, tmp_path / "again.jsonl", endpoints=[a.url], model="m1", cache=cache)
     assert s["cache_hits"] == 6
+    c = logging_fault_server(FaultConfig(models=cards))
+    s = run_batch(src, tmp_path / "replica.jsonl", endpoints=[c.url], model="m1", cache=cache)
+    assert s["cache_hits"] == 6 and c.server.total_requests == 0
     assert _texts(tmp_path / "again.jsonl") == {k: {**v, "request_id": "cache:exact"}
                                                 for k, v in _texts(tmp_path / "first.jsonl").items()}
 
