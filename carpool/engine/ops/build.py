@@ -149,8 +149,15 @@ class Kernels:
     def start(self) -> None:
         """Build (or load the cached build) in the background; ``ready`` turns True when done.
 
-        A fresh machine compiles for about a minute; until then the torch path runs.
+        A fresh machine compiles for about a minute; until then the torch path runs.  A build
+        already in the cache is loaded now, before the first step: switching from the torch path
+        to the kernels in the middle of a request changes its numerics (bf16), so a job started
+        right after the engine would otherwise answer differently from a warm server.
         """
+        final = self.cache_dir / f"ops-{build_key()}"
+        if self.module is None and self.error is None and final.exists() and any(final.glob(f"{_NAME}*.so")):
+            self.wait()
+            return
         if self.module is None and self.error is None and self._thread is None:
             self._thread = threading.Thread(target=self.wait, name="carpool-build-kernels", daemon=True)
             self._thread.start()
