@@ -141,9 +141,9 @@ def test_the_limiter_learns_nothing_from_an_outage():
             super().__init__(initial=4)
             self.samples = []
 
-        def release(self, latency=None, dropped=False, e2e=None):
+        def release(self, latency=None, dropped=False, e2e=None, **kw):  # kw: ttft, tokens, decoding, ...
             self.samples.append((latency, dropped, e2e))
-            super().release(latency, dropped, e2e)
+            super().release(latency, dropped, e2e, **kw)
 
     lim = Recording()
     outs, *_ = _outage_then_server([chat(f"r{i}") for i in range(12)], 1.0, policy=RetryPolicy(), limiter=lim)
