@@ -32,7 +32,7 @@ class Generation:
 
         A failed engine request raises its exception here (``engine_failure`` says which
         error answer it is), and so does a choice the engine ended with finish_reason "error"
-        (it failed inside a step and was dropped alone): ``request_failed``, a 500 for this
+        (it failed inside a step and was dropped alone): ``Choice.add`` raises a 500 for this
         request only; the engine serves on."""
         if self._gen is None:
             self._gen = self._deltas()
@@ -47,8 +47,7 @@ class Generation:
         if len(self.choices) == 1:  # the common case: no tasks, no queue
             choice = self.choices[0]
             async for delta in self.engine.submit(choice.request):
-                choice.add(delta)
-                _raise_if_failed(delta)
+                choice.add(delta)  # raises the 500 of a choice the engine failed on
                 yield choice, delta
             return
         queue: asyncio.Queue[tuple[Choice, TokenDelta | Exception]] = asyncio.Queue()
@@ -67,7 +66,6 @@ class Generation:
             if isinstance(item, Exception):
                 raise item
             choice.add(item)
-            _raise_if_failed(item)
             if item.finished:
                 remaining -= 1
             yield choice, item
@@ -87,19 +85,6 @@ class Generation:
                     await self.engine.abort(c.request.request_id)
                 except Exception:
                     log.exception("abort of %s failed", c.request.request_id)
-
-
-def _raise_if_failed(delta: TokenDelta) -> None:
-    if delta.finish_reason == "error":
-        raise request_failed(delta)
-
-
-def request_failed(delta: TokenDelta) -> OpenAIError:
-    """The answer for a choice the engine ended with finish_reason "error": a 500 (the request
-    was valid; the engine failed on it), its reason in the message."""
-    # The engine has logged it (with the traceback); the answer says why.
-    return OpenAIError(500, delta.error or "the engine failed on this request", type="server_error",
-                       code="engine_request_failed")
 
 
 def engine_failure(e: Exception, engine: EngineClient) -> OpenAIError:

@@ -55,8 +55,9 @@ class Choice:
     def add(self, delta: TokenDelta) -> None:
         """Gather one delta of this choice's engine request."""
         if delta.finish_reason == "error":  # this request failed inside a step; the others run on
-            raise OpenAIError(500, f"the engine failed on this request: {delta.error or 'unknown error'}",
-                              type="server_error")
+            # a 500 for this request alone (it was valid; the engine failed on it); delta.error says why
+            raise OpenAIError(500, delta.error or "the engine failed on this request", type="server_error",
+                              code="engine_request_failed")
         if delta.text:
             self.parts.append(delta.text)
         if delta.logprobs:
