@@ -13,17 +13,20 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from .config import EngineConfig
 from .protocol import EngineError, GenerateRequest, TokenDelta
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: Any = None):
         self.config = config or EngineConfig()
         self._loaded = loaded
-        self.engine = None  # LLMEngine, built by start()
+        self.engine: LLMEngine | None = None  # built by start()
         self._thread: threading.Thread | None = None
         self._cv = threading.Condition()
         self._new: list = []  # sequences to add (guarded by _cv)
@@ -48,12 +51,12 @@ class AsyncEngine:
                 self._thread = threading.Thread(target=self._loop, name="carpool-engine", daemon=True)
                 self._thread.start()
 
-    async def start(self) -> AsyncEngine:
+    async def start(self) -> Self:
         if self._thread is None:
             await asyncio.get_running_loop().run_in_executor(None, self._build)
         return self
 
-    def start_sync(self) -> AsyncEngine:
+    def start_sync(self) -> Self:
         self._build()
         return self
 
@@ -77,17 +80,18 @@ class AsyncEngine:
 
     @property
     def max_model_len(self) -> int:
-        self._require()
-        return self.engine.max_model_len
+        return self._require().max_model_len
 
     @property
     def tokenizer(self):
-        self._require()
-        return self.engine.tokenizer
+        return self._require().tokenizer
 
-    def _require(self) -> None:
+    def _require(self) -> LLMEngine:
+        """The engine, built now if start() has not run yet."""
         if self.engine is None:
             self._build()
+        assert self.engine is not None  # _build() set it
+        return self.engine
 
     # -------------------------------------------------------------- requests
 
@@ -98,6 +102,7 @@ class AsyncEngine:
         """
         if self.engine is None:
             await self.start()
+        assert self.engine is not None  # start() built it
         if self.error is not None:
             raise EngineError(f"the engine loop has failed: {self.error!r}")
         if _text_chars(request) > OFF_LOOP_CHARS:  # templating + tokenizing a long prompt: not on the loop
@@ -140,21 +145,18 @@ class AsyncEngine:
         self._request_abort(request_id)
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        self._require()
-        return self.engine.count_prompt_tokens(request)
+        return self._require().count_prompt_tokens(request)
 
     def stats(self) -> dict:
-        self._require()
-        return self.engine.stats()
+        return self._require().stats()
 
     def add_step_listener(self, fn: Callable[[dict], None]) -> None:
         """``fn(info)`` after every engine step, on the engine's thread (see ``EngineClient``)."""
-        self._require()
-        self.engine.add_step_listener(fn)
+        self._require().add_step_listener(fn)
 
     # ------------------------------------------------------------ engine loop
 
-    def _deliver(self, deltas: list) -> None:
+    def _deliver(self, deltas: list[TokenDelta | _Failed]) -> None:
         """Group deltas by consumer loop and hand each group over in one call."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for d in deltas:
@@ -167,6 +169,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        assert engine is not None  # _build() sets it before starting this thread
         while True:
             with self._cv:
                 while not (self._stop or self._new or self._aborts or engine.has_unfinished()):
@@ -175,7 +178,7 @@ class AsyncEngine:
                     break
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
-            out: list[TokenDelta] = []
+            out: list[TokenDelta | _Failed] = []
             for seq in new:
                 try:
                     engine.add_request(seq)

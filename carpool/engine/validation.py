@@ -10,6 +10,7 @@ this is the first line.
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 from .protocol import EngineError, SamplingParams, StructuredOutputs
 
@@ -24,11 +25,11 @@ def _show(v: object) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: object) -> bool:
+def _is_number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 

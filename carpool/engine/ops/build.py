@@ -28,6 +28,7 @@ import sysconfig
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,8 +79,9 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def _import_so(path: Path) -> object:
+def _import_so(path: Path) -> Any:  # the compiled extension: no type stub
     spec = importlib.util.spec_from_file_location(_NAME, path)
+    assert spec is not None and spec.loader is not None  # a .so path always has the extension loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -93,7 +95,7 @@ class Kernels:
         self.cache_dir = cache_dir or carpool_cache_dir() / "kernels"
         self.requested_isa = isa
         self.isa = 0
-        self.module = None
+        self.module: Any = None  # the compiled extension (no type stub), once loaded
         self.error: str | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
