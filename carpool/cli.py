@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from carpool.engine.process import configure_process
+
 VERBS: dict[str, tuple[str, str]] = {
     "run": ("carpool.commands.run", "run every task of a file (JSONL/Batch/CSV/Parquet)"),
     "serve": ("carpool.commands.serve", "OpenAI-compatible server over the engine"),
@@ -38,6 +40,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Before any verb imports torch: the OpenMP wait policy is read when torch loads.
+    configure_process()
     args = build_parser(argv).parse_args(argv)
     module = importlib.import_module(VERBS[args.verb][0])
     return int(module.main(args) or 0)

@@ -203,3 +203,27 @@ def test_a_cycle_and_an_upward_arrow_are_caught(monkeypatch):
     assert any("carpool/engine/config.py:1 imports carpool.jobs.tasks" in b for b in _upward_arrows())
     add("carpool.jobs.tasks", "carpool.jobs.readers")  # readers imports tasks: now a circle
     assert {"carpool.jobs.tasks", "carpool.jobs.readers"} in _cycles()
+
+
+def test_importing_every_module_changes_no_environment_variable():
+    """Library code sets nothing process-wide at import (issue 19): no OMP_WAIT_POLICY, no HF
+    offline mode.  The command line and the scripts call ``configure_process()`` themselves."""
+    import subprocess
+    import sys
+
+    skip = ("carpool.testing", "carpool.distributed", "carpool.cli")  # Ray / entry point
+    names = sorted(m for m in MODULES if not m.startswith(skip))
+    code = (
+        "import importlib, os, sys\n"
+        "before = dict(os.environ)\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}\n"
+        "print(sorted(changed))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("OMP_WAIT_POLICY", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"importing carpool changed {out.stdout.strip()}"

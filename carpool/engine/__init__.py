@@ -3,18 +3,14 @@
 Exports (imported lazily, so ``import carpool.engine`` stays cheap and torch-free):
 ``AsyncEngine`` (the in-process EngineClient), ``LLMEngine`` (sync core), ``LLM``
 (offline), ``EngineConfig``, ``SamplingParams``, ``GenerateRequest``, and
-``configure_process`` (threads, OpenMP wait policy, malloc; see process.py).
+``configure_process`` (threads, OpenMP wait policy, malloc; see process.py).  Importing this
+package changes nothing in the process: the ``carpool`` command calls ``configure_process``
+before anything loads torch, and a script can do the same.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
-
-# OpenMP threads that spin at barriers stall for a whole time slice when the cores are
-# shared (other processes, a busy server); sleeping waiters cost microseconds instead.
-# This must be set before torch loads its OpenMP runtime; export it to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {
     "configure_process": ".process",

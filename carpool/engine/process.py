@@ -1,10 +1,11 @@
 """Process-wide settings the engine runs best with: torch threads, the OpenMP wait policy and
 glibc's malloc thresholds, in one place.
 
-``LLMEngine`` applies ``configure_process(config.num_threads)`` when it is built (as before
-this module existed); ``import carpool.engine`` sets ``OMP_WAIT_POLICY=PASSIVE`` unless the
-user exported one.  A script that imports torch before carpool can call
-``carpool.engine.configure_process()`` first thing to get the passive waits too.
+``LLMEngine`` applies ``configure_process(config.num_threads)`` when it is built; the
+``carpool`` command (cli.py) calls ``configure_process()`` before a verb imports torch, so
+``OMP_WAIT_POLICY=PASSIVE`` is in force unless the user exported one.  Importing carpool sets
+nothing: a script that drives the engine itself calls ``carpool.engine.configure_process()``
+first thing, before ``import torch``, to get the passive waits too.
 
 This module does not import torch: ``OMP_WAIT_POLICY`` is read when torch loads its OpenMP
 runtime, so the call has to come before the first ``import torch`` to have that effect.

@@ -7,11 +7,7 @@ compared token for token.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
-
-# Before torch loads OpenMP (as carpool.engine does): spinning waiters stall on a busy machine.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
