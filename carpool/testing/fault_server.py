@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import random
-import threading
 import time
 import urllib.parse
 from collections import Counter
@@ -29,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Self
 
 from aiohttp import web
+
+from .threaded import ThreadedServer
 
 FAULT_KINDS = (
     "429", "500", "502", "503", "400",
@@ -382,33 +383,11 @@ def _usage(body: dict, n_tokens: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": n_tokens, "total_tokens": prompt + n_tokens}
 
 
-class ThreadedFaultServer:
+class ThreadedFaultServer(ThreadedServer):
     """The fault server on its own event loop in a daemon thread (for sync tests/subprocesses)."""
 
     def __init__(self, config: FaultConfig | None = None):
-        self.server = FaultServer(config)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-
-    def start(self) -> str:
-        self._thread.start()
-        return asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(10)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__init__(FaultServer(config))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 from aiohttp import web
+
+from .threaded import ThreadedServer
 
 
 def canonical(body: dict) -> str:
@@ -113,30 +113,8 @@ class ReplayServer:
                 f"got {canonical(body)[:300]}")
 
 
-class ThreadedReplayServer:
+class ThreadedReplayServer(ThreadedServer):
     """The replay server on its own event loop in a daemon thread (for sync tests and subprocesses)."""
 
     def __init__(self, directory: Path | str, piece_bytes: int = 61):
-        self.server = ReplayServer(directory, piece_bytes=piece_bytes)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-
-    def start(self) -> str:
-        self._thread.start()
-        return asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(10)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__init__(ReplayServer(directory, piece_bytes=piece_bytes))
