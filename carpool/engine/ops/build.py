@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("module.cpp", "attention.cpp", "layers.cpp")
-HEADERS = ("simd.h", "attention_kernels.h", "layer_kernels.h")
+HEADERS = ("simd.h", "per_isa.h", "attention_kernels.h", "layer_kernels.h")
 # -ffp-contract=off: a * b - c * d stays two rounded products (as torch computes it), not an FMA.
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17")
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)

@@ -9,23 +9,8 @@
 
 #include "simd.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
-namespace carpool::avx512 {
-#include "layer_kernels.h"
-}  // namespace carpool::avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace carpool::avx2 {
-#include "layer_kernels.h"
-}  // namespace carpool::avx2
-#pragma GCC pop_options
-
-namespace carpool::scalar {
-#include "layer_kernels.h"
-}  // namespace carpool::scalar
+#define CARPOOL_KERNELS "layer_kernels.h"
+#include "per_isa.h"
 
 namespace carpool {
 
