@@ -46,22 +46,28 @@ def _model(models: list[str] | None, what: str) -> dict:
     return {**schema, "enum": list(models)} if models is not None else schema
 
 
+def _named_schema(schema_field: str) -> dict:
+    """A response format's ``json_schema`` and a tool's ``function``: a name, a description,
+    a JSON Schema under ``schema_field`` and the ``strict`` flag."""
+    return {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 64},
+            "description": {"type": "string", "nullable": True},
+            schema_field: {"type": "object", "nullable": True, "description": "a JSON Schema"},
+            "strict": {"type": "boolean", "nullable": True},
+        },
+    }
+
+
 RESPONSE_FORMAT = {
     "type": "object",
     "nullable": True,
     "required": ["type"],
     "properties": {
         "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
-        "json_schema": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": {"type": "string", "minLength": 1, "maxLength": 64},
-                "description": {"type": "string", "nullable": True},
-                "schema": {"type": "object", "nullable": True, "description": "a JSON Schema"},
-                "strict": {"type": "boolean", "nullable": True},
-            },
-        },
+        "json_schema": _named_schema("schema"),
     },
 }
 # vLLM's own structured-output parameter (0.32's name): exactly one constraint.
@@ -82,16 +88,7 @@ _TOOL = {
     "required": ["type", "function"],
     "properties": {
         "type": {"type": "string", "enum": ["function"]},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": {"type": "string", "minLength": 1, "maxLength": 64},
-                "description": {"type": "string", "nullable": True},
-                "parameters": {"type": "object", "nullable": True, "description": "a JSON Schema"},
-                "strict": {"type": "boolean", "nullable": True},
-            },
-        },
+        "function": _named_schema("parameters"),
     },
 }
 TOOL_CHOICE = {
