@@ -194,16 +194,21 @@ class FaultServer:
                 continue
             if f.match and f.match not in key and (raw is None or f.match.encode() not in raw):
                 continue
-            if f.rate is not None:
-                if self._rng.random() < f.rate:
-                    return f
-                continue
-            if f.times == 0:
-                return f
-            if self._fault_left[i] > 0:
-                self._fault_left[i] -= 1
+            if self._fires(i, f):
                 return f
         return None
+
+    def _fires(self, i: int, f: Fault) -> bool:
+        """Whether matching fault ``i`` acts on this request: by its rate, always (times=0),
+        or while it has times left."""
+        if f.rate is not None:
+            return self._rng.random() < f.rate
+        if f.times == 0:
+            return True
+        if self._fault_left[i] > 0:
+            self._fault_left[i] -= 1
+            return True
+        return False
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.total_requests += 1
@@ -236,12 +241,7 @@ class FaultServer:
         for i, f in enumerate(self.config.faults):
             if f.kind != "reset_before_body" or (f.match and f.match not in cid):
                 continue
-            if f.rate is not None:
-                return f if self._rng.random() < f.rate else None
-            if f.times == 0:
-                return f
-            if self._fault_left[i] > 0:
-                self._fault_left[i] -= 1
+            if self._fires(i, f):
                 return f
         return None
 
