@@ -1,6 +1,7 @@
 // Attention kernel bodies, written once against simd.h's vocabulary (Vf, W, load, fmadd, ...).
-// attention.cpp includes this file three times, inside namespace carpool::{avx512,avx2,scalar} and
-// the matching `#pragma GCC target` region, so each copy is compiled for its instruction set.
+// attention.cpp has per_isa.h include this file three times, inside namespace
+// carpool::{avx512,avx2,scalar} and the matching `#pragma GCC target` region, so each copy is
+// compiled for its instruction set.
 // No include guard on purpose; the headers it needs are included by attention.cpp first.
 
 // Rows are processed in blocks of up to kRows consecutive rows of one sequence (a short prefill

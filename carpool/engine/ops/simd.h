@@ -1,6 +1,6 @@
 // Small SIMD vocabulary shared by the kernels: one namespace per instruction set, each with the
 // same names (Vf, W, load, store, fmadd, gather, reduce_add, exp, ...), so a kernel body written once is
-// compiled three times (see kernels.h) and the right copy is picked at run time.
+// compiled three times (see per_isa.h) and the right copy is picked at run time.
 //
 // The build uses no -march flag: every AVX2 / AVX-512 function is compiled under a
 // `#pragma GCC target` region, so one .so runs on any x86-64 CPU and the dispatcher
