@@ -33,8 +33,10 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="tasks file: .jsonl (plain or OpenAI Batch format), .csv, .parquet")
-    p.add_argument("-o", "--output", help="results JSONL (default: <input>.results.jsonl); "
-                                          "running again with the same output resumes")
+    p.add_argument("-o", "--output", help="results: .jsonl (OpenAI Batch output lines) or .parquet (flat "
+                                          "columns, written at the end from a journal <output>.jsonl); "
+                                          "default <input>.results.jsonl; running again with the same "
+                                          "output resumes")
     p.add_argument("--errors", help="write failed tasks here instead of into the output")
     g = p.add_argument_group("input")
     g.add_argument("--format", choices=FORMATS, help="default: from the file extension")

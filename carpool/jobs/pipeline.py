@@ -213,11 +213,12 @@ class Pipeline:
                               f"with:\n  {self.resume_command()}")
         if st.stopped_by_outage:
             self.messages.append(f"stopped by an outage ({st.outage_stop}, past --outage-timeout "
-                                 f"{o.outage_timeout:g} s): {st.done + st.skipped:,} tasks are in {o.output}; "
+                                 f"{o.outage_timeout:g} s): {st.done + st.skipped:,} tasks are in "
+                                 f"{parts.journal.output}; "
                                  f"the others were not run. Resume once the endpoint is back with:\n"
                                  f"  {self.resume_command()}")
         elif st.interrupted:
-            self.messages.append(f"interrupted: {st.done + st.skipped:,} tasks are in {o.output}. "
+            self.messages.append(f"interrupted: {st.done + st.skipped:,} tasks are in {parts.journal.output}. "
                                  f"Resume with:\n  {self.resume_command()}")
         return st
 
