@@ -177,6 +177,7 @@ class Pipeline:
             raise
         st = self.stats
         st.backend, st.cache_backend = parts.label, parts.caches.label
+        st.cache_ttl_s = parts.caches.ttl_s if parts.caches.store is not None else None
         progress = Progress(st, o.progress if not o.quiet else False)
         progress.start()
         counter = asyncio.get_running_loop().run_in_executor(None, parts.source.count)
@@ -451,7 +452,7 @@ class Pipeline:
         self.stats.sent += 1
         self._account(res)
         if res.ok and key is not None and res.body is not None:
-            self.parts.caches.put(key, res.body)
+            self.parts.caches.put(key, res.body, self.parts.caches.model_of(req))
         self._finish(lead, res)
         self._write_result(out, task, res, outcome.attempts)
 
