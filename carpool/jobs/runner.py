@@ -42,6 +42,8 @@ class Runner:
         target = output_target(self.opts.output)  # a suffix carpool cannot write: refused before anything
         self.opts, notes = await resolve_target(self.opts)
         parts = build_parts(self.opts)
+        if target.kind == "parquet" and self.opts.fresh:  # the table of the run --fresh throws away
+            target.path.unlink(missing_ok=True)
         parts.messages[:0] = notes
         self.messages = parts.messages
         self.pipeline = Pipeline(parts, self.opts, self.notify)

@@ -165,10 +165,10 @@ def test_an_output_suffix_carpool_cannot_write_is_refused(fault_server, tmp_path
     srv = fault_server(FaultConfig(models=["m"]))
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [{"custom_id": "a", "messages": chat("a")}])
-    for name in ("out.json", "out.csv", "out"):
+    for name, extra in (("out.json", []), ("out.csv", ["--dry-run"]), ("out", [])):
         out = tmp_path / name
         p = subprocess.run([sys.executable, "-m", "carpool.cli", "run", str(src), "-o", str(out), "--endpoint",
-                            srv.url, "--model", "m", "--cache", "off", "--quiet"],
+                            srv.url, "--model", "m", "--cache", "off", "--quiet", *extra],
                            capture_output=True, text=True, timeout=120, check=False)
         assert p.returncode == ExitCode.REFUSED, p.stderr
         assert "-o/--output" in p.stderr and ".jsonl or .parquet" in p.stderr
