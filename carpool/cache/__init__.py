@@ -21,7 +21,13 @@ from carpool.cache.keys import (
 )
 from carpool.cache.sqlite_store import SQLiteStore, default_cache_dir, default_cache_path
 
+# Entries expire after a week unless told otherwise (``--cache-ttl``): a model served under
+# a name that moved to other weights without its /v1/models card changing (a hosted alias)
+# stops answering from the cache after this long.
+DEFAULT_TTL_S = 7 * 24 * 3600.0
+
 __all__ = [
+    "DEFAULT_TTL_S",
     "NullStore",
     "RedisStore",
     "SQLiteStore",
@@ -50,15 +56,16 @@ class NullStore:
         self.misses += 1
         return None
 
-    def put(self, key: str, response: dict, ttl_s: float | None = None) -> None:
+    def put(self, key: str, response: dict, ttl_s: float | None = None, *, model: str | None = None,
+            namespace: str = "") -> None:
         return None
 
     def stats(self) -> dict:
         return {"backend": "off", "location": None, "entries": 0, "bytes": 0, "hits": 0,
                 "misses": self.misses, "expired": 0, "puts": 0, "hit_rate": 0.0}
 
-    def clear(self) -> None:
-        return None
+    def clear(self, model: str | None = None, namespace: str | None = None) -> int:
+        return 0
 
     def close(self) -> None:
         return None
@@ -73,7 +80,8 @@ def open_cache(url: str | None = None, ttl_s: float | None = None):
     * ``redis://host:port/db`` or ``rediss://...``; ``?prefix=NAME:`` sets the key prefix
     * "off" / "none": a store that never hits
 
-    ``ttl_s``: default time to live of new entries in seconds (None: forever).
+    ``ttl_s``: time to live of new entries in seconds (None: forever; ``carpool run``
+    passes ``DEFAULT_TTL_S`` unless ``--cache-ttl`` says otherwise).
     """
     if url is None or url.strip() in ("", "sqlite", "default"):
         return SQLiteStore(default_cache_path(), ttl_s=ttl_s)

@@ -23,7 +23,8 @@ letters stay distinct), and the indentation at the start of a line (it is meanin
 code and YAML).  Stop strings, tool definitions, schemas and every other value are kept
 verbatim: whitespace in a stop string changes the output.
 
-In the key (everything that can change the output): model, endpoint identity and every
+In the key (everything that can change the output): model, endpoint identity, the
+``--cache-namespace`` when one is given (none: the key is the same as before it existed), and every
 body field except the ones listed in ``IGNORED_FIELDS`` -- so messages with roles, names
 and tool calls, temperature, top_p, top_k, min_p, max_tokens, max_completion_tokens,
 stop, seed, n, response_format, tools, tool_choice, parallel_tool_calls, logit_bias,
@@ -185,7 +186,7 @@ def _canonical(doc: Any) -> str:
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
 
 
-def _canonical_doc(kind: str, model: str | None, endpoint: str | None, body: dict) -> dict:
+def _canonical_doc(kind: str, model: str | None, endpoint: str | None, body: dict, namespace: str = "") -> dict:
     norm = normalize_body(body)
     if "messages" in norm and isinstance(norm["messages"], list):
         norm["messages"] = [
@@ -193,22 +194,27 @@ def _canonical_doc(kind: str, model: str | None, endpoint: str | None, body: dic
         ]
     if model is None:
         model = body.get("model")
-    return {
+    doc = {
         "v": KEY_VERSION,
         "kind": kind,
         "model": model or "",
         "endpoint": normalize_endpoint(endpoint),
         "body": {k: norm[k] for k in sorted(norm)},
     }
+    if namespace:  # only when set: the keys of every cache written without one stay as they were
+        doc["namespace"] = namespace
+    return doc
 
 
-def cache_key(*, model: str | None, endpoint: str | None, body: dict) -> str:
-    """SHA-256 (hex) of everything in ``body`` that can change the output, plus model and endpoint.
+def cache_key(*, model: str | None, endpoint: str | None, body: dict, namespace: str = "") -> str:
+    """SHA-256 (hex) of everything in ``body`` that can change the output, plus model, endpoint
+    and ``namespace`` (``--cache-namespace``: entries of one namespace are never served in another).
 
     ``model=None`` takes ``body["model"]``; the explicit argument wins otherwise, so a
     job-level model and the per-line body cannot disagree silently.
     """
-    return hashlib.sha256(_canonical(_canonical_doc("exact", model, endpoint, body)).encode()).hexdigest()
+    doc = _canonical_doc("exact", model, endpoint, body, namespace)
+    return hashlib.sha256(_canonical(doc).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------
@@ -354,7 +360,7 @@ def semantic_text(body: dict) -> str | None:
     return text
 
 
-def scope_key(*, model: str | None, endpoint: str | None, body: dict) -> str:
+def scope_key(*, model: str | None, endpoint: str | None, body: dict, namespace: str = "") -> str:
     """Key of everything that changes the output except the final user text.
 
     Two requests may share a semantic hit only inside one scope: same model, endpoint,
@@ -364,5 +370,5 @@ def scope_key(*, model: str | None, endpoint: str | None, body: dict) -> str:
     messages = body.get("messages")
     if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
         scoped["messages"] = [*messages[:-1], {**messages[-1], "content": _SLOT}]
-    doc = _canonical_doc("scope", model, endpoint, scoped)
+    doc = _canonical_doc("scope", model, endpoint, scoped, namespace)
     return hashlib.sha256(_canonical(doc).encode()).hexdigest()

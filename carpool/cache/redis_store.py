@@ -3,6 +3,13 @@
 Values are JSON strings under ``<prefix><key>``; a TTL is Redis's own expiry (``SET ...
 EX``), so Redis removes expired entries itself.  Lifetime hit/miss counts live in one
 hash ``<prefix>__stats__`` so every worker of a distributed job adds to the same figures.
+
+``carpool cache clear --model NAME`` needs to find one model's entries without reading
+them: each ``put`` adds the key to an index set ``<prefix>__index__:n=<hex
+namespace>:m=<hex model>`` (hex, so any name is safe inside a SCAN pattern).  The set lives
+as long as its longest-lived entry (a Lua script extends its expiry, never shortens it),
+so expired entries do not leave sets behind for ever.  Entries written before the index
+existed are read as before but only a full ``clear`` removes them.
 """
 
 from __future__ import annotations
@@ -14,7 +21,33 @@ from typing import Self
 
 DEFAULT_PREFIX = "carpool:cache:v1:"
 _STATS_SUFFIX = "__stats__"
+_INDEX = "__index__:"
 _COUNTERS = ("hits", "misses", "puts")
+
+# KEYS[1] the entry, KEYS[2] its index set; ARGV: the value, the TTL in ms ("": never).
+# The set's expiry only grows: it must outlive every entry it lists.
+_PUT_SCRIPT = """
+local existed = redis.call('EXISTS', KEYS[2])
+if ARGV[2] == '' then
+  redis.call('SET', KEYS[1], ARGV[1])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
+redis.call('SADD', KEYS[2], KEYS[1])
+if ARGV[2] == '' then
+  redis.call('PERSIST', KEYS[2])
+else
+  local left = redis.call('PTTL', KEYS[2])
+  if existed == 0 or (left >= 0 and left < tonumber(ARGV[2])) then
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  end
+end
+return 1
+"""
+
+
+def _index_part(text: str) -> str:
+    return text.encode().hex()
 
 
 class RedisStore:
@@ -30,6 +63,7 @@ class RedisStore:
         self._redis = client or redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10)
         self._lock = threading.Lock()
         self._session = dict.fromkeys(_COUNTERS, 0)
+        self._put_script = self._redis.register_script(_PUT_SCRIPT)
         try:
             self._redis.ping()
         except redis.RedisError as exc:
@@ -51,21 +85,27 @@ class RedisStore:
         pipe.execute()
         return None if value is None else json.loads(value)
 
-    def put(self, key: str, response: dict, ttl_s: float | None = None) -> None:
+    def put(self, key: str, response: dict, ttl_s: float | None = None, *, model: str | None = None,
+            namespace: str = "") -> None:
+        """``model`` / ``namespace``: the index ``clear`` selects the entry by."""
         ttl = self.ttl_s if ttl_s is None else ttl_s
         value = json.dumps(response, ensure_ascii=False, separators=(",", ":"))
+        # PX keeps sub-second TTLs exact; Redis needs at least 1 ms.
+        px = "" if ttl is None else str(max(1, math.ceil(ttl * 1000)))
         pipe = self._redis.pipeline(transaction=False)
-        if ttl is None:
-            pipe.set(self.prefix + key, value)
-        else:
-            # PX keeps sub-second TTLs exact; Redis needs at least 1 ms.
-            pipe.set(self.prefix + key, value, px=max(1, math.ceil(ttl * 1000)))
+        self._put_script(keys=[self.prefix + key, self._index_key(model or "", namespace)],
+                         args=[value, px], client=pipe)
         self._count(pipe, "puts")
         pipe.execute()
 
+    def _index_key(self, model: str, namespace: str) -> str:
+        return f"{self.prefix}{_INDEX}n={_index_part(namespace)}:m={_index_part(model)}"
+
     def _keys(self):
+        """The entry keys of this prefix (not its counters nor its index sets)."""
+        own = (self.prefix + "__").encode()
         for raw in self._redis.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000):
-            if not raw.endswith(_STATS_SUFFIX.encode()):
+            if not raw.startswith(own):
                 yield raw
 
     def stats(self) -> dict:
@@ -107,17 +147,35 @@ class RedisStore:
             "lifetime": {name: lifetime.get(name, 0) for name in _COUNTERS},
         }
 
-    def clear(self) -> None:
-        """Delete this prefix's entries and counters; other keys in the database stay."""
+    def clear(self, model: str | None = None, namespace: str | None = None) -> int:
+        """Delete the entries of ``model`` and/or ``namespace`` (found through the index sets),
+        or, both None, every entry of this prefix, its counters and index sets; other keys in
+        the database stay.  Returns how many entries were deleted."""
+        if model is None and namespace is None:
+            gone = self._delete_all(self._keys())
+            self._delete_all(self._redis.scan_iter(match=_glob_escape(self.prefix + _INDEX) + "*", count=1000))
+            self._redis.delete(self._stats_key)
+            return gone
+        ns = "*" if namespace is None else _index_part(namespace)
+        m = "*" if model is None else _index_part(model)
+        gone = 0
+        for index in list(self._redis.scan_iter(match=f"{_glob_escape(self.prefix + _INDEX)}n={ns}:m={m}",
+                                                count=1000)):
+            gone += self._delete_all(self._redis.sscan_iter(index, count=1000))
+            self._redis.delete(index)
+        return gone
+
+    def _delete_all(self, keys) -> int:
+        gone = 0
         batch: list[bytes] = []
-        for raw in self._keys():
+        for raw in keys:
             batch.append(raw)
             if len(batch) >= 1000:
-                self._redis.delete(*batch)
+                gone += self._redis.delete(*batch)
                 batch = []
         if batch:
-            self._redis.delete(*batch)
-        self._redis.delete(self._stats_key)
+            gone += self._redis.delete(*batch)
+        return gone
 
     def close(self) -> None:
         self._redis.close()

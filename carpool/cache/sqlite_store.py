@@ -3,8 +3,14 @@
 Each process (and each store object) opens its own connection; WAL lets readers run
 while one writer commits, and ``busy_timeout`` makes a second writer wait instead of
 failing.  Every ``put`` is its own short transaction, so a crash loses at most the entry
-being written.  Entries may expire (TTL); with ``max_bytes`` the least recently used
-entries are evicted once the file's payload passes the cap.
+being written.  Entries may expire (TTL): an expired entry is never served, and it is
+deleted when looked up or swept.  With ``max_bytes`` the least recently used entries are
+evicted once the file's payload passes the cap.
+
+Beside each entry: the model name and the ``--cache-namespace`` it was stored for, so
+``carpool cache clear --model NAME`` can delete one model's entries.  A file written
+before they existed gets the two columns added on open; its old entries are still read,
+but they have neither, so only a full ``clear`` removes them.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
@@ -26,7 +33,9 @@ CREATE TABLE IF NOT EXISTS entries (
     size        INTEGER NOT NULL,
     created     REAL NOT NULL,
     expires     REAL,              -- NULL: never
-    last_access REAL NOT NULL
+    last_access REAL NOT NULL,
+    model       TEXT,              -- NULL: stored before the column existed
+    namespace   TEXT
 );
 CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access);
 CREATE INDEX IF NOT EXISTS entries_expires ON entries(expires);
@@ -60,7 +69,10 @@ class SQLiteStore:
         ttl_s: float | None = None,
         max_bytes: int | None = None,
         busy_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock``: the time entries are stamped and expired by (tests pass their own)."""
+        self.clock = clock
         self.path = Path(path) if path is not None else default_cache_path()
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
@@ -85,6 +97,7 @@ class SQLiteStore:
                 mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
                 self._conn.execute("PRAGMA synchronous = NORMAL")
                 self._conn.executescript(_SCHEMA)
+                self._add_columns()
                 break
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) and "busy" not in str(exc):
@@ -97,6 +110,17 @@ class SQLiteStore:
                 f"cache file {self.path}: SQLite refused WAL mode (got {mode!r}); "
                 "use a local file system, not a network share"
             )
+
+    def _add_columns(self) -> None:
+        """A file from before the model/namespace columns: add them (its entries stay readable)."""
+        have = {row[1] for row in self._conn.execute("PRAGMA table_info(entries)")}
+        for name in ("model", "namespace"):
+            if name not in have:
+                try:
+                    self._conn.execute(f"ALTER TABLE entries ADD COLUMN {name} TEXT")
+                except sqlite3.OperationalError as exc:  # another process added it first
+                    if "duplicate column" not in str(exc):
+                        raise
 
     # -- counters ---------------------------------------------------------------------
 
@@ -121,7 +145,7 @@ class SQLiteStore:
     # -- the store interface ----------------------------------------------------------
 
     def get(self, key: str) -> dict | None:
-        now = time.time()
+        now = self.clock()
         with self._lock:
             row = self._conn.execute("SELECT value, expires FROM entries WHERE key = ?", (key,)).fetchone()
             if row is None:
@@ -138,17 +162,19 @@ class SQLiteStore:
             self._count("hits")
         return json.loads(value)
 
-    def put(self, key: str, response: dict, ttl_s: float | None = None) -> None:
-        """Store ``response`` (a JSON-serialisable dict).  ``ttl_s`` None: the store's default."""
+    def put(self, key: str, response: dict, ttl_s: float | None = None, *, model: str | None = None,
+            namespace: str = "") -> None:
+        """Store ``response`` (a JSON-serialisable dict).  ``ttl_s`` None: the store's default;
+        ``model`` / ``namespace``: what ``clear`` can select the entry by."""
         ttl = self.ttl_s if ttl_s is None else ttl_s
         value = json.dumps(response, ensure_ascii=False, separators=(",", ":"))
-        now = time.time()
+        now = self.clock()
         expires = now + ttl if ttl is not None else None
         with self._lock:
             self._conn.execute(
-                "INSERT OR REPLACE INTO entries(key, value, size, created, expires, last_access) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (key, value, len(key) + len(value.encode()), now, expires, now),
+                "INSERT OR REPLACE INTO entries(key, value, size, created, expires, last_access, model, namespace) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (key, value, len(key) + len(value.encode()), now, expires, now, model, namespace),
             )
             self._count("puts")
             self._puts_since_maintain += 1
@@ -183,10 +209,10 @@ class SQLiteStore:
     def maintain(self) -> None:
         """Sweep expired entries, enforce ``max_bytes`` and write counters to the file now."""
         with self._lock:
-            self._maintain_locked(time.time())
+            self._maintain_locked(self.clock())
 
     def stats(self) -> dict:
-        now = time.time()
+        now = self.clock()
         with self._lock:
             self._flush_counters()
             entries, payload, live_expired = self._conn.execute(
@@ -195,6 +221,9 @@ class SQLiteStore:
                 (now,),
             ).fetchone()
             lifetime = dict(self._conn.execute("SELECT name, value FROM counters").fetchall())
+            by_model = self._conn.execute(
+                "SELECT model, namespace, COUNT(*) FROM entries GROUP BY model, namespace "
+                "ORDER BY COUNT(*) DESC LIMIT 50").fetchall()
         file_bytes = sum(
             p.stat().st_size for p in (self.path, Path(f"{self.path}-wal")) if p.exists()
         )
@@ -211,15 +240,27 @@ class SQLiteStore:
             **self._session,
             "hit_rate": self._session["hits"] / lookups if lookups else 0.0,
             "lifetime": {name: lifetime.get(name, 0) for name in _COUNTERS},
+            # The 50 largest (model, namespace) groups; model None: entries from before the column.
+            "by_model": [{"model": m, "namespace": ns, "entries": n} for m, ns, n in by_model],
         }
 
-    def clear(self) -> None:
-        """Delete every entry and the lifetime counters (the file stays)."""
+    def clear(self, model: str | None = None, namespace: str | None = None) -> int:
+        """Delete the entries of ``model`` and/or ``namespace`` (both None: every entry, and the
+        lifetime counters); the file stays.  Returns how many entries were deleted."""
+        where, args = [], []
+        for column, value in (("model", model), ("namespace", namespace)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
         with self._lock:
-            self._conn.execute("DELETE FROM entries")
-            self._conn.execute("DELETE FROM counters")
-            self._unflushed = dict.fromkeys(_COUNTERS, 0)
+            if where:
+                gone = self._conn.execute("DELETE FROM entries WHERE " + " AND ".join(where), args).rowcount
+            else:
+                gone = self._conn.execute("DELETE FROM entries").rowcount
+                self._conn.execute("DELETE FROM counters")
+                self._unflushed = dict.fromkeys(_COUNTERS, 0)
             self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return max(gone, 0)
 
     def close(self) -> None:
         with self._lock:

@@ -12,8 +12,8 @@ model card it takes:
   vLLM and SGLang stamp the time of the request and carpool serve its own start, which
   would make every restart or replica look like another model.
 
-``--cache-namespace NAME`` replaces all of it (the user vouches that the answers of every
-endpoint in the job are interchangeable, e.g. several deployments of one model).
+``--cache-namespace`` is not part of the identity: it is a key component of its own
+(``carpool.cache.keys``), beside the identity, and not in the run fingerprint.
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ class ModelIdentity:
     owned_by: str | None = None
     root: str | None = None
     created: int | None = None  # only when it dates the model (see the module docstring)
-    namespace: str | None = None  # --cache-namespace
 
     def doc(self) -> dict:
         """The fields that identify the model, for the sidecar file (JSON)."""
         d: dict = {"kind": self.kind, "name": self.name}
-        for k in ("served_id", "owned_by", "root", "created", "namespace"):
+        for k in ("served_id", "owned_by", "root", "created"):
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
@@ -51,11 +50,7 @@ class ModelIdentity:
 
     def cache_identity(self) -> str:
         """What the cache keys hold in place of the endpoint (never a URL)."""
-        if self.namespace:
-            return "ns:" + self.namespace
-        d = self.doc()
-        d.pop("namespace", None)
-        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return json.dumps(self.doc(), sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -74,10 +69,9 @@ class ModelList:
         return next((c for c in self.cards if c.get("id") == model), None)
 
 
-def identity_from_card(name: str, card: dict | None, namespace: str | None = None,
-                       now: float | None = None) -> ModelIdentity:
+def identity_from_card(name: str, card: dict | None, now: float | None = None) -> ModelIdentity:
     if card is None:
-        return ModelIdentity(name=name, namespace=namespace)
+        return ModelIdentity(name=name)
     root = card.get("root") if isinstance(card.get("root"), str) else None
     created = card.get("created")
     now = time.time() if now is None else now
@@ -85,7 +79,7 @@ def identity_from_card(name: str, card: dict | None, namespace: str | None = Non
              and now - created > VOLATILE_CREATED_S)
     owned = card.get("owned_by")
     return ModelIdentity(name=name, served_id=str(card.get("id")), owned_by=owned if isinstance(owned, str) else None,
-                         root=root, created=created if dated else None, namespace=namespace)
+                         root=root, created=created if dated else None)
 
 
 async def list_models(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str] | None = None,

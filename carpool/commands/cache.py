@@ -1,4 +1,5 @@
-"""``carpool cache stats|clear [--cache URL]``: inspect or empty the result cache."""
+"""``carpool cache stats|clear [--cache URL] [--model NAME] [--namespace NAME]``: inspect
+or empty the result cache, all of it or one model's / one namespace's entries."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sqlite:///path/results.sqlite or redis://host:6379/0 "
         "(default: ${CARPOOL_CACHE_DIR:-~/.cache/carpool}/results.sqlite)",
     )
+    parser.add_argument("--model", metavar="NAME", default=None,
+                        help="clear: only the entries of this model (the name the tasks sent, e.g. gpt-4o-mini)")
+    parser.add_argument("--namespace", metavar="NAME", default=None,
+                        help="clear: only the entries stored with --cache-namespace NAME (with --model: both)")
     parser.add_argument(
         "--semantic-dir",
         metavar="DIR",
@@ -41,6 +46,10 @@ def _semantic_dir(args: argparse.Namespace, store) -> Path | None:
 def main(args: argparse.Namespace) -> int:
     from carpool.cache import open_cache
 
+    if args.action != "clear" and (args.model is not None or args.namespace is not None):
+        print("carpool cache: --model and --namespace select what `carpool cache clear` deletes; "
+              "`stats` shows every model (its by_model list)", file=sys.stderr)
+        return 2
     try:
         store = open_cache(args.cache)
     except (ValueError, ConnectionError, OSError) as exc:
@@ -49,10 +58,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         sem_dir = _semantic_dir(args, store)
         if args.action == "clear":
-            before = store.stats().get("entries", 0)
-            store.clear()
-            report = {"cleared": {"exact": before}}
-            if sem_dir is not None:
+            selected = args.model is not None or args.namespace is not None
+            report: dict = {"cleared": {"exact": store.clear(model=args.model, namespace=args.namespace)}}
+            if selected:
+                report["selected"] = {k: v for k, v in (("model", args.model), ("namespace", args.namespace))
+                                      if v is not None}
+                if sem_dir is not None:  # its entries are filed by scope hash, not by model
+                    report["semantic"] = ("not cleared: its entries cannot be selected by model or namespace; "
+                                          "`carpool cache clear` without them empties it")
+            elif sem_dir is not None:
                 from carpool.cache.semantic import SemanticCache
 
                 # An embedder is never needed to count or delete entries.

@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from carpool.cache import DEFAULT_TTL_S
 from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
 from carpool.client.pool import Timeouts
 from carpool.jobs.readers import FORMATS
@@ -33,8 +34,10 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="tasks file: .jsonl (plain or OpenAI Batch format), .csv, .parquet")
-    p.add_argument("-o", "--output", help="results JSONL (default: <input>.results.jsonl); "
-                                          "running again with the same output resumes")
+    p.add_argument("-o", "--output", help="results: .jsonl (OpenAI Batch output lines) or .parquet (flat "
+                                          "columns, written at the end from a journal <output>.jsonl); "
+                                          "default <input>.results.jsonl; running again with the same "
+                                          "output resumes")
     p.add_argument("--errors", help="write failed tasks here instead of into the output")
     g = p.add_argument_group("input")
     g.add_argument("--format", choices=FORMATS, help="default: from the file extension")
@@ -85,7 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache")
     g.add_argument("--cache", default=None, help="sqlite:///path, redis://host:6379/0 or off "
                                                  "(default: the SQLite file in ~/.cache/carpool)")
-    g.add_argument("--cache-ttl", type=float, help="seconds a cached result stays valid")
+    g.add_argument("--cache-ttl", type=_ttl, default=DEFAULT_TTL_S, metavar="DURATION",
+                   help="how long a stored answer is served: seconds, or 30m / 12h / 7d; 0 or none: for ever "
+                        "(default 7d)")
+    g.add_argument("--cache-namespace", metavar="NAME",
+                   help="a cache of its own: answers stored under NAME are served only to runs with NAME "
+                        "(default: none, the shared cache); `carpool cache clear --namespace NAME` empties it")
     g.add_argument("--cache-sampled", action="store_true", help="also cache temperature > 0 results")
     g.add_argument("--semantic-cache", type=float, metavar="THRESHOLD", nargs="?", const=SEMANTIC_DEFAULT,
                    help="reuse results of near-identical label-like tasks: candidates with cosine >= THRESHOLD "
@@ -117,6 +125,25 @@ def _duration(value: str) -> float:
     if not seconds > 0 or seconds == float("inf"):
         raise argparse.ArgumentTypeError(f"{value!r}: a duration must be a positive number of seconds")
     return seconds
+
+
+def _ttl(value: str) -> float | None:
+    """``--cache-ttl``: seconds or 30s / 15m / 2h / 7d; ``0``, ``none``, ``never``: None (for ever)."""
+    text = value.strip().lower()
+    if text in ("none", "never", "off", "0", "0s"):
+        return None
+    if text.endswith("d"):
+        try:
+            days = float(text[:-1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a duration: give seconds (3600) or 30m, 12h, 7d; "
+                                             "0 or none to keep entries for ever") from None
+        text = f"{days * 24}h"
+    try:
+        return _duration(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"--cache-ttl {value!r}: give seconds (3600) or 30m, 12h, 7d; 0 or none "
+                                         "to keep entries for ever") from None
 
 
 def _ray_address(value: str) -> str:
@@ -171,6 +198,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         max_attempts=args.max_attempts, outage_timeout=args.outage_timeout, ordered=args.ordered,
         prefix_order=args.prefix_order,
         prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
+        cache_namespace=args.cache_namespace or None,
         cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, semantic_audit=args.semantic_audit,
         dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
         max_pending=args.max_pending, dry_run=args.dry_run, echo=args.echo_backend, force=args.force,

@@ -139,6 +139,7 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
         fix_cross_shard_duplicates,
         shard_paths,
     )
+    from carpool.jobs.output_format import output_target, write_parquet
     from carpool.jobs.readers import detect_format
     from carpool.jobs.target import resolve_target_sync
 
@@ -151,7 +152,8 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
     input_path = Path(opts.input).resolve()
     if not input_path.exists():
         raise FileNotFoundError(f"input file {str(opts.input)!r} does not exist")
-    output = Path(opts.output).resolve()
+    target = output_target(opts.output)
+    output = target.journal.resolve()  # the JSONL lines; a Parquet -o is written from it at the end
     errors = Path(opts.errors).resolve() if opts.errors else None
     workdir = Path(ray_opts.workdir or f"{output}.ray").resolve()
     fmt = opts.fmt or detect_format(input_path)
@@ -243,6 +245,9 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
         if errors is not None:
             merge_files([p[1] for p in parts], errors)
         _write_state(output, input_path, opts)
+        if target.kind == "parquet":
+            rows = write_parquet(output, target.path)
+            result["messages"].append(f"wrote {target.path} ({rows:,} rows) from its journal {output}")
         if not ray_opts.keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         return result

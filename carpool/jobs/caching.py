@@ -40,7 +40,8 @@ class ResultStore(Protocol):
 
     def get(self, key: str) -> dict | None: ...
 
-    def put(self, key: str, response: dict, ttl_s: float | None = None) -> None: ...
+    def put(self, key: str, response: dict, ttl_s: float | None = None, *, model: str | None = None,
+            namespace: str = "") -> None: ...
 
     def close(self) -> None: ...
 
@@ -90,10 +91,14 @@ class TaskCache:
 
     def __init__(self, store: ResultStore | None, semantic: SemanticCache | None, *, model: str, endpoint: str,
                  cache_sampled: bool = False, ttl_s: float | None = None, label: str = "off",
-                 audit: SemanticAudit | None = None, on_error: Callable[[Exception], None] | None = None):
+                 audit: SemanticAudit | None = None, on_error: Callable[[Exception], None] | None = None,
+                 namespace: str = ""):
         """``model``: the model of bodies that name none; ``endpoint``: the endpoint identity in
-        the keys; ``on_error``: told about the first store failure (the job goes on without)."""
+        the keys; ``namespace``: ``--cache-namespace`` (in the keys, and stored beside each entry
+        with its model name for ``carpool cache clear``); ``on_error``: told about the first
+        store failure (the job goes on without)."""
         self.store = store
+        self.namespace = namespace
         self.semantic = semantic
         self.model = model
         self.endpoint = endpoint
@@ -127,7 +132,8 @@ class TaskCache:
         if not self.active:
             return body_key(req)
         try:
-            return cache.cache_key(model=self._model_of(req), endpoint=self.endpoint, body=req.body)
+            return cache.cache_key(model=self._model_of(req), endpoint=self.endpoint, body=req.body,
+                                   namespace=self.namespace)
         except Exception as e:  # noqa: BLE001  (the key code must not fail the job: run this task unshared)
             self.failed(e)
             return None
@@ -141,11 +147,12 @@ class TaskCache:
             self.failed(e)
             return None
 
-    def put(self, key: str, body: dict) -> None:
+    def put(self, key: str, body: dict, model: str | None = None) -> None:
+        """``model``: the model name the entry is filed under (``carpool cache clear --model``)."""
         if self.store is None:
             return
         try:
-            self.store.put(key, body, ttl_s=self.ttl_s)
+            self.store.put(key, body, ttl_s=self.ttl_s, model=model or self.model, namespace=self.namespace)
         except Exception as e:  # noqa: BLE001  (any backend error: run on uncached)
             self.failed(e)
 
@@ -156,8 +163,13 @@ class TaskCache:
         text = cache.semantic_text(req.body)
         if text is None:
             return None
-        scope = cache.scope_key(model=self._model_of(req), endpoint=self.endpoint, body=req.body)
+        scope = cache.scope_key(model=self._model_of(req), endpoint=self.endpoint, body=req.body,
+                                namespace=self.namespace)
         return SemanticProbe(self.semantic, scope, text, self.failed)
+
+    def model_of(self, req: Request) -> str:
+        """The model name a task's answer is filed under: the one it sends, else the job's."""
+        return self._model_of(req)
 
     def close(self) -> None:
         for c in (self.store, self.semantic):
@@ -179,6 +191,10 @@ def open_task_cache(opts: RunOptions, model: str, endpoint: str, messages: list[
         if loc:
             label += f" ({loc})"
         store = None if isinstance(opened, cache.NullStore) else opened
+        if store is not None:
+            label += f", ttl {format_ttl(opts.cache_ttl)}"
+            if opts.cache_namespace:
+                label += f", namespace {opts.cache_namespace!r}"
     except Exception as e:  # noqa: BLE001  (a bad URL, an unreachable Redis: say so, run uncached)
         messages.append(f"cache disabled: {e}")
         label = "off (error)"
@@ -198,4 +214,15 @@ def open_task_cache(opts: RunOptions, model: str, endpoint: str, messages: list[
         messages.append(f"cache error (the job ran on without it): {e}")
 
     return TaskCache(store, semantic, model=model, endpoint=endpoint, cache_sampled=opts.cache_sampled,
-                     ttl_s=opts.cache_ttl, label=label, audit=audit, on_error=warn)
+                     ttl_s=opts.cache_ttl, label=label, audit=audit, on_error=warn,
+                     namespace=opts.cache_namespace or "")
+
+
+def format_ttl(ttl_s: float | None) -> str:
+    """A TTL as the summary shows it: ``7d``, ``12h``, ``90s``, ``never``."""
+    if ttl_s is None:
+        return "never"
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if ttl_s >= size and ttl_s % size == 0:
+            return f"{ttl_s / size:g}{unit}"
+    return f"{ttl_s:g}s"

@@ -40,9 +40,9 @@ def job_identity(opts: RunOptions) -> ModelIdentity:
     if opts.echo:
         return ModelIdentity("echo", kind="echo")
     if opts.endpoints:
-        return ModelIdentity(opts.defaults.model or "", namespace=opts.cache_namespace)
+        return ModelIdentity(opts.defaults.model or "")
     name = str(getattr(opts.engine, "model_name", None) or opts.engine_model)
-    return ModelIdentity(name, kind="engine", namespace=opts.cache_namespace)
+    return ModelIdentity(name, kind="engine")
 
 
 def make_fingerprint(opts: RunOptions) -> dict:

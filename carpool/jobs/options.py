@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from carpool.cache import DEFAULT_TTL_S
 from carpool.client.pool import Timeouts
 from carpool.jobs.tasks import TaskDefaults, Template
 
@@ -54,7 +55,7 @@ class RunOptions:
     prefix_order: bool = False
     prefix_window: int = 1024
     cache: str | None = None  # None: the default SQLite file; "off"; sqlite:///...; redis://...
-    cache_ttl: float | None = None
+    cache_ttl: float | None = DEFAULT_TTL_S  # seconds a stored answer is served; None: for ever
     cache_sampled: bool = False
     semantic_cache: float | None = None  # cosine threshold, opt-in
     semantic_audit: int = 0  # re-ask this many random semantic hits after the job (carpool/cache/audit.py)
@@ -67,7 +68,7 @@ class RunOptions:
     echo: bool = False  # answer every task with an empty reply, no model (overhead / memory runs, tests)
     force: bool = False  # resume even when the run fingerprint differs (carpool.jobs.fingerprint)
     retry_errors: bool = False  # on resume, run again the tasks whose final line is an error line
-    cache_namespace: str | None = None  # the model identity in cache keys, instead of what /models reports
+    cache_namespace: str | None = None  # a key component of its own: entries of one namespace serve only it
     # What the endpoint says the model is (carpool.jobs.target.resolve_target fills it before
     # the parts are built; None: told from the options alone, carpool.jobs.fingerprint.job_identity).
     identity: ModelIdentity | None = None

@@ -27,6 +27,7 @@ from carpool.jobs.caching import TaskCache, open_task_cache
 from carpool.jobs.fingerprint import job_identity, make_fingerprint
 from carpool.jobs.journal import Journal
 from carpool.jobs.options import RunOptions
+from carpool.jobs.output_format import output_target
 from carpool.jobs.readers import Reader, TaskSource
 from carpool.jobs.tasks import TaskDefaults
 
@@ -127,14 +128,14 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
 
 
 def endpoint_identity(opts: RunOptions) -> str:
-    """What the cache keys name as the endpoint: the model identity it reports (or
-    ``--cache-namespace``), never its URL, so a replica of the same model shares the cache."""
+    """What the cache keys name as the endpoint: the model identity it reports, never its URL,
+    so a replica of the same model shares the cache (``--cache-namespace`` is a key part of its own)."""
     return job_identity(opts).cache_identity()
 
 
 def make_journal(opts: RunOptions) -> Journal:
-    return Journal(opts.output, opts.errors, fingerprint=make_fingerprint(opts), force=opts.force,
-                   retry_errors=opts.retry_errors, read_only=opts.dry_run)
+    return Journal(output_target(opts.output).journal, opts.errors, fingerprint=make_fingerprint(opts),
+                   force=opts.force, retry_errors=opts.retry_errors, read_only=opts.dry_run)
 
 
 def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: Budget | None = None,

@@ -177,6 +177,7 @@ class Pipeline:
             raise
         st = self.stats
         st.backend, st.cache_backend = parts.label, parts.caches.label
+        st.cache_ttl_s = parts.caches.ttl_s if parts.caches.store is not None else None
         progress = Progress(st, o.progress if not o.quiet else False)
         progress.start()
         counter = asyncio.get_running_loop().run_in_executor(None, parts.source.count)
@@ -213,11 +214,12 @@ class Pipeline:
                               f"with:\n  {self.resume_command()}")
         if st.stopped_by_outage:
             self.messages.append(f"stopped by an outage ({st.outage_stop}, past --outage-timeout "
-                                 f"{o.outage_timeout:g} s): {st.done + st.skipped:,} tasks are in {o.output}; "
+                                 f"{o.outage_timeout:g} s): {st.done + st.skipped:,} tasks are in "
+                                 f"{parts.journal.output}; "
                                  f"the others were not run. Resume once the endpoint is back with:\n"
                                  f"  {self.resume_command()}")
         elif st.interrupted:
-            self.messages.append(f"interrupted: {st.done + st.skipped:,} tasks are in {o.output}. "
+            self.messages.append(f"interrupted: {st.done + st.skipped:,} tasks are in {parts.journal.output}. "
                                  f"Resume with:\n  {self.resume_command()}")
         return st
 
@@ -450,7 +452,7 @@ class Pipeline:
         self.stats.sent += 1
         self._account(res)
         if res.ok and key is not None and res.body is not None:
-            self.parts.caches.put(key, res.body)
+            self.parts.caches.put(key, res.body, self.parts.caches.model_of(req))
         self._finish(lead, res)
         self._write_result(out, task, res, outcome.attempts)
 

@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 from carpool.jobs.options import RunOptions
+from carpool.jobs.output_format import output_target
 from carpool.jobs.parts import job_defaults, make_journal
 from carpool.jobs.readers import Reader, TaskSource
 from carpool.jobs.target import resolve_target
@@ -24,6 +25,7 @@ SHOW_BAD = 5  # bad lines quoted in the plan
 
 
 async def plan(opts: RunOptions, source: TaskSource | None = None) -> dict[str, Any]:
+    output_target(opts.output)  # a suffix carpool cannot write: refused before any endpoint is asked
     opts, messages = await resolve_target(opts, source)
     journal = make_journal(dataclasses.replace(opts, dry_run=True))
     done, notes = journal.open(opts.input or None, fresh=opts.fresh, argv=opts.argv)

@@ -4,11 +4,17 @@ Every reader yields ``Task | BadLine`` one at a time, so a file of any size is r
 bounded memory.  Line numbers are 1-based and count the file's lines (for CSV the line
 where the record ends, the header being line 1; for Parquet the row number), so an error
 can be found with ``sed -n Np``.
+
+CSV/Parquet rows keep what is not part of the request: with ``--template`` every column
+the template does not use is the task's metadata; without one (the columns are the
+request: ``prompt``, ``messages``, ``max_tokens``...) a ``metadata`` column (an object,
+or JSON text in a CSV) is.  Either way it lands in the output line, never in the request.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import stat
 from collections.abc import Iterable, Iterator, Sequence
@@ -23,6 +29,7 @@ from carpool.jobs.tasks import (
     build_from_row,
     build_record,
     build_task,
+    jsonable,
     parse_json_line,
 )
 
@@ -123,6 +130,15 @@ class RecordSource:
         return len(self.records)
 
 
+def _json_cell(text: str) -> object:
+    """A CSV ``metadata`` cell: the JSON object it holds (anything else stays text, and the
+    task's check names the field)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 class Reader:
     def __init__(self, path: str | os.PathLike, fmt: str | None = None, template: Template | None = None,
                  defaults: TaskDefaults | None = None):
@@ -186,6 +202,10 @@ class Reader:
                 yield build_from_row(row, line_no, self.template, self.defaults)
             elif any(k in row for k in ("messages", "prompt", "input")):
                 rec = {k: v for k, v in row.items() if v is not None and v != ""}
+                if isinstance(rec.get("metadata"), str):
+                    rec["metadata"] = _json_cell(rec["metadata"])
+                if "metadata" in rec:
+                    rec["metadata"] = jsonable(rec["metadata"])
                 yield build_task(rec, line_no, self.defaults)
             else:
                 yield BadLine(line_no, f"line-{line_no}", "template",

@@ -3,16 +3,19 @@
 It settles the model with the endpoints first (``carpool.jobs.target``: ``/models``
 checked before the first request), builds the default parts
 (``carpool.jobs.parts.build_parts``), runs them through the pipeline
-(``carpool.jobs.pipeline.Pipeline``) and writes the ``--report`` page.  The CLI
+(``carpool.jobs.pipeline.Pipeline``), writes a Parquet ``-o`` from its journal once the
+run finished (``carpool.jobs.output_format``) and the ``--report`` page.  The CLI
 (``carpool.commands.run``) and the Python API (``carpool.jobs.api``) use it; a caller
 that needs other parts composes ``Pipeline`` itself (``carpool.distributed.worker``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from carpool.jobs.options import RunOptions
+from carpool.jobs.output_format import output_target, write_parquet
 from carpool.jobs.parts import build_parts
 from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.summary import JobStats
@@ -36,14 +39,20 @@ class Runner:
             self.pipeline.request_stop()
 
     async def run(self) -> JobStats:
+        target = output_target(self.opts.output)  # a suffix carpool cannot write: refused before anything
         self.opts, notes = await resolve_target(self.opts)
         parts = build_parts(self.opts)
+        if target.kind == "parquet" and self.opts.fresh:  # the table of the run --fresh throws away
+            target.path.unlink(missing_ok=True)
         parts.messages[:0] = notes
         self.messages = parts.messages
         self.pipeline = Pipeline(parts, self.opts, self.notify)
         for _ in range(self._stops):
             self.pipeline.request_stop()
         stats = await self.pipeline.run()
+        if target.kind == "parquet" and not (stats.interrupted or stats.stopped_by_outage):
+            rows = await asyncio.to_thread(write_parquet, target.journal, target.path)
+            self.messages.append(f"wrote {target.path} ({rows:,} rows) from its journal {target.journal}")
         if self.opts.report:
             from carpool.jobs.report import write_report
 

@@ -71,7 +71,8 @@ class JobStats:
     outage_stop: str = ""  # the pause it stopped in ("paused: endpoint down since ...")
     outages: dict | None = None  # carpool.client.breaker.OutageGate.summary() (HTTP jobs)
     backend: str = ""
-    cache_backend: str = "off"
+    cache_backend: str = "off"  # the store, its TTL and namespace, as the summary shows them
+    cache_ttl_s: float | None = None  # how long this run's answers are served from the store (None: for ever)
 
     @property
     def elapsed(self) -> float:
@@ -134,6 +135,7 @@ class JobStats:
             "stopped_by_outage": self.stopped_by_outage,
             **({"outages": self.outages} if self.outages is not None else {}),
             "backend": self.backend, "cache": self.cache_backend,
+            "cache_ttl_s": self.cache_ttl_s,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
             **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
         }

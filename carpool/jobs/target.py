@@ -83,11 +83,11 @@ def settle_model(opts: RunOptions, lists: list[ModelList], source: TaskSource | 
             raise StartRefused("no --model given and the endpoint's models could not be listed "
                                f"({lists[0].error if lists else 'no endpoint'}): pass --model NAME")
     if not model:
-        return None, ModelIdentity("", namespace=opts.cache_namespace), notes
+        return None, ModelIdentity(""), notes
     cards = [(m.url, m.card(model)) for m in answered if m.card(model) is not None]
-    identity = identity_from_card(model, cards[0][1] if cards else None, opts.cache_namespace)
+    identity = identity_from_card(model, cards[0][1] if cards else None)
     for url, card in cards[1:]:
-        other = identity_from_card(model, card, opts.cache_namespace)
+        other = identity_from_card(model, card)
         if other != identity:
             notes.append(f"warning: {url} and {cards[0][0]} disagree on what {model!r} is "
                          f"({other.doc()} vs {identity.doc()}); the fingerprint and the cache use the first")

@@ -4,12 +4,20 @@ A record becomes a ``Task`` (an OpenAI request body plus where it came from) or 
 ``BadLine`` that says which line, which field and why, so the job reports it and goes
 on.  Two record shapes are accepted:
 
-- plain: ``{"custom_id"?, "messages" | "prompt" | "input", ...params}``; ``messages`` is
-  chat, ``prompt`` a text completion, ``input`` an embedding; the other keys are request
-  parameters (max_tokens, temperature, ...).
-- OpenAI Batch: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}``.
+- plain: ``{"custom_id"?, "metadata"?, "messages" | "prompt" | "input", ...params}``;
+  ``messages`` is chat, ``prompt`` a text completion, ``input`` an embedding; the other keys
+  are request parameters (max_tokens, temperature, ...).
+- OpenAI Batch: ``{"custom_id", "metadata"?, "method": "POST", "url": "/v1/chat/completions",
+  "body": {...}}``.
 
 A record without custom_id gets ``line-<n>`` (its 1-based line number).
+
+``metadata`` (an object) beside the request is the user's own: it is copied into the
+task's output line and never sent, so an endpoint that refuses unknown fields (OpenAI)
+never sees it and two tasks that differ only by it share one cache entry.  OpenAI's own
+``metadata`` body field (stored completions) is sent only from inside a Batch ``body``.
+For rows of a CSV/Parquet file with ``--template``, every column the template does not
+use (nor ``--id-column``) becomes the metadata (``Template.record``).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import json
 import re
 import string
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 from carpool.client.base import Request
 from carpool.client.retry import is_idempotent
@@ -26,7 +35,7 @@ from carpool.openai.schema import check_body
 _URL_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding",
               "/chat/completions": "chat", "/completions": "completion", "/embeddings": "embedding"}
 # Carpool keys allowed on a plain record that are not request parameters.
-_META_KEYS = {"custom_id"}
+_META_KEYS = {"custom_id", "metadata"}
 
 
 @dataclass(slots=True)
@@ -84,9 +93,21 @@ def _estimate_tokens(body: dict, kind: str) -> int:
 
 
 def build_task(obj: object, line_no: int, defaults: TaskDefaults) -> Task | BadLine:
-    """Validate one parsed record."""
+    """Validate one parsed record; its ``metadata`` goes with the result, a bad line's too."""
     if not isinstance(obj, dict):
         return _bad(line_no, None, "", f"a task must be a JSON object, got {type(obj).__name__}")
+    meta = obj.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        cid = obj.get("custom_id")
+        return _bad(line_no, cid if isinstance(cid, str) and cid else None, "metadata",
+                    f"must be an object (it is copied into the output line), got {type(meta).__name__}; "
+                    'wrap the value, e.g. {"metadata": {"tag": ...}}')
+    item = _build_task(obj, line_no, defaults)
+    item.metadata = meta or None
+    return item
+
+
+def _build_task(obj: dict, line_no: int, defaults: TaskDefaults) -> Task | BadLine:
     cid = obj.get("custom_id")
     if cid is not None and (not isinstance(cid, str) or not cid):
         return _bad(line_no, None, "custom_id", f"must be a non-empty string, got {cid!r}")
@@ -189,7 +210,8 @@ def _lone_surrogate_field(obj: object) -> str | None:
 @dataclass
 class Template:
     """``--template "Classify: {review}"`` builds the user message (or embedding input) from
-    columns; ``--system`` adds a system message; ``--id-column`` names the custom_id column."""
+    columns; ``--system`` adds a system message; ``--id-column`` names the custom_id column.
+    The other columns of the row are the task's metadata (copied to its output line)."""
 
     text: str
     system: str | None = None
@@ -212,6 +234,10 @@ class Template:
         except (ValueError, IndexError, KeyError) as e:
             return _bad(line_no, cid, "template", f"cannot fill the template: {e}")
         rec: dict = {"custom_id": cid} if cid else {}
+        used = {*self.columns, self.id_column}
+        meta = {str(k): jsonable(v) for k, v in row.items() if k not in used}
+        if meta:
+            rec["metadata"] = meta
         if self.kind == "embedding":
             rec["input"] = text
         elif self.kind == "completion":
@@ -220,6 +246,28 @@ class Template:
             msgs = [{"role": "system", "content": self.system}] if self.system else []
             rec["messages"] = [*msgs, {"role": "user", "content": text}]
         return rec
+
+
+def jsonable(value: object) -> object:
+    """A cell of a CSV/Parquet row as JSON can hold it: dates and times as ISO text, bytes
+    as text (UTF-8, else hex), decimals as numbers, anything else unknown as its str()."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return value.hex()
+    iso = getattr(value, "isoformat", None)
+    if callable(iso):
+        return iso()
+    if isinstance(value, Decimal):
+        return float(value)
+    return str(value)
 
 
 def build_from_row(row: dict, line_no: int, template: Template, defaults: TaskDefaults) -> Task | BadLine:
