@@ -130,3 +130,23 @@ def output_bound(req: Request) -> int | None:
     if cap is None:
         return None
     return int(cap) * int(body.get("n") or 1)
+
+
+class CountedSource:
+    """A ``TaskSource`` whose tasks carry a real token estimate for the TPM budget: the
+    prompt counted by ``counter`` plus the output bound (16 when a task sets none, as
+    ``carpool.jobs.tasks`` assumes); the budget corrects it by the answer's usage."""
+
+    def __init__(self, source: Any, counter: TokenCounter):
+        self.source, self.counter = source, counter
+
+    def __iter__(self):
+        for item in self.source:
+            req = getattr(item, "request", None)
+            if req is not None:
+                bound = output_bound(req)
+                req.est_tokens = self.counter.prompt_tokens(req) + (16 if bound is None else bound)
+            yield item
+
+    def count(self) -> int | None:
+        return self.source.count()

@@ -180,3 +180,17 @@ def test_defaults_model_is_the_priced_one():
 
     assert job_prices(opts).input_per_m == 2.50
     assert job_prices(RunOptions(input="x", output="y")) is None  # the embedded engine: no list price
+
+
+def test_a_tpm_budget_for_an_openai_model_gets_real_token_counts(tmp_path):
+    from carpool.jobs.parts import build_parts
+
+    src = write(tmp_path / "in.jsonl", HELLO)
+    base = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "endpoints": ["http://127.0.0.1:9/v1"],
+            "cache": "off", "defaults": TaskDefaults(model="gpt-4o", require_model=True)}
+    parts = build_parts(RunOptions(**base, tpm=100_000))
+    assert [t.request.est_tokens for t in parts.source] == [2 + 10, 9 + 10, 9 + 16]
+    assert parts.source.count() == 3
+    # Without a TPM budget nothing is tokenized: the first guess stays (4 characters a token).
+    plain = build_parts(RunOptions(**base))
+    assert [t.request.est_tokens for t in plain.source] != [12, 19, 25]
