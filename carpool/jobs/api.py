@@ -61,17 +61,36 @@ async def _run_file(opts: RunOptions) -> dict:
     return out
 
 
+async def _look(tasks: Any, kind: str, output: str | os.PathLike | None, want_estimate: bool,
+                options: dict) -> dict:
+    """``estimate=True``: tokens and $ (``carpool.jobs.estimate``); ``dry_run=True``: the plan.
+    Nothing is sent and ``output`` is only read."""
+    from carpool.jobs.estimate import estimate
+    from carpool.jobs.plan import plan
+
+    path = str(tasks) if kind == "path" else ""
+    with tempfile.TemporaryDirectory(prefix="carpool-") as tmp:
+        # Without an output there is nothing done yet: an empty place stands for it.
+        journal = str(output) if output is not None else os.path.join(tmp, "results.jsonl")
+        opts = make_options(path, journal, **options)
+        source = None
+        if kind != "path":
+            source = MemorySource(rows_of(tasks, kind), opts.template, job_defaults(opts))
+        if want_estimate:
+            return await estimate(opts, source)
+        return await plan(opts, source)
+
+
 async def arun_batch(tasks: Any, output: str | os.PathLike | None = None, *, with_summary: bool = False,
                      **options) -> Any:
-    """Run a job inside a running event loop (``dry_run=True``: the plan, nothing sent or written)."""
+    """Run a job inside a running event loop (``dry_run=True``: the plan; ``estimate=True``: tokens
+    and $ as ``carpool run --estimate`` prints them; either way nothing is sent or written)."""
     kind = input_kind(tasks)
+    want_estimate = bool(options.pop("estimate", False))
+    if want_estimate or options.get("dry_run"):
+        return await _look(tasks, kind, output, want_estimate, options)
     if kind == "path" and output is not None:
-        opts = make_options(str(tasks), str(output), **options)
-        if opts.dry_run:
-            from carpool.jobs.plan import plan
-
-            return await plan(opts)
-        return await _run_file(opts)
+        return await _run_file(make_options(str(tasks), str(output), **options))
     with tempfile.TemporaryDirectory(prefix="carpool-") as tmp:
         journal = str(output) if output is not None else os.path.join(tmp, "results.jsonl")
         if kind == "path":

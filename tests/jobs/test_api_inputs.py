@@ -157,3 +157,20 @@ def test_the_notebook_bar_is_tqdm_and_can_be_switched_off(capsys):
     assert "4/10" in capsys.readouterr().err  # tqdm.auto outside a kernel: its text bar on stderr
     off = Progress(stats, False, notebook=True)
     assert not off.notebook and not off.enabled and not off.log_lines
+
+
+def test_estimate_and_dry_run_from_python_send_nothing(slow_first):
+    pd = pytest.importorskip("pandas")
+    df = pd.DataFrame({"q": ["hello world", "hello world"]})
+    doc = carpool.run_batch(df, template="{q}", endpoints=[slow_first.url], model="gpt-4o", max_tokens=4,
+                            estimate=True)
+    assert doc["tasks"] == 2 and doc["prompt_tokens"] == 2 * 9 and doc["output_tokens_max"] == 8
+    assert doc["total_usd_max"] == pytest.approx((18 * 2.50 + 8 * 10.00) / 1e6)
+    plan = carpool.run_batch(tasks(3), endpoints=[slow_first.url], model="m", dry_run=True)
+    assert plan["tasks_to_send"] == 3
+    # The dry run asks /models (as `carpool run --dry-run` does); no task is sent.
+    assert all(r["path"].endswith("/models") for r in slow_first.server.received)
+
+
+def test_an_empty_list_gives_an_empty_list(slow_first):
+    assert run(slow_first, []) == []
