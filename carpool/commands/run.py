@@ -231,10 +231,10 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     from carpool.jobs.exit_codes import ExitCode, exit_code
 
+    if args.estimate:  # before --ray: an estimate sends nothing, on Ray or not
+        return _main_estimate(args)
     if args.ray is not None:
         return _main_ray(args)
-    if args.estimate:
-        return _main_estimate(args)
     if args.dry_run:
         return _main_dry_run(args)
     from carpool.jobs.pipeline import OutputError

@@ -194,3 +194,12 @@ def test_a_tpm_budget_for_an_openai_model_gets_real_token_counts(tmp_path):
     # Without a TPM budget nothing is tokenized: the first guess stays (4 characters a token).
     plain = build_parts(RunOptions(**base))
     assert [t.request.est_tokens for t in plain.source] != [12, 19, 25]
+
+
+def test_estimate_with_ray_flags_still_sends_nothing(fault_server, tmp_path):
+    srv = fault_server(FaultConfig(models=["gpt-4o"]))
+    src = write(tmp_path / "in.jsonl", HELLO[:2])
+    p = cli(src, "--ray", "--endpoint", srv.url, "--model", "gpt-4o", "--estimate", "--summary-json", "-")
+    assert p.returncode == ExitCode.OK, p.stderr
+    assert json.loads(p.stdout)["prompt_tokens"] == 11
+    assert srv.server.total_requests == 0
