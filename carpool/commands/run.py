@@ -379,7 +379,9 @@ def _main_ray(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"carpool run --ray: {result['shards_done']}/{result['shards']} shards on {result['workers']} "
               f"workers, {result['succeeded']:,} succeeded, {sum(result['errors'].values()):,} errors, "
-              f"{result['elapsed_s']:.1f} s" + (f"; results: {opts.output}" if result["complete"] else ""),
+              f"{result['elapsed_s']:.1f} s, {usd(result['cost']['spent_usd'])} spent, "
+              f"{usd(result['cost']['saved_usd'])} saved by the cache"
+              + (f"; results: {opts.output}" if result["complete"] else ""),
               file=sys.stderr)
     from carpool.jobs.exit_codes import ExitCode
 

@@ -81,3 +81,12 @@ def resolve_prices(model: str | None, price_in: float | None, price_out: float |
     return Prices(price_in if price_in is not None else table.input_per_m,
                   price_out if price_out is not None else table.output_per_m,
                   f"--price-in/--price-out, the rest from the {table.source}")
+
+
+def cost_doc(prices: Prices | None, prompt: int, completion: int, saved_prompt: int, saved_completion: int) -> dict:
+    """The summary's ``cost``: $ spent on the tokens the backend answered, $ saved by the
+    answers that cost nothing (cache hits, dedup fan-outs); None where prices are unknown."""
+    if prices is None:
+        return {"spent_usd": None, "saved_usd": None, "prices": None}
+    return {"spent_usd": round(prices.cost(prompt, completion), 6),
+            "saved_usd": round(prices.cost(saved_prompt, saved_completion), 6), "prices": prices.doc()}

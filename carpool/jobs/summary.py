@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from carpool.jobs.prices import Prices
+from carpool.jobs.prices import Prices, cost_doc
 
 
 class Reservoir:
@@ -104,12 +104,8 @@ class JobStats:
     def cost(self) -> dict:
         """$ spent on the answers the backend gave this run, and $ the cache and dedup saved
         (their answers' tokens at the same prices); None where no prices are known."""
-        p = self.prices
-        if p is None:
-            return {"spent_usd": None, "saved_usd": None, "prices": None}
-        return {"spent_usd": round(p.cost(self.prompt_tokens, self.completion_tokens), 6),
-                "saved_usd": round(p.cost(self.saved_prompt_tokens, self.saved_completion_tokens), 6),
-                "prices": p.doc()}
+        return cost_doc(self.prices, self.prompt_tokens, self.completion_tokens, self.saved_prompt_tokens,
+                        self.saved_completion_tokens)
 
     def saved_time_s(self) -> float:
         """Time the cache hits and fan-outs saved, at this job's measured token throughput."""
