@@ -107,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--summary-json", help="write the summary as JSON here ('-': stdout)")
     g.add_argument("--dry-run", action="store_true",
                    help="validate the input and say what a run would do; nothing is sent, -o is not touched")
+    g.add_argument("--estimate", action="store_true",
+                   help="count the input's tokens with the model's tokenizer and print tokens and $; "
+                        "nothing is sent, -o is not touched")
+    g.add_argument("--price-in", type=float, metavar="USD",
+                   help="$ per million input tokens (default: the built-in table for OpenAI model names)")
+    g.add_argument("--price-out", type=float, metavar="USD", help="$ per million output tokens")
     g.add_argument("--echo-backend", action="store_true",
                    help="answer every task with an empty reply, no model (carpool's own overhead); writes -o")
     g.add_argument("--quiet", action="store_true")
@@ -203,6 +209,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
         max_pending=args.max_pending, dry_run=args.dry_run, echo=args.echo_backend, force=args.force,
         retry_errors=args.retry_errors, argv=["run", *_original_argv()], quiet=args.quiet,
+        price_in=args.price_in, price_out=args.price_out,
     )
 
 
@@ -252,6 +259,8 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     from carpool.jobs.exit_codes import ExitCode, exit_code
 
+    if args.estimate:  # before --ray: an estimate sends nothing, on Ray or not
+        return _main_estimate(args)
     if args.ray is not None:
         return _main_ray(args)
     if args.dry_run:
@@ -314,6 +323,45 @@ def _main_dry_run(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def usd(value: float | None) -> str:
+    """$ with the cents that matter: small jobs cost fractions of a cent."""
+    if value is None:
+        return "unknown"
+    return f"${value:,.2f}" if value >= 1 else f"${value:.4f}" if value >= 0.0001 else f"${value:.6f}"
+
+
+def _main_estimate(args: argparse.Namespace) -> int:
+    """``--estimate``: tokens and $ of what a run would send; nothing sent, nothing written."""
+    from carpool.jobs.estimate import estimate
+    from carpool.jobs.exit_codes import ExitCode
+
+    try:
+        opts = options_from_args(args)
+        doc = asyncio.run(estimate(opts))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"carpool run: {e}", file=sys.stderr)
+        return ExitCode.REFUSED
+    for msg in doc.get("messages", []):
+        print(msg, file=sys.stderr)
+    if args.summary_json:
+        write_summary_json(doc, args.summary_json)
+    if not args.quiet:
+        prompt = "not counted" if doc["prompt_tokens"] is None else f"{doc['prompt_tokens']:,}"
+        p = doc["prices"]
+        priced = (f"at ${p['input_per_million']:g} / ${p['output_per_million']:g} per million in / out "
+                  f"({p['source']})") if p else "(no prices: pass --price-in and --price-out)"
+        print(f"carpool run --estimate: {doc['tasks']:,} tasks for {doc['model']!r}"
+              + (f" ({doc['already_done']:,} already done)" if doc["already_done"] else "")
+              + (f", {doc['bad_lines']:,} bad lines" if doc["bad_lines"] else "")
+              + f"; tokenizer {doc['tokenizer'] or 'none'}", file=sys.stderr)
+        print(f"  input tokens   {prompt:>14}   {usd(doc['input_usd'])}", file=sys.stderr)
+        print(f"  output tokens  {doc['output_tokens_max']:>14,}   {usd(doc['output_usd_max'])}   at most "
+              "(max_tokens)", file=sys.stderr)
+        print(f"  total                          {usd(doc['total_usd_max'])}   at most, {priced}", file=sys.stderr)
+        print("nothing was sent and the output was not touched", file=sys.stderr)
+    return ExitCode.OK
+
+
 def run_with_signals(runner: Runner) -> JobStats:
     """Run the job on a fresh event loop; Ctrl-C (SIGINT) and SIGTERM stop it gracefully."""
 
@@ -359,7 +407,9 @@ def _main_ray(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"carpool run --ray: {result['shards_done']}/{result['shards']} shards on {result['workers']} "
               f"workers, {result['succeeded']:,} succeeded, {sum(result['errors'].values()):,} errors, "
-              f"{result['elapsed_s']:.1f} s" + (f"; results: {opts.output}" if result["complete"] else ""),
+              f"{result['elapsed_s']:.1f} s, {usd(result['cost']['spent_usd'])} spent, "
+              f"{usd(result['cost']['saved_usd'])} saved by the cache"
+              + (f"; results: {opts.output}" if result["complete"] else ""),
               file=sys.stderr)
     from carpool.jobs.exit_codes import ExitCode
 
@@ -413,6 +463,9 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_row("cache hits / semantic / dedup", f"{d['cache_hits']:,} / {d['semantic_hits']:,} / {d['dedup_fanouts']:,}")
     if d["saved_tokens"]:
         t.add_row("saved", f"{d['saved_tokens']:,} tokens, ~{d['saved_time_s']:.1f} s")
+    cost = d["cost"]
+    t.add_row("$ spent / saved by the cache", f"{usd(cost['spent_usd'])} / {usd(cost['saved_usd'])}"
+              + ("" if cost["prices"] else " (no prices: --price-in/--price-out)"))
     if stats.semantic_audit is not None:
         a = stats.semantic_audit
         t.add_row("semantic audit", f"{a['asked']:,} re-asked, {a['disagreed']:,} disagreed, {a['failed']:,} failed")

@@ -99,7 +99,8 @@ def _parquet_plan(path: Path, workdir: Path, n_shards: int) -> list[Shard]:
 def _combine(summaries: list[dict]) -> dict:
     """One job summary from the shards' (counts add up; latency percentiles are per shard)."""
     add = ("done", "ok", "succeeded", "skipped_done_before", "bad_lines", "prompt_tokens", "completion_tokens",
-           "cached_prompt_tokens", "sent", "cache_hits", "semantic_hits", "dedup_fanouts", "saved_tokens")
+           "cached_prompt_tokens", "sent", "cache_hits", "semantic_hits", "dedup_fanouts", "saved_tokens",
+           "saved_prompt_tokens", "saved_completion_tokens")
     out: dict = dict.fromkeys(add, 0)
     errors: Counter = Counter()
     retries: Counter = Counter()
@@ -140,12 +141,15 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
         shard_paths,
     )
     from carpool.jobs.output_format import output_target, write_parquet
+    from carpool.jobs.prices import cost_doc
     from carpool.jobs.readers import detect_format
+    from carpool.jobs.runner import job_prices
     from carpool.jobs.target import resolve_target_sync
 
     ray_opts = ray_opts or RayOptions()
     if opts.retry_errors:
         raise RayRunError("--retry-errors runs in one process: resume without --ray")
+    prices = job_prices(opts)  # a bad --price-in refuses the start, as without --ray
     started = time.monotonic()
     # The model is settled once here (GET /models), not by every worker.
     opts, resolve_notes = resolve_target_sync(opts)
@@ -219,6 +223,8 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
             else:
                 missing.append(s.index)
         result = _combine(summaries)
+        result["cost"] = cost_doc(prices, result["prompt_tokens"], result["completion_tokens"],
+                                  result["saved_prompt_tokens"], result["saved_completion_tokens"])
         result.update(shards=len(shards), shards_done=len(summaries), workers=workers, workdir=str(workdir),
                       complete=not missing, elapsed_s=round(time.monotonic() - started, 3),
                       backend=f"ray x{workers}: " + (f"http {', '.join(opts.endpoints)}" if opts.endpoints

@@ -463,6 +463,21 @@ def load_model(name_or_path: str = "smollm2", dtype: torch.dtype | str = "auto")
                          "folder or a .gguf file")
 
 
+def load_tokenizer(name_or_path: str = "smollm2") -> PreTrainedTokenizerBase:
+    """Only the tokenizer of what ``load_model(name_or_path)`` loads, without its weights
+    (``carpool run --estimate`` counts prompt tokens with it)."""
+    name = str(name_or_path)
+    if name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct") or name.startswith("tiny-random"):
+        return smollm2_tokenizer()  # tiny-random uses SmolLM2's tokenizer too
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_tokenizer(_cached_gguf_tokenizer_dir(path))
+    if path.is_dir():
+        return _load_tokenizer(path)
+    raise ModelLoadError(f"model={name!r}: not 'smollm2', 'tiny-random[:SEED]', a Hugging Face "
+                         "folder or a .gguf file")
+
+
 def hf_reference_model(loaded: LoadedModel, dtype: torch.dtype | None = None):
     """A transformers model carrying exactly ``loaded``'s weights (for parity tests)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

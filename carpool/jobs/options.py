@@ -73,5 +73,8 @@ class RunOptions:
     # the parts are built; None: told from the options alone, carpool.jobs.fingerprint.job_identity).
     identity: ModelIdentity | None = None
     latency_signal: str = "per_token"
+    # $ per million tokens for the summary's $ spent / saved (None: carpool.jobs.prices' table).
+    price_in: float | None = None
+    price_out: float | None = None
     argv: list[str] | None = None
     quiet: bool = False

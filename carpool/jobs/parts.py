@@ -30,6 +30,7 @@ from carpool.jobs.options import RunOptions
 from carpool.jobs.output_format import output_target
 from carpool.jobs.readers import Reader, TaskSource
 from carpool.jobs.tasks import TaskDefaults
+from carpool.jobs.tokens import CountedSource, openai_counter, openai_encoding_name
 
 if TYPE_CHECKING:
     from carpool.client.balancer import Balancer
@@ -145,6 +146,11 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
     messages: list[str] = []
     if source is None:
         source = Reader(opts.input, opts.fmt, opts.template, job_defaults(opts))
+    encoding = openai_encoding_name(opts.defaults.model or "") if opts.tpm and opts.endpoints else None
+    if encoding is not None:
+        # A TPM budget for an OpenAI model: its real BPE is cheap next to a request, and a
+        # budget from real counts neither overshoots the provider's limit nor idles.
+        source = CountedSource(source, openai_counter(encoding))
     journal = make_journal(opts)
     target = make_backend(opts, balancer)
     if budget is None:

@@ -68,11 +68,16 @@ class _TaskWriter:
             self.writer.emit(self.seq, with_tail(line, self.tail), is_error, self.done)
 
 
-def _usage_tokens(body: dict | None) -> int:
+def _usage_tokens(body: dict | None) -> tuple[int, int]:
+    """(prompt, completion) tokens of an answer body's ``usage`` (an embedding has no completion)."""
     u = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(u, dict):
-        return 0
-    return int(u.get("total_tokens") or (u.get("prompt_tokens") or 0) + (u.get("completion_tokens") or 0))
+        return 0, 0
+    prompt = int(u.get("prompt_tokens") or 0)
+    completion = int(u.get("completion_tokens") or 0)
+    if not prompt and not completion:
+        prompt = int(u.get("total_tokens") or 0)
+    return prompt, completion
 
 
 class Pipeline:
@@ -395,7 +400,7 @@ class Pipeline:
 
     def _write_cache_hit(self, out: _TaskWriter, task: Task, body: dict) -> None:
         self.stats.cache_hits += 1
-        self.stats.saved_tokens += _usage_tokens(body)
+        self.stats.save(*_usage_tokens(body))
         out.emit(success_line(task.request.custom_id, 200, EXACT_HIT_ID, body))
 
     async def _follow(self, out: _TaskWriter, task: Task, dedup: Dedup,
@@ -440,7 +445,7 @@ class Pipeline:
         if outcome.attempts == 0 and probe is not None and probe.hit is not None:  # the semantic cache answered
             hit, st = probe.hit, self.stats
             st.semantic_hits += 1
-            st.saved_tokens += _usage_tokens(res.body)
+            st.save(*_usage_tokens(res.body))
             if len(st.semantic_similarities) < 1000:
                 st.semantic_similarities.append((req.custom_id, hit.similarity))
             if self.parts.caches.audit is not None:
@@ -476,7 +481,7 @@ class Pipeline:
         if res.ok:
             self.stats.ok += 1
             if fanout:
-                self.stats.saved_tokens += res.prompt_tokens + res.completion_tokens
+                self.stats.save(res.prompt_tokens, res.completion_tokens)
             rid = "dedup:" + res.request_id if fanout else res.request_id
             out.emit(success_line(req.custom_id, res.status_code or 200, rid, res.body))
             return

@@ -1,14 +1,17 @@
 """The live progress bar: done/total, req/s, tok/s, errors, cache hits, ETA.
 
-Drawn on stderr with rich when stderr is a terminal (or ``--progress``); otherwise a plain
-status line every ``log_every_s`` seconds so logs of long jobs show that they move.
+In Jupyter (an IPython kernel) it is a tqdm bar (``tqdm.auto``: the ipywidgets bar when
+ipywidgets is installed, text otherwise), since rich's live display and stderr status
+lines do not redraw in a notebook.  Elsewhere it is drawn on stderr with rich when stderr
+is a terminal (or ``--progress``); otherwise a plain status line every ``log_every_s``
+seconds so logs of long jobs show that they move.  ``enabled=False`` draws nothing.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from carpool.jobs.summary import JobStats
 
@@ -17,9 +20,30 @@ if TYPE_CHECKING:
     from rich.progress import TaskID
 
 
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (IPython imported by ipykernel), without importing either."""
+    if "ipykernel" not in sys.modules or "IPython" not in sys.modules:
+        return False
+    ip = sys.modules["IPython"].get_ipython()
+    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
+
+
 class Progress:
-    def __init__(self, stats: JobStats, enabled: bool | None = None, log_every_s: float = 30.0):
+    def __init__(self, stats: JobStats, enabled: bool | None = None, log_every_s: float = 30.0,
+                 notebook: bool | None = None):
+        """``notebook``: draw with tqdm (None: when running in Jupyter)."""
         self.stats = stats
+        self._tqdm: Any = None
+        self.notebook = enabled is not False and (in_notebook() if notebook is None else notebook)
+        if self.notebook:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:  # no tqdm: the status lines below
+                self.notebook = False
+            else:
+                self._tqdm_cls = tqdm
+        if self.notebook:
+            enabled = True
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         # Not a terminal and not switched off: a plain status line now and then, for logs.
         self.log_lines = enabled is None and not self.enabled
@@ -31,6 +55,9 @@ class Progress:
 
     def start(self) -> None:
         if not self.enabled:
+            return
+        if self.notebook:
+            self._tqdm = self._tqdm_cls(total=None, desc="carpool run", unit="task", file=sys.stderr)
             return
         from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as RichProgress
@@ -65,7 +92,13 @@ class Progress:
         rps, tps = self._rates()
         completed = s.done + s.skipped
         hits = s.cache_hits + s.semantic_hits + s.dedup_fanouts
-        if self._bar is not None and self._task is not None:
+        if self._tqdm is not None:
+            if s.total is not None and self._tqdm.total != s.total:
+                self._tqdm.total = s.total
+            self._tqdm.n = completed
+            self._tqdm.set_postfix_str(f"{rps:,.1f} req/s, {tps:,.0f} tok/s, {s.n_errors} err, {hits} cached{extra}",
+                                       refresh=True)
+        elif self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=completed, total=s.total,
                              total_s=f"{s.total:,}" if s.total is not None else "?",
                              rates=f"{rps:,.1f} req/s {tps:,.0f} tok/s{extra}", errors=s.n_errors, hits=hits)
@@ -76,6 +109,10 @@ class Progress:
                   f"{s.n_errors} errors, {hits} cached{extra}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
+        if self._tqdm is not None:
+            self.update()
+            self._tqdm.close()
+            self._tqdm = None
         if self._bar is not None:
             self.update()
             self._bar.stop()

@@ -75,8 +75,19 @@ def _plots(stats: JobStats) -> list[tuple[str, bytes]]:
     return out
 
 
+def cost_line(stats: JobStats) -> str:
+    """$ spent and $ the cache saved, with where the prices came from."""
+    c = stats.cost()
+    if c["prices"] is None:
+        return "cost: unknown (no prices for this model: pass --price-in and --price-out, $ per million tokens)"
+    p = c["prices"]
+    return (f"cost: ${c['spent_usd']:.6f} spent, ${c['saved_usd']:.6f} saved by the cache and dedup "
+            f"(${p['input_per_million']:g} in / ${p['output_per_million']:g} out per million tokens, "
+            f"{p['source']})")
+
+
 def render_html(stats: JobStats, limiter: FixedLimiter | None = None) -> str:
-    parts = [report.table(stats.to_dict().items())]
+    parts = [report.paragraph(cost_line(stats)), report.table(stats.to_dict().items())]
     if limiter is not None:
         parts.append(report.paragraph(f"limiter at the end: {limiter.snapshot()}"))
     if stats.semantic_similarities:

@@ -18,14 +18,26 @@ from carpool.jobs.options import RunOptions
 from carpool.jobs.output_format import output_target, write_parquet
 from carpool.jobs.parts import build_parts
 from carpool.jobs.pipeline import Pipeline
+from carpool.jobs.prices import Prices, resolve_prices
+from carpool.jobs.readers import TaskSource
 from carpool.jobs.summary import JobStats
 from carpool.jobs.target import resolve_target
 
 
+def job_prices(opts: RunOptions) -> Prices | None:
+    """The prices of the job's model: the flags, else the built-in table (an endpoint's
+    model name; the embedded engine is in no table), else None (unknown)."""
+    return resolve_prices(opts.defaults.model if opts.endpoints else None, opts.price_in, opts.price_out)
+
+
 class Runner:
-    def __init__(self, opts: RunOptions, notify: Callable[[str], None] | None = None):
-        """``notify``: told at once what the user should see while the job runs (a stop in progress)."""
+    def __init__(self, opts: RunOptions, notify: Callable[[str], None] | None = None,
+                 make_source: Callable[[RunOptions], TaskSource] | None = None):
+        """``notify``: told at once what the user should see while the job runs (a stop in progress);
+        ``make_source``: the tasks, made from the settled options (the Python API's records in
+        memory), instead of the input file's reader."""
         self.opts = opts
+        self.make_source = make_source
         self.notify = notify
         self.pipeline: Pipeline | None = None
         self.messages: list[str] = []  # what the user should read after the run (warnings, resume)
@@ -40,13 +52,17 @@ class Runner:
 
     async def run(self) -> JobStats:
         target = output_target(self.opts.output)  # a suffix carpool cannot write: refused before anything
-        self.opts, notes = await resolve_target(self.opts)
-        parts = build_parts(self.opts)
+        prices = job_prices(self.opts)  # before anything is sent: a bad --price-in refuses the start
+        peek = self.make_source(self.opts) if self.make_source is not None else None
+        self.opts, notes = await resolve_target(self.opts, peek)
+        source = self.make_source(self.opts) if self.make_source is not None else None
+        parts = build_parts(self.opts, source=source)
         if target.kind == "parquet" and self.opts.fresh:  # the table of the run --fresh throws away
             target.path.unlink(missing_ok=True)
         parts.messages[:0] = notes
         self.messages = parts.messages
         self.pipeline = Pipeline(parts, self.opts, self.notify)
+        self.pipeline.stats.prices = prices
         for _ in range(self._stops):
             self.pipeline.request_stop()
         stats = await self.pipeline.run()

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from carpool.jobs.prices import Prices, cost_doc
+
 
 class Reservoir:
     def __init__(self, size: int = 50_000, seed: int = 0):
@@ -52,7 +54,9 @@ class JobStats:
     semantic_audit: dict | None = None  # --semantic-audit N: carpool.cache.audit.SemanticAudit.report()
     concurrency: dict | None = None  # the limiter's summary(): the limit the job ran at, and why
     dedup_fanouts: int = 0
-    saved_tokens: int = 0
+    saved_tokens: int = 0  # tokens of answers that cost nothing: cache hits and dedup fan-outs
+    saved_prompt_tokens: int = 0  # the same, split as the bill splits them
+    saved_completion_tokens: int = 0
     sent: int = 0  # requests that went to the backend (first attempts)
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -73,6 +77,7 @@ class JobStats:
     backend: str = ""
     cache_backend: str = "off"  # the store, its TTL and namespace, as the summary shows them
     cache_ttl_s: float | None = None  # how long this run's answers are served from the store (None: for ever)
+    prices: Prices | None = None  # None: the $ figures are unknown (carpool.jobs.prices)
 
     @property
     def elapsed(self) -> float:
@@ -90,6 +95,18 @@ class JobStats:
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def save(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """An answer this run did not pay for (a cache hit, a dedup fan-out)."""
+        self.saved_prompt_tokens += prompt_tokens
+        self.saved_completion_tokens += completion_tokens
+        self.saved_tokens += prompt_tokens + completion_tokens
+
+    def cost(self) -> dict:
+        """$ spent on the answers the backend gave this run, and $ the cache and dedup saved
+        (their answers' tokens at the same prices); None where no prices are known."""
+        return cost_doc(self.prices, self.prompt_tokens, self.completion_tokens, self.saved_prompt_tokens,
+                        self.saved_completion_tokens)
 
     def saved_time_s(self) -> float:
         """Time the cache hits and fan-outs saved, at this job's measured token throughput."""
@@ -131,6 +148,8 @@ class JobStats:
             "e2e_ms_p50": ms(self.e2e, 50), "e2e_ms_p99": ms(self.e2e, 99),
             "cache_hits": self.cache_hits, "semantic_hits": self.semantic_hits,
             "dedup_fanouts": self.dedup_fanouts, "saved_tokens": self.saved_tokens,
+            "saved_prompt_tokens": self.saved_prompt_tokens, "saved_completion_tokens": self.saved_completion_tokens,
+            "cost": self.cost(),
             "saved_time_s": round(self.saved_time_s(), 2), "interrupted": self.interrupted,
             "stopped_by_outage": self.stopped_by_outage,
             **({"outages": self.outages} if self.outages is not None else {}),

@@ -1,0 +1,92 @@
+"""What tokens cost: ``--price-in`` / ``--price-out`` ($ per million tokens), or a small
+built-in table of OpenAI list prices for named models.
+
+The table is deliberately small and dated; a provider's real bill may differ (batch or
+prompt-cache discounts, new prices): pass the flags to be exact.  A model that is in
+neither gets no prices, and its $ figures are shown as unknown, never as 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# $ per million tokens (input, output): OpenAI's standard (not Batch API) list prices as
+# published on openai.com/api/pricing, August 2025.  Dated snapshots ("gpt-4o-2024-08-06")
+# take their family's price.
+TABLE_DATE = "2025-08"
+BUILTIN_PRICES: dict[str, tuple[float, float]] = {
+    "gpt-5": (1.25, 10.00),
+    "gpt-5-mini": (0.25, 2.00),
+    "gpt-5-nano": (0.05, 0.40),
+    "gpt-4.1": (2.00, 8.00),
+    "gpt-4.1-mini": (0.40, 1.60),
+    "gpt-4.1-nano": (0.10, 0.40),
+    "gpt-4o": (2.50, 10.00),
+    "gpt-4o-mini": (0.15, 0.60),
+    "o3": (2.00, 8.00),
+    "o3-mini": (1.10, 4.40),
+    "o4-mini": (1.10, 4.40),
+    "gpt-3.5-turbo": (0.50, 1.50),
+    "text-embedding-3-small": (0.02, 0.0),
+    "text-embedding-3-large": (0.13, 0.0),
+}
+
+_SNAPSHOT = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{4})$")  # -2024-08-06, -0125
+
+
+@dataclass(frozen=True)
+class Prices:
+    input_per_m: float
+    output_per_m: float
+    source: str  # "--price-in/--price-out" or "built-in table (gpt-4o-mini, 2025-08)"
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (prompt_tokens * self.input_per_m + completion_tokens * self.output_per_m) / 1e6
+
+    def doc(self) -> dict:
+        return {"input_per_million": self.input_per_m, "output_per_million": self.output_per_m,
+                "source": self.source}
+
+
+def builtin_prices(model: str | None) -> Prices | None:
+    """The table's prices for ``model`` (or its dated snapshot), else None."""
+    if not model:
+        return None
+    name = model.strip().lower().removeprefix("openai/")
+    family = _SNAPSHOT.sub("", name)
+    for key in (name, family):
+        if key in BUILTIN_PRICES:
+            pin, pout = BUILTIN_PRICES[key]
+            return Prices(pin, pout, f"built-in table ({key}, {TABLE_DATE})")
+    return None
+
+
+def resolve_prices(model: str | None, price_in: float | None, price_out: float | None) -> Prices | None:
+    """The flags when given (a missing one from the table), else the table; None: unknown.
+
+    Raises ValueError when only one flag is given for a model the table does not know."""
+    for flag, value in (("--price-in", price_in), ("--price-out", price_out)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{flag} {value}: a price is $ per million tokens, 0 or more")
+    if price_in is None and price_out is None:
+        return builtin_prices(model)
+    table = builtin_prices(model)
+    if price_in is not None and price_out is not None:
+        return Prices(price_in, price_out, "--price-in/--price-out")
+    if table is None:
+        missing = "--price-out" if price_out is None else "--price-in"
+        raise ValueError(f"{missing} is missing: model {model!r} is not in the built-in price table, so give "
+                         "both --price-in and --price-out ($ per million tokens; 0 for none)")
+    return Prices(price_in if price_in is not None else table.input_per_m,
+                  price_out if price_out is not None else table.output_per_m,
+                  f"--price-in/--price-out, the rest from the {table.source}")
+
+
+def cost_doc(prices: Prices | None, prompt: int, completion: int, saved_prompt: int, saved_completion: int) -> dict:
+    """The summary's ``cost``: $ spent on the tokens the backend answered, $ saved by the
+    answers that cost nothing (cache hits, dedup fan-outs); None where prices are unknown."""
+    if prices is None:
+        return {"spent_usd": None, "saved_usd": None, "prices": None}
+    return {"spent_usd": round(prices.cost(prompt, completion), 6),
+            "saved_usd": round(prices.cost(saved_prompt, saved_completion), 6), "prices": prices.doc()}
