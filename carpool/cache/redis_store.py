@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import math
 import threading
-from typing import Self
+
+from carpool.compat import Self
 
 DEFAULT_PREFIX = "carpool:cache:v1:"
 _STATS_SUFFIX = "__stats__"

@@ -15,8 +15,8 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Self
 
+from carpool.compat import Self
 from carpool.paths import cache_dir
 
 _SCHEMA = """

@@ -6,7 +6,9 @@ A URL gets a new ``redis.asyncio`` client, which ``close()`` closes; a client pa
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any
+
+from carpool.compat import Self
 
 
 class RedisUser:

@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
+
+from carpool.compat import Self
 
 from .config import EngineConfig
 from .protocol import EngineError, GenerateRequest, TokenDelta

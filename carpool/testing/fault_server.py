@@ -26,9 +26,10 @@ import time
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Self
 
 from aiohttp import web
+
+from carpool.compat import Self
 
 FAULT_KINDS = (
     "429", "500", "502", "503", "400",

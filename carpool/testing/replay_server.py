@@ -24,9 +24,10 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 from aiohttp import web
+
+from carpool.compat import Self
 
 
 def canonical(body: dict) -> str:
