@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import os
 
+from carpool.extras import require
+
 # OpenMP threads that spin at barriers stall for a whole time slice when the cores are
 # shared (other processes, a busy server); sleeping waiters cost microseconds instead.
 # This must be set before torch loads its OpenMP runtime; export it to override.
@@ -34,7 +36,13 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
+# Their modules import torch at the top; AsyncEngine checks when it is made.
+_NEED_THE_EXTRA = {"LLMEngine", "LLM"}
+
+
 def __getattr__(name: str):
+    if name in _NEED_THE_EXTRA:
+        require("engine", f"carpool.engine.{name}")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

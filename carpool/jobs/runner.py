@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from carpool.extras import require
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import build_parts
 from carpool.jobs.pipeline import Pipeline
@@ -36,6 +37,8 @@ class Runner:
             self.pipeline.request_stop()
 
     async def run(self) -> JobStats:
+        if self.opts.report:  # refused before the job, not after it
+            require("report", "--report")
         self.opts, notes = await resolve_target(self.opts)
         parts = build_parts(self.opts)
         parts.messages[:0] = notes
