@@ -39,12 +39,18 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from carpool.extras import MissingExtra
+
     argv = sys.argv[1:] if argv is None else argv
     # Before any verb imports torch: the OpenMP wait policy is read when torch loads.
     configure_process()
     args = build_parser(argv).parse_args(argv)
     module = importlib.import_module(VERBS[args.verb][0])
-    return int(module.main(args) or 0)
+    try:
+        return int(module.main(args) or 0)
+    except MissingExtra as e:  # a feature of an extra that is not installed: say which, exit 2
+        print(f"carpool {args.verb}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Each ``--report`` says what to show (``carpool.jobs.report`` for ``carpool run``
 ``carpool.bench.report`` for ``carpool bench``, ``carpool.tune.report`` for ``carpool
 simulate``); this module draws headless (matplotlib's Agg backend, no display on servers
 and CI), encodes, and lays out one page, which can be mailed or attached to a ticket as
-is.  A leaf module: it imports nothing of carpool, and matplotlib only when a plot is drawn.
+is.  A leaf module: it imports nothing of carpool but ``carpool.extras``, and matplotlib only when a plot is drawn.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import io
 from collections.abc import Iterable
 from typing import Any
 
+from carpool.extras import require
+
 STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
          "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
          "td:first-child,th:first-child{text-align:left}img{max-width:100%}")
@@ -22,6 +24,7 @@ STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{bor
 
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend."""
+    require("report", "an HTML report with plots (--report)")
     import matplotlib
 
     matplotlib.use("Agg")

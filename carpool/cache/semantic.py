@@ -30,13 +30,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple, Self
+from typing import NamedTuple
 
 import faiss
 import numpy as np
 
 from carpool.cache.keys import SEMANTIC_THRESHOLD, normalize_text
 from carpool.cache.verify import verify as verify_pair
+from carpool.compat import Self
 
 # The similarity floor for candidates.  With the verification stage deciding, the floor only
 # has to let misspelt copies through (MiniLM scores "manaul"/"manual" 0.48, "Love it!!!"/

@@ -22,8 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Self
 
+from carpool.compat import Self
 from carpool.paths import cache_dir
 
 _SCHEMA = """

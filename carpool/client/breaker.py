@@ -30,9 +30,9 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from carpool.client.retry import ErrorKind
+from carpool.compat import StrEnum
 
 # Failures where the endpoint did not answer at all (no HTTP status): an outage looks like these.
 NO_ANSWER = frozenset({ErrorKind.CONNECT, ErrorKind.RESET, ErrorKind.TRUNCATED, ErrorKind.READ_TIMEOUT,
@@ -206,7 +206,7 @@ class OutageGate:
             self._changed = asyncio.Event()
         try:
             await asyncio.wait_for(self._changed.wait(), timeout=min(left, max_wait_s))
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             return not self.down()
         return True
 

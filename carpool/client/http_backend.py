@@ -31,6 +31,7 @@ from carpool.client.breaker import NO_ANSWER, BreakerPolicy, OutageGate, State
 from carpool.client.pool import Timeouts, make_session
 from carpool.client.retry import ErrorKind, parse_retry_after
 from carpool.client.sse_reader import EventTooLarge, SSEReader
+from carpool.compat import timeout
 from carpool.openai.accumulator import StreamAccumulator
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -80,7 +81,7 @@ class HttpBackend:
                     return []
                 data = (await r.json(content_type=None)).get("data") or []
                 return [str(m.get("id", "")) for m in data if isinstance(m, dict)]
-        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+        except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
             return []
 
     async def close(self) -> None:
@@ -116,9 +117,9 @@ class HttpBackend:
         t0 = time.perf_counter()
         res = CallResult(ok=False, endpoint=ep.url, sent_at=t0)
         try:
-            async with asyncio.timeout(self.timeouts.total_s):
+            async with timeout(self.timeouts.total_s):
                 await self._call(ep.url, req, res, t0)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             if res.error_kind is None:
                 res.error_kind = ErrorKind.TOTAL_TIMEOUT
                 res.error_message = f"no answer within {self.timeouts.total_s:g}s"
@@ -164,11 +165,11 @@ class HttpBackend:
                                                         skip_auto_headers=("User-Agent",))
         headers = {k: v for k, v in self._headers.items() if k != "Content-Type"}
         try:
-            async with asyncio.timeout(b.policy.probe_timeout_s), \
+            async with timeout(b.policy.probe_timeout_s), \
                     self._probe_session.get(ep.url + "/models", headers=headers) as resp:
                 status = resp.status
                 await resp.read()
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
             b.probe_failed(_why(e))
             return
         if status >= 500:
@@ -347,7 +348,7 @@ def _why(e: BaseException) -> str:
     """Why a probe failed, in a few words."""
     if isinstance(e, aiohttp.ClientConnectorError):
         return _connect_why(e)
-    if isinstance(e, TimeoutError):
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
         return "no answer to a probe"
     return str(e) or type(e).__name__
 
@@ -375,9 +376,9 @@ async def _drain(resp: aiohttp.ClientResponse) -> None:
     if resp.content.at_eof():
         return
     try:
-        async with asyncio.timeout(_DRAIN_S):
+        async with timeout(_DRAIN_S):
             await resp.content.read()
-    except (TimeoutError, aiohttp.ClientError):
+    except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError):
         pass  # the answer is whole; only this connection is not reused
 
 

@@ -98,7 +98,7 @@ async def list_models(session: aiohttp.ClientSession, base_url: str, headers: di
             out.error = f"HTTP {status}"
             return out
         doc = json.loads(raw)
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):
         out.error = f"no answer within {timeout_s:g}s"
         return out
     except aiohttp.ClientError as e:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from enum import StrEnum
+
+from carpool.compat import StrEnum
 
 
 class ErrorKind(StrEnum):

@@ -30,6 +30,7 @@ from carpool.bench.metrics import (
     parse_percentiles,
     result_json,
 )
+from carpool.extras import require
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -240,6 +241,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.report:  # refused before the benchmark, not after it
+        require("report", "--report")
     try:
         return asyncio.run(_run(args))
     except (datasets.DatasetError, MetricsError, ValueError) as e:

@@ -243,10 +243,14 @@ def write_summary_json(doc: dict, target: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """The job, and its exit code (``carpool.jobs.exit_codes``: the table is in docs/run.md)."""
+    from carpool.extras import MissingExtra
     from carpool.jobs.exit_codes import ExitCode
 
     try:
         return int(_main(args))
+    except MissingExtra as e:  # e.g. the engine asked for on a slim install: a refused start
+        print(f"carpool run: {e}", file=sys.stderr)
+        return int(ExitCode.REFUSED)
     except Exception:  # noqa: BLE001  (a bug: say so with the traceback, exit 1 as documented)
         import traceback
 

@@ -12,6 +12,7 @@ import math
 import sys
 from dataclasses import replace
 
+from carpool.extras import require
 from carpool.tune import hardware, models
 from carpool.tune.cost import CostModel, ProfiledCost, RooflineCost, ScaledCost
 from carpool.tune.simulator import BATCHING, POLICIES, SimConfig, SimResult, Simulator
@@ -171,6 +172,8 @@ def run_scenario(a: argparse.Namespace, label: str | None = None,
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.report or args.plots_dir:  # refused before the simulation, not after it
+        require("report", "--report" if args.report else "--plots-dir")
     band = args.speed_band
     try:
         if band is not None and not 0 < band < 1:

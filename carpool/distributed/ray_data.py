@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from carpool.extras import require
+
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
@@ -149,6 +151,7 @@ class CarpoolMapper:
 def carpool_map(ds, *, workers: int = 2, cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0,
                 batch_size: int = 256, **options: Any):
     """``ds`` with ``custom_id``, ``response`` and ``error`` columns added (lazily, as Ray Data does)."""
+    require("ray", "carpool_map")
     import ray
 
     return ds.map_batches(

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
+from carpool.extras import require
 
 if TYPE_CHECKING:
     from carpool.jobs.options import RunOptions
@@ -131,6 +132,7 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
     (``carpool run --ray`` prints a line).  Starts a local Ray if none is running, and
     stops it again.
     """
+    require("ray", "carpool run --ray")
     import ray
 
     from carpool.distributed.worker import (

@@ -6,12 +6,16 @@ A URL gets a new ``redis.asyncio`` client, which ``close()`` closes; a client pa
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any
+
+from carpool.compat import Self
+from carpool.extras import require
 
 
 class RedisUser:
     def __init__(self, redis: str | Any) -> None:
         if isinstance(redis, str):
+            require("redis", "--redis")
             import redis.asyncio as aioredis
 
             self._redis, self._owns_client = aioredis.from_url(redis), True

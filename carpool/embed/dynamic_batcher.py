@@ -19,9 +19,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Self
 
 import numpy as np
+
+from carpool.compat import Self
 
 
 class QueueFullError(RuntimeError):
@@ -114,7 +115,7 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             self._remove(item)  # the caller went away (client disconnect): do not run it
             raise
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             if self._remove(item):  # still queued: drop it rather than run it late
                 self._stats["timed_out"] += 1
                 raise QueueTimeoutError(f"request waited over queue_timeout_s={self.queue_timeout_s:g} s "
@@ -192,7 +193,7 @@ class DynamicBatcher:
                 self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), left)
-                except TimeoutError:
+                except (TimeoutError, asyncio.TimeoutError):
                     break
             batch = self._take(expired=time.monotonic() >= deadline)
             if batch:

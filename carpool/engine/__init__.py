@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 
+from carpool.extras import require
+
 _EXPORTS = {
     "configure_process": ".process",
     "AsyncEngine": ".async_engine",
@@ -30,7 +32,13 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
+# Their modules import torch at the top; AsyncEngine checks when it is made.
+_NEED_THE_EXTRA = {"LLMEngine", "LLM"}
+
+
 def __getattr__(name: str):
+    if name in _NEED_THE_EXTRA:
+        require("engine", f"carpool.engine.{name}")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,10 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
+
+from carpool.compat import Self
+from carpool.extras import require
 
 from .config import EngineConfig
 from .protocol import EngineError, GenerateRequest, TokenDelta
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: Any = None):
+        # Refused here, at once, rather than in the engine thread at the first request.
+        require("engine", "carpool's inference engine (carpool run without --endpoint, carpool serve)")
         self.config = config or EngineConfig()
         self._loaded = loaded
         self.engine: LLMEngine | None = None  # built by start()

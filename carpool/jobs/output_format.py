@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from carpool.extras import require
 from carpool.jobs.exit_codes import StartRefused
 
 JSONL = ".jsonl"
@@ -61,6 +62,7 @@ def output_target(output: str | os.PathLike) -> OutputTarget:
     if suffix == JSONL:
         return OutputTarget(path, "jsonl")
     if suffix == PARQUET:
+        require("parquet", f"-o {str(output)!r} (a Parquet table)")  # refused before the run, not after it
         return OutputTarget(path, "parquet")
     got = f"suffix {suffix!r}" if suffix else "no suffix"
     raise StartRefused(f"-o/--output {str(output)!r} has {got}: carpool writes {' or '.join(SUFFIXES)} "

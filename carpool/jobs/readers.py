@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from carpool.extras import require
 from carpool.jobs.tasks import (
     BadLine,
     Task,
@@ -149,6 +150,8 @@ class Reader:
         self.fmt = fmt or detect_format(path)
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown input format {self.fmt!r}; one of {', '.join(FORMATS)}")
+        if self.fmt == "parquet":
+            require("parquet", f"reading the Parquet file {str(self.path)!r}")
         self.template = template
         self.defaults = defaults or TaskDefaults()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from carpool.extras import require
 from carpool.jobs.options import RunOptions
 from carpool.jobs.output_format import output_target, write_parquet
 from carpool.jobs.parts import build_parts
@@ -52,6 +53,8 @@ class Runner:
 
     async def run(self) -> JobStats:
         target = output_target(self.opts.output)  # a suffix carpool cannot write: refused before anything
+        if self.opts.report:  # refused before the job, not after it
+            require("report", "--report")
         prices = job_prices(self.opts)  # before anything is sent: a bad --price-in refuses the start
         peek = self.make_source(self.opts) if self.make_source is not None else None
         self.opts, notes = await resolve_target(self.opts, peek)

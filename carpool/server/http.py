@@ -8,6 +8,7 @@ import re
 
 from aiohttp import web
 
+from carpool.compat import timeout
 from carpool.openai.errors import OpenAIError
 
 # Work on a body larger than this (parsing, templating, tokenizing) runs on a worker thread,
@@ -37,9 +38,9 @@ def error_response(e: OpenAIError) -> web.Response:
 async def read_json(request: web.Request) -> dict:
     """The request body as a JSON object, or a 400 saying what is wrong with it."""
     try:
-        async with asyncio.timeout(request.app[BODY_TIMEOUT]):
+        async with timeout(request.app[BODY_TIMEOUT]):
             raw = await request.read()
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):
         raise OpenAIError(408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s",
                           code="body_timeout") from None
     try:

@@ -25,9 +25,10 @@ import time
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Self
 
 from aiohttp import web
+
+from carpool.compat import Self
 
 from .threaded import ThreadedServer
 

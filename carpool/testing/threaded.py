@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Self
+from typing import Any
+
+from carpool.compat import Self
 
 
 class ThreadedServer:

@@ -13,6 +13,7 @@ import contextlib
 import types
 from collections.abc import Iterator
 
+from carpool.extras import require
 from carpool.tune.cost import CostModel, StepShape
 from carpool.tune.engine_load import num_sampling_rows, prompt_token_ids
 from carpool.tune.simulator import SimConfig
@@ -33,6 +34,7 @@ def _virtual_clock(module, clock: list[float]) -> Iterator[None]:
 def replay(requests: list[SimRequest], cfg: SimConfig, cost: CostModel, num_blocks: int,
            vocab: int = 49152) -> dict:
     """Steps (shape, preemptions) and per-request first-token / finish times."""
+    require("engine", "replaying a workload through carpool's scheduler")
     from carpool.engine import scheduler as sched_mod
     from carpool.engine.block_manager import BlockManager
     from carpool.engine.protocol import SamplingParams

@@ -12,6 +12,8 @@ import os
 import time
 from dataclasses import dataclass, replace
 
+from carpool.extras import require
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -94,6 +96,7 @@ def measure_cpu(seconds: float = 0.3) -> Accelerator:
     gflops = float(os.environ.get("CARPOOL_CPU_GFLOPS", "0"))
     gbs = float(os.environ.get("CARPOOL_CPU_GBS", "0"))
     if not gflops or not gbs:
+        require("engine", "measuring this CPU (--gpu cpu-local; or set CARPOOL_CPU_GFLOPS and CARPOOL_CPU_GBS)")
         import torch
 
         if not gflops:

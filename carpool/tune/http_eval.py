@@ -73,7 +73,7 @@ class EndpointEvaluator:
                                 if rec["first_token"] is None and chunk.get("choices"):
                                     rec["first_token"] = time.monotonic() - t0
                             rec["finish"] = time.monotonic() - t0
-                except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
+                except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
                     rec["error"] = repr(e)
                 finally:
                     if sem is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
+from carpool.extras import require
 from carpool.tune.cost import CostModel
 from carpool.tune.measure import SLO, Measurement, margin
 from carpool.tune.simulator import SimConfig, Simulator
@@ -331,6 +332,7 @@ class EngineEvaluator:
     def __init__(self, base, requests: list[SimRequest], base_rate: float = 1.0, warmup: int = 4,
                  loaded=None, log: Callable[[str], None] = lambda s: None, duration_s: float | None = None,
                  min_requests: int = 50):
+        require("engine", "tuning carpool's engine (--engine)")
         from carpool.engine.llm_engine import resolve_dtype
         from carpool.engine.loader import load_model
 

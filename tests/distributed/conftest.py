@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Self
 
 import pytest
 
+from carpool.compat import Self
 from carpool.testing.fixtures import running_redis
 
 
