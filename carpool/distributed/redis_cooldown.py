@@ -21,11 +21,13 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis.exceptions
 
 from carpool.client.balancer import Balancer, Endpoint
+from carpool.client.endpoints import EndpointSpec
 from carpool.distributed.redis_client import RedisUser
 
 # KEYS: until zset, info hash.  ARGV[1] = mode.
@@ -171,7 +173,8 @@ class SharedBalancer(Balancer):
     workers published are pulled every ``refresh_s`` and applied locally.
     """
 
-    def __init__(self, urls: list[str], cooldown: RedisCooldown, refresh_s: float = 0.2, **kwargs: Any):
+    def __init__(self, urls: Sequence[str | EndpointSpec], cooldown: RedisCooldown, refresh_s: float = 0.2,
+                 **kwargs: Any):
         super().__init__(urls, **kwargs)
         self.cooldown = cooldown
         self.refresh_s = refresh_s
@@ -197,14 +200,14 @@ class SharedBalancer(Balancer):
             if ep.url in shared:
                 ep.cooldown_until = max(ep.cooldown_until, now + shared[ep.url][0])
 
-    def pick(self) -> Endpoint:
+    def pick(self, tokens: int = 0) -> Endpoint:
         now = time.monotonic()
         if len(self.endpoints) > 1 and now >= self._next_refresh and (
             self._refreshing is None or self._refreshing.done()
         ):
             self._next_refresh = now + self.refresh_s
             self._refreshing = self._spawn(self.refresh())
-        return super().pick()
+        return super().pick(tokens)
 
     def done(self, ep: Endpoint, ok: bool, endpoint_fault: bool = False) -> None:
         was_failing = ep.consecutive_failures > 0
