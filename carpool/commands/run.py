@@ -178,10 +178,11 @@ def _endpoint_specs(args: argparse.Namespace) -> list:
 
     if not args.endpoints:
         return []
-    for flag, given in (("--endpoint", args.endpoint), ("--model", args.model), ("--api-version", args.api_version)):
+    for flag, given in (("--endpoint", args.endpoint), ("--model", args.model), ("--api-key", args.api_key),
+                        ("--api-version", args.api_version)):
         if given:
             raise EndpointsFileError(f"{flag} and --endpoints: give one; with --endpoints each endpoint names its "
-                                     "own base_url, model and api_version in the file")
+                                     "own base_url, model, api_key_env and api_version in the file")
     return load_endpoints(args.endpoints)
 
 

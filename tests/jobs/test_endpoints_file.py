@@ -129,9 +129,9 @@ def test_vllm_example_spreads_over_the_replicas_and_keeps_the_fallback_idle(faul
     cfg = example_pointed_at("vllm.yaml", [a.url, b.url, spare.url], tmp_path)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_tasks(src, 20, max_tokens=4)
-    p = cli(src, "-o", out, "--endpoints", cfg, "--cache", "off", "--concurrency", "2")
+    p = cli(src, "-o", out, "--endpoints", cfg, "--cache", "off", "--concurrency", "1")
     assert p.returncode == ExitCode.OK, p.stderr
-    assert 6 <= len(chats(a)) <= 14 and len(chats(a)) + len(chats(b)) == 20
+    assert len(chats(a)) >= 7 and len(chats(b)) >= 7 and len(chats(a)) + len(chats(b)) >= 20
     assert chats(spare) == []
     assert {r["body"]["model"] for r in chats(a) + chats(b)} == {big}
     assert all("Authorization" not in r["headers"] for r in chats(a))  # no api_key_env: no key sent
@@ -234,7 +234,7 @@ def test_a_model_the_endpoint_does_not_serve_is_refused_naming_the_entry(fault_s
 
 
 @pytest.mark.parametrize("flags", [["--endpoint", "http://127.0.0.1:9/v1"], ["--model", "m"],
-                                   ["--header", "no colon here"]])
+                                   ["--api-key", "sk-x"], ["--header", "no colon here"]])
 def test_conflicting_or_bad_flags_are_refused(tmp_path, flags):
     cfg = tmp_path / "e.yaml"
     cfg.write_text("- base_url: http://127.0.0.1:9/v1\n  model: m\n")
@@ -281,3 +281,13 @@ def test_faults_on_one_endpoint_move_its_tasks_to_the_other_tier(fault_server, t
     p = cli(src, "-o", out, "--endpoints", cfg, "--cache", "off", "--concurrency", "1")
     assert p.returncode == ExitCode.OK, p.stderr
     assert len(chats(b)) == 4 and all(d["error"] is None for d in lines(out))
+
+
+def test_the_readme_shows_the_example_files():
+    """The README's three YAML blocks are the files the tests above run."""
+    import re
+
+    readme = (EXAMPLES.parents[1] / "README.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", readme, re.S)]
+    files = [yaml.safe_load((EXAMPLES / n).read_text()) for n in ("openai.yaml", "azure.yaml", "vllm.yaml")]
+    assert blocks == files
