@@ -291,3 +291,15 @@ def test_the_readme_shows_the_example_files():
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", readme, re.S)]
     files = [yaml.safe_load((EXAMPLES / n).read_text()) for n in ("openai.yaml", "azure.yaml", "vllm.yaml")]
     assert blocks == files
+
+
+def test_dry_run_with_a_file_names_the_models_and_sends_nothing(fault_server, tmp_path):
+    srv = fault_server(FaultConfig(models=["m"]))
+    cfg = tmp_path / "e.yaml"
+    cfg.write_text(f"- base_url: {srv.url}\n  model: m\n")
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_tasks(src, 3)
+    p = cli(src, "-o", out, "--endpoints", cfg, "--dry-run")
+    assert p.returncode == ExitCode.OK, p.stderr
+    assert "3 tasks would be sent" in p.stderr and "model 'm'" in p.stderr
+    assert chats(srv) == [] and not out.exists()
