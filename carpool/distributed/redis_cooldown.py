@@ -197,8 +197,8 @@ class SharedBalancer(Balancer):
             return
         now = time.monotonic()
         for ep in self.endpoints:
-            if ep.url in shared:
-                ep.cooldown_until = max(ep.cooldown_until, now + shared[ep.url][0])
+            if _key(ep) in shared:
+                ep.cooldown_until = max(ep.cooldown_until, now + shared[_key(ep)][0])
 
     def pick(self, tokens: int = 0) -> Endpoint:
         now = time.monotonic()
@@ -215,11 +215,17 @@ class SharedBalancer(Balancer):
         super().done(ep, ok, endpoint_fault)
         if ep.cooldown_until > before:
             left = ep.cooldown_until - time.monotonic()
-            self._spawn(self.cooldown.fail(ep.url, f"endpoint fault seen by {self._who}", seconds=left))
+            self._spawn(self.cooldown.fail(_key(ep), f"endpoint fault seen by {self._who}", seconds=left))
         elif ok and was_failing:
-            self._spawn(self.cooldown.succeed(ep.url))
+            self._spawn(self.cooldown.succeed(_key(ep)))
 
     async def flush(self) -> None:
         """Wait for the background Redis updates (call before closing the client)."""
         while self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+def _key(ep: Endpoint) -> str:
+    """What a cooldown is shared under: the endpoint's name (its URL unless an endpoints file
+    names it), so two entries of one URL with other models (a fallback) cool down apart."""
+    return ep.spec.name if ep.spec is not None else ep.url
