@@ -44,7 +44,7 @@ def job_identity(opts: RunOptions) -> ModelIdentity:
         return ModelIdentity("echo", kind="echo")
     if opts.endpoint_specs:
         models = sorted({s.model for s in opts.endpoint_specs if s.model})
-        return ModelIdentity(" | ".join(models), namespace=opts.cache_namespace)
+        return ModelIdentity(" | ".join(models))
     if opts.endpoints:
         return ModelIdentity(opts.defaults.model or "", namespace=opts.cache_namespace)
     name = str(getattr(opts.engine, "model_name", None) or opts.engine_model)

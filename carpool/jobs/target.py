@@ -82,7 +82,7 @@ def settle_endpoint_models(opts: RunOptions, specs: list[EndpointSpec], lists: l
         cards.append(card)
     models = sorted({s.model for s in opts.endpoint_specs if s.model})
     if len(models) == 1:
-        return identity_from_card(models[0], cards[0] if cards else None, opts.cache_namespace), notes
+        return identity_from_card(models[0], cards[0] if cards else None), notes
     return job_identity(opts), notes
 
 
