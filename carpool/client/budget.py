@@ -61,6 +61,16 @@ class TokenBuckets:
         self._lock = asyncio.Lock()  # one waiter at a time: first come, first served
         self.waited_s = 0.0
 
+    def wait_s(self, requests: int = 1, tokens: int = 0) -> float:
+        """Seconds until this much would be allowed (0: now), taking nothing."""
+        now = time.monotonic()
+        wait = 0.0
+        for bucket, amount in ((self._req, requests), (self._tok, tokens)):
+            if bucket is not None:
+                bucket.refill(now)
+                wait = max(wait, bucket.wait_for(amount))
+        return wait
+
     async def acquire(self, requests: int = 1, tokens: int = 0) -> None:
         async with self._lock:
             while True:

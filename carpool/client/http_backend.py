@@ -28,6 +28,7 @@ import aiohttp
 from carpool.client.balancer import Balancer, Endpoint
 from carpool.client.base import CallResult, Request
 from carpool.client.breaker import NO_ANSWER, BreakerPolicy, OutageGate, State
+from carpool.client.endpoints import EndpointSpec, auth_headers, plain_specs
 from carpool.client.pool import Timeouts, make_session
 from carpool.client.retry import ErrorKind, parse_retry_after
 from carpool.client.sse_reader import EventTooLarge, SSEReader
@@ -41,11 +42,17 @@ _loads = json.loads
 class HttpBackend:
     name = "http"
 
-    def __init__(self, endpoints: list[str], model: str | None = None, api_key: str | None = None,
-                 stream: bool = True, timeouts: Timeouts | None = None, max_connections: int = 0,
-                 balancer: Balancer | None = None, breaker: BreakerPolicy | None = None, *,
-                 fresh_connections: bool = False, record_chunks: bool = False):
-        self.balancer = balancer or Balancer(endpoints, breaker=breaker)
+    def __init__(self, endpoints: list[str] | list[EndpointSpec] | None, model: str | None = None,
+                 api_key: str | None = None, stream: bool = True, timeouts: Timeouts | None = None,
+                 max_connections: int = 0, balancer: Balancer | None = None, breaker: BreakerPolicy | None = None,
+                 *, fresh_connections: bool = False, record_chunks: bool = False):
+        """``endpoints``: base URLs (``api_key`` as a Bearer token for all) or ``EndpointSpec``s
+        (each with its own headers, model, dialect; ``api_key`` unused); ``model``: sent when a
+        request names none and its endpoint has no model of its own."""
+        if balancer is None:
+            specs = [e if isinstance(e, EndpointSpec) else plain_specs([e], api_key)[0] for e in endpoints or []]
+            balancer = Balancer(specs, breaker=breaker)
+        self.balancer = balancer
         self.model = model
         self.stream = stream
         self.timeouts = timeouts or Timeouts()
@@ -56,8 +63,8 @@ class HttpBackend:
         self._probe_session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
         self._headers = {"Content-Type": "application/json"}
-        if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+        # For endpoints of a balancer passed in as plain URLs (their specs carry no key).
+        self._default_auth = auth_headers("openai", api_key)
 
     @property
     def gate(self) -> OutageGate:
@@ -72,11 +79,22 @@ class HttpBackend:
                                          fresh_connections=self._fresh_connections, trace_configs=traces)
         return self._session
 
+    def _spec(self, ep: Endpoint) -> EndpointSpec:
+        assert ep.spec is not None  # Endpoint.__post_init__ gives every endpoint one
+        return ep.spec
+
+    def _auth(self, spec: EndpointSpec) -> dict[str, str]:
+        """``spec``'s headers, with the backend's key when the spec brings none."""
+        names = {k.lower() for k in spec.headers}
+        if self._default_auth and not names & {"authorization", "api-key"}:
+            return {**self._default_auth, **spec.headers}
+        return spec.headers
+
     async def list_models(self) -> list[str]:
         """The model ids the first endpoint serves (``GET /models``); empty when it will not say."""
-        url = self.balancer.endpoints[0].url + "/models"
+        spec = self._spec(self.balancer.endpoints[0])
         try:
-            async with self.session.get(url, headers=self._headers) as r:
+            async with self.session.get(spec.models_url(), headers=self._auth(spec), params=spec.params) as r:
                 if r.status != 200:
                     return []
                 data = (await r.json(content_type=None)).get("data") or []
@@ -95,12 +113,18 @@ class HttpBackend:
                 await s.close()
         self._session = self._probe_session = None
 
-    def prepare_body(self, req: Request) -> dict:
+    def prepare_body(self, req: Request, spec: EndpointSpec | None = None) -> dict:
+        """The body sent for ``req`` (to the endpoint of ``spec``: its model, its name for the
+        token limit)."""
         body = req.body
-        if self.model and "model" not in body:
+        if spec is not None and spec.model and body.get("model") != spec.model:
+            body = {**body, "model": spec.model}  # an endpoint's own model is what it is sent
+        elif self.model and "model" not in body:
             body = {**body, "model": self.model}
         if req.kind == "embedding":
             return body
+        if spec is not None:
+            body = spec.prepare_limits(body)
         if self.stream and "stream" not in body:
             body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         elif body.get("stream") and not (body.get("stream_options") or {}).get("include_usage"):
@@ -113,18 +137,25 @@ class HttpBackend:
         return body
 
     async def call(self, req: Request) -> CallResult:
-        ep = self.balancer.pick()
+        ep = self.balancer.pick(req.est_tokens)
+        if ep.budget is not None:
+            # The endpoint's own RPM/TPM (the job's is the executor's): counted as in flight
+            # on it meanwhile, so the balancer sends the next requests elsewhere.
+            await ep.budget.acquire(1, req.est_tokens)
         t0 = time.perf_counter()
         res = CallResult(ok=False, endpoint=ep.url, sent_at=t0)
         try:
             async with timeout(self.timeouts.total_s):
-                await self._call(ep.url, req, res, t0)
+                await self._call(self._spec(ep), req, res, t0)
         except (TimeoutError, asyncio.TimeoutError):
             if res.error_kind is None:
                 res.error_kind = ErrorKind.TOTAL_TIMEOUT
                 res.error_message = f"no answer within {self.timeouts.total_s:g}s"
                 res.endpoint_fault = True
         res.e2e_s = time.perf_counter() - t0
+        used = res.prompt_tokens + res.completion_tokens
+        if ep.budget is not None and used and req.est_tokens:
+            ep.budget.adjust(used - req.est_tokens)
         self.balancer.done(ep, res.ok, res.endpoint_fault)
         self._tell_breaker(ep, res)
         return res
@@ -163,10 +194,11 @@ class HttpBackend:
             # A connection of the pool may be one the outage killed: each probe opens its own.
             self._probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                                         skip_auto_headers=("User-Agent",))
-        headers = {k: v for k, v in self._headers.items() if k != "Content-Type"}
+        spec = self._spec(ep)
         try:
             async with timeout(b.policy.probe_timeout_s), \
-                    self._probe_session.get(ep.url + "/models", headers=headers) as resp:
+                    self._probe_session.get(spec.models_url(), headers=self._auth(spec),
+                                            params=spec.params) as resp:
                 status = resp.status
                 await resp.read()
         except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
@@ -177,14 +209,15 @@ class HttpBackend:
         else:
             b.on_answer()
 
-    async def _call(self, base: str, req: Request, res: CallResult, t0: float) -> None:
-        body = self.prepare_body(req)
+    async def _call(self, spec: EndpointSpec, req: Request, res: CallResult, t0: float) -> None:
+        body = self.prepare_body(req, spec)
         streaming = bool(body.get("stream"))
-        headers = {**self._headers, "X-Carpool-Custom-Id": custom_id_header(req.custom_id)}
+        headers = {**self._headers, **self._auth(spec), "X-Carpool-Custom-Id": custom_id_header(req.custom_id)}
+        url = spec.request_url(req.path, body.get("model"))
         got_headers = False
         trace: dict[str, float] = {}
         try:
-            async with self.session.post(base + req.path, data=_dumps(body), headers=headers,
+            async with self.session.post(url, data=_dumps(body), headers=headers, params=spec.params or None,
                                          trace_request_ctx=trace) as resp:
                 got_headers = True
                 res.connect_s = trace.get("connect_s")

@@ -46,12 +46,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--id-column", help="with --template: the column holding custom_id")
     g.add_argument("--kind", choices=("chat", "completion", "embedding"), default="chat",
                    help="with --template: the task kind (default chat)")
-    g.add_argument("--max-tokens", type=int, help="for tasks that do not set max_tokens")
+    g.add_argument("--max-tokens", type=int,
+                   help="for tasks that do not set max_tokens (sent as max_completion_tokens to OpenAI "
+                        "reasoning models: o1, o3, gpt-5, ...)")
+    g.add_argument("--max-completion-tokens", type=int, metavar="N",
+                   help="for tasks that set no limit: max_completion_tokens N (what OpenAI's reasoning models take)")
     g.add_argument("--temperature", type=float, help="for tasks that do not set temperature")
     g = p.add_argument_group("target")
     g.add_argument("--endpoint", action="append", default=[],
                    help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (repeat for several); "
                         "default: the embedded engine in-process")
+    g.add_argument("--endpoints", metavar="FILE",
+                   help="endpoints.yaml (or .json): per endpoint base_url, model, api_key_env, headers, weight, "
+                        "rpm/tpm, fallback, kind: azure (docs/run.md); instead of --endpoint/--model")
+    g.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
+                   help="an HTTP header sent to every endpoint (repeat for several)")
+    g.add_argument("--api-version", help="Azure OpenAI endpoints: the api-version query parameter "
+                                         "(default 2024-10-21); an *.openai.azure.com --endpoint is sent "
+                                         "the api-key header and the deployment path, --model naming the deployment")
     g.add_argument("--model", help="with --endpoint: the model name sent; without: the embedded engine's "
                                    "model (smollm2, tiny-random or a HF folder; default smollm2)")
     g.add_argument("--api-key", default=None, help="default: $CARPOOL_API_KEY or $OPENAI_API_KEY")
@@ -180,14 +192,43 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the provider counts --rpm/--tpm over (default 60; 1 if it enforces per second)")
 
 
+def _headers(values: list[str]) -> dict[str, str]:
+    """``--header 'Name: value'`` flags as a mapping; raises ``StartRefused`` on a bad one."""
+    from carpool.jobs.exit_codes import StartRefused
+
+    out: dict[str, str] = {}
+    for v in values:
+        name, sep, value = v.partition(":")
+        if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
+            raise StartRefused(f"--header {v!r}: write it as 'Name: value', e.g. --header 'OpenAI-Organization: org-1'")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _endpoint_specs(args: argparse.Namespace) -> list:
+    """The endpoints of ``--endpoints FILE`` (empty without it); refuses flags it replaces."""
+    from carpool.jobs.endpoints_file import EndpointsFileError, load_endpoints
+
+    if not args.endpoints:
+        return []
+    for flag, given in (("--endpoint", args.endpoint), ("--model", args.model), ("--api-key", args.api_key),
+                        ("--api-version", args.api_version)):
+        if given:
+            raise EndpointsFileError(f"{flag} and --endpoints: give one; with --endpoints each endpoint names its "
+                                     "own base_url, model, api_key_env and api_version in the file")
+    return load_endpoints(args.endpoints)
+
+
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     from carpool.jobs.options import RunOptions
 
     template = None
     if args.template:
         template = Template(args.template, system=args.system, id_column=args.id_column, kind=args.kind)
-    endpoints = list(args.endpoint or [])
+    specs = _endpoint_specs(args)
+    endpoints = [s.url for s in specs] or list(args.endpoint or [])
     defaults = TaskDefaults(model=args.model if endpoints else None, max_tokens=args.max_tokens,
+                            max_completion_tokens=args.max_completion_tokens,
                             temperature=args.temperature, idempotent=args.idempotent)
     engine_config = {}
     if args.max_num_seqs:
@@ -195,7 +236,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     output = args.output or (os.path.splitext(args.input)[0] + ".results.jsonl")
     return RunOptions(
         input=args.input, output=output, errors=args.errors, fmt=args.format, template=template,
-        defaults=defaults, endpoints=endpoints,
+        defaults=defaults, endpoints=endpoints, endpoint_specs=specs, headers=_headers(args.header),
+        api_version=args.api_version,
         api_key=args.api_key or os.environ.get("CARPOOL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         engine_model=(args.model if not endpoints and args.model else "smollm2"), engine_config=engine_config,
         concurrency=args.concurrency, max_concurrency=args.max_concurrency, rpm=args.rpm, tpm=args.tpm,

@@ -21,11 +21,13 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis.exceptions
 
 from carpool.client.balancer import Balancer, Endpoint
+from carpool.client.endpoints import EndpointSpec
 from carpool.distributed.redis_client import RedisUser
 
 # KEYS: until zset, info hash.  ARGV[1] = mode.
@@ -171,7 +173,8 @@ class SharedBalancer(Balancer):
     workers published are pulled every ``refresh_s`` and applied locally.
     """
 
-    def __init__(self, urls: list[str], cooldown: RedisCooldown, refresh_s: float = 0.2, **kwargs: Any):
+    def __init__(self, urls: Sequence[str | EndpointSpec], cooldown: RedisCooldown, refresh_s: float = 0.2,
+                 **kwargs: Any):
         super().__init__(urls, **kwargs)
         self.cooldown = cooldown
         self.refresh_s = refresh_s
@@ -194,17 +197,17 @@ class SharedBalancer(Balancer):
             return
         now = time.monotonic()
         for ep in self.endpoints:
-            if ep.url in shared:
-                ep.cooldown_until = max(ep.cooldown_until, now + shared[ep.url][0])
+            if _key(ep) in shared:
+                ep.cooldown_until = max(ep.cooldown_until, now + shared[_key(ep)][0])
 
-    def pick(self) -> Endpoint:
+    def pick(self, tokens: int = 0) -> Endpoint:
         now = time.monotonic()
         if len(self.endpoints) > 1 and now >= self._next_refresh and (
             self._refreshing is None or self._refreshing.done()
         ):
             self._next_refresh = now + self.refresh_s
             self._refreshing = self._spawn(self.refresh())
-        return super().pick()
+        return super().pick(tokens)
 
     def done(self, ep: Endpoint, ok: bool, endpoint_fault: bool = False) -> None:
         was_failing = ep.consecutive_failures > 0
@@ -212,11 +215,17 @@ class SharedBalancer(Balancer):
         super().done(ep, ok, endpoint_fault)
         if ep.cooldown_until > before:
             left = ep.cooldown_until - time.monotonic()
-            self._spawn(self.cooldown.fail(ep.url, f"endpoint fault seen by {self._who}", seconds=left))
+            self._spawn(self.cooldown.fail(_key(ep), f"endpoint fault seen by {self._who}", seconds=left))
         elif ok and was_failing:
-            self._spawn(self.cooldown.succeed(ep.url))
+            self._spawn(self.cooldown.succeed(_key(ep)))
 
     async def flush(self) -> None:
         """Wait for the background Redis updates (call before closing the client)."""
         while self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+def _key(ep: Endpoint) -> str:
+    """What a cooldown is shared under: the endpoint's name (its URL unless an endpoints file
+    names it), so two entries of one URL with other models (a fallback) cool down apart."""
+    return ep.spec.name if ep.spec is not None else ep.url

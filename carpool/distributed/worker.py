@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from carpool.client.retry import ErrorKind
 from carpool.distributed.shards import Shard, iter_shard_lines
+from carpool.jobs.endpoints_file import job_endpoints
 from carpool.jobs.journal import SeenIds, line_id
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import build_parts, job_defaults
@@ -108,7 +109,7 @@ async def _shared_parts(opts: RunOptions, shared: SharedState | None
         from carpool.distributed.redis_cooldown import RedisCooldown, SharedBalancer
 
         cooldown = RedisCooldown(shared.redis, name=shared.budget_name)
-        shared_balancer = SharedBalancer(opts.endpoints, cooldown)
+        shared_balancer = SharedBalancer(job_endpoints(opts), cooldown)
         balancer = shared_balancer
         closers += [shared_balancer.flush, cooldown.close]
     if opts.rpm or opts.tpm:

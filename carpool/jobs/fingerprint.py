@@ -9,6 +9,9 @@ or another ``--template`` / ``--system`` / ``--kind`` / ``--id-column``.  Mixed 
 one file cannot be told apart afterwards; ``--force`` resumes anyway and records the new
 fingerprint.
 
+With an endpoints file (``--endpoints``) it also names every endpoint's model
+(``endpoint_models``).
+
 Not in it, on purpose: endpoint URLs (a replica or a moved server serves the same model),
 keys and headers, concurrency, timeouts, retries, cache settings, the input file (the
 sidecar's ``input`` warns about that separately: tasks are matched by custom_id).
@@ -39,6 +42,9 @@ def job_identity(opts: RunOptions) -> ModelIdentity:
         return opts.identity
     if opts.echo:
         return ModelIdentity("echo", kind="echo")
+    if opts.endpoint_specs:
+        models = sorted({s.model for s in opts.endpoint_specs if s.model})
+        return ModelIdentity(" | ".join(models))
     if opts.endpoints:
         return ModelIdentity(opts.defaults.model or "")
     name = str(getattr(opts.engine, "model_name", None) or opts.engine_model)
@@ -50,13 +56,16 @@ def make_fingerprint(opts: RunOptions) -> dict:
     template = dataclasses.asdict(opts.template) if opts.template is not None else None
     if template is not None:
         template.pop("columns", None)
-    return {
-        "version": VERSION,
-        "model": job_identity(opts).doc(),
-        "defaults": {"max_tokens": d.max_tokens, "temperature": d.temperature,
-                     "extra": dict(sorted(d.extra.items()))},
-        "template": template,
-    }
+    defaults: dict = {"max_tokens": d.max_tokens, "temperature": d.temperature,
+                      "extra": dict(sorted(d.extra.items()))}
+    if d.max_completion_tokens is not None:
+        defaults["max_completion_tokens"] = d.max_completion_tokens
+    doc: dict = {"version": VERSION, "model": job_identity(opts).doc(), "defaults": defaults, "template": template}
+    if opts.endpoint_specs:
+        # The models the endpoints of an endpoints file are sent (never their URLs or keys):
+        # a file that now sends another model to one of them is another setup.
+        doc["endpoint_models"] = sorted({s.model for s in opts.endpoint_specs if s.model})
+    return doc
 
 
 def _flat(doc: dict, prefix: str = "") -> dict:

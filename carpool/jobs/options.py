@@ -18,6 +18,7 @@ from carpool.jobs.tasks import TaskDefaults, Template
 
 if TYPE_CHECKING:
     from carpool.client.budget import Budget
+    from carpool.client.endpoints import EndpointSpec
     from carpool.client.models import ModelIdentity
     from carpool.engine.protocol import EngineClient
 
@@ -34,8 +35,13 @@ class RunOptions:
     fmt: str | None = None
     template: Template | None = None
     defaults: TaskDefaults = field(default_factory=TaskDefaults)
-    endpoints: list[str] = field(default_factory=list)  # empty: the embedded engine
+    endpoints: list[str] = field(default_factory=list)  # base URLs; empty: the embedded engine
     api_key: str | None = None
+    # ``--endpoints FILE`` (carpool.jobs.endpoints_file): each endpoint with its own model, key,
+    # headers, weight, RPM/TPM and tier; ``endpoints`` then lists their URLs.
+    endpoint_specs: list[EndpointSpec] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)  # --header, on every endpoint
+    api_version: str | None = None  # --api-version: Azure OpenAI's, for --endpoint URLs on Azure
     engine_model: str = "smollm2"
     engine_config: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
     engine: EngineClient | None = None  # an engine already running (API / tests); not shut down here

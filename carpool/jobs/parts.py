@@ -7,9 +7,9 @@ an optional admission ``check``), how many may be in flight (``limiter``), the R
 ones; a caller that needs another part passes it in (the Ray worker: its shard's reader,
 the shared Redis budget, a balancer with shared cooldowns) and keeps the rest.
 
-Seams for what comes next: another kind of endpoint (an endpoints file, other auth
-headers) is ``make_backend``; another kind of input (a list of dicts, a DataFrame) is a
-``TaskSource``.
+Seams for what comes next: another kind of endpoint is ``make_backend`` (the endpoints
+of a job, with their keys, headers and dialects: ``carpool.jobs.endpoints_file``);
+another kind of input (a list of dicts, a DataFrame) is a ``TaskSource``.
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ class JobParts:
 
 
 def job_defaults(opts: RunOptions) -> TaskDefaults:
-    """The task defaults of ``opts``; a task sent to an endpoint must name its model."""
-    if opts.endpoints and not opts.echo and not opts.defaults.require_model:
+    """The task defaults of ``opts``; a task sent to an endpoint must name its model (unless
+    every endpoint has its own: an endpoints file)."""
+    if opts.endpoints and not opts.echo and not opts.defaults.require_model and not opts.endpoint_specs:
         return dataclasses.replace(opts.defaults, require_model=True)
     return opts.defaults
 
@@ -107,10 +108,16 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
         return _Target(EchoBackend(), "echo", "echo")
     if opts.endpoints:
         from carpool.client.http_backend import HttpBackend
+        from carpool.jobs.endpoints_file import job_endpoints
 
-        http = HttpBackend(opts.endpoints, model=opts.defaults.model, api_key=opts.api_key, stream=opts.stream,
-                           timeouts=opts.timeouts, max_connections=opts.max_concurrency or 0, balancer=balancer)
-        return _Target(http, f"http {', '.join(opts.endpoints)}", opts.engine_model)
+        specs = job_endpoints(opts)
+        http = HttpBackend(specs, model=opts.defaults.model, stream=opts.stream, timeouts=opts.timeouts,
+                           max_connections=opts.max_concurrency or 0, balancer=balancer)
+        label = f"http {', '.join(s.name for s in specs)}"
+        model = opts.engine_model
+        if opts.endpoint_specs:  # the models the endpoints are sent, for cache keys of tasks naming none
+            model = job_identity(opts).name
+        return _Target(http, label, model)
     from carpool.client.engine_backend import EngineBackend, default_embedder_factory
 
     closers: list[Callable[[], Awaitable[None]]] = []

@@ -14,6 +14,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
+from carpool.jobs.fingerprint import job_identity
 from carpool.jobs.options import RunOptions
 from carpool.jobs.output_format import output_target
 from carpool.jobs.parts import job_defaults, make_journal
@@ -56,7 +57,8 @@ async def plan(opts: RunOptions, source: TaskSource | None = None) -> dict[str, 
                 and body.get("max_completion_tokens") is None:
             no_max_tokens += 1
     return {
-        "dry_run": True, "output": opts.output, "model": opts.defaults.model,
+        "dry_run": True, "output": opts.output,
+        "model": opts.defaults.model or (job_identity(opts).name if opts.endpoint_specs else None),
         "identity": opts.identity.doc() if opts.identity is not None else None,
         "tasks_to_send": tasks, "kinds": dict(kinds), "bad_lines": bad, "bad_fields": dict(bad_fields),
         "first_bad_lines": first_bad, "already_done": already, "failed_before": journal.failed_before,

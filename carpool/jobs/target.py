@@ -9,6 +9,10 @@
 - an endpoint that cannot be asked (down, no ``/models``: some gateways): a warning, and the
   name is sent as given; with no ``--model`` and no task naming one, refused.
 
+With an endpoints file (``--endpoints``) every endpoint is asked for its own model, and one
+that answers without it refuses the start, naming the entry.  Azure OpenAI endpoints are
+not asked (their list names base models, not the deployments requests go to).
+
 The result is ``opts`` with the model filled in and ``opts.identity`` set (what the endpoint
 reports about the model: ``carpool.client.models``), which the run fingerprint and the
 cache keys use.  The embedded engine and the echo backend are resolved without asking
@@ -20,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from carpool.client.endpoints import EndpointSpec
 from carpool.client.models import ModelIdentity, ModelList, identity_from_card, list_models
+from carpool.jobs.endpoints_file import EndpointsFileError, job_endpoints
 from carpool.jobs.exit_codes import StartRefused
 from carpool.jobs.fingerprint import job_identity
 from carpool.jobs.options import RunOptions
@@ -41,29 +47,50 @@ def _first_task_model(opts: RunOptions, source: TaskSource | None, look: int = 6
     return None
 
 
-def _auth_headers(opts: RunOptions) -> dict[str, str]:
-    return {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
-
-
-async def fetch_model_lists(opts: RunOptions) -> list[ModelList]:
+async def fetch_model_lists(opts: RunOptions, specs: list[EndpointSpec] | None = None) -> list[ModelList]:
+    """Each endpoint's ``/models`` (``specs``: those to ask, default every endpoint of the job)."""
     import aiohttp
 
+    specs = job_endpoints(opts) if specs is None else specs
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=opts.timeouts.connect_s, sock_read=opts.timeouts.read_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        return list(await asyncio.gather(*(list_models(session, url, _auth_headers(opts),
+        return list(await asyncio.gather(*(list_models(session, s.models_url().removesuffix("/models"), s.headers,
+                                                       s.params or None,
                                                        timeout_s=opts.timeouts.connect_s + opts.timeouts.read_s)
-                                           for url in opts.endpoints)))
+                                           for s in specs)))
+
+
+def _warn_unlisted(lists: list[ModelList]) -> list[str]:
+    return [f"warning: could not list the models of {m.url} ({m.error}); "
+            "the model name is sent as given there, unchecked" for m in lists if m.error is not None]
+
+
+def settle_endpoint_models(opts: RunOptions, specs: list[EndpointSpec], lists: list[ModelList]
+                           ) -> tuple[ModelIdentity, list[str]]:
+    """Each endpoint of an endpoints file against its own ``/models`` (``lists``: same order as
+    ``specs``); raises ``EndpointsFileError`` naming the entry whose model is not served."""
+    notes = _warn_unlisted(lists)
+    cards: list[dict] = []
+    for spec, m in zip(specs, lists, strict=True):
+        if m.error is not None or spec.model is None:
+            continue
+        card = m.card(spec.model)
+        if card is None:
+            served = ", ".join(m.ids) or "none"
+            raise EndpointsFileError(f"--endpoints: endpoint {spec.name}: field 'model': {spec.model!r} is not "
+                                     f"served there (it serves: {served}); write one of those names")
+        cards.append(card)
+    models = sorted({s.model for s in opts.endpoint_specs if s.model})
+    if len(models) == 1:
+        return identity_from_card(models[0], cards[0] if cards else None), notes
+    return job_identity(opts), notes
 
 
 def settle_model(opts: RunOptions, lists: list[ModelList], source: TaskSource | None = None
                  ) -> tuple[str | None, ModelIdentity, list[str]]:
     """(model name to send by default, its identity, messages); raises ``StartRefused``."""
-    notes: list[str] = []
+    notes = _warn_unlisted(lists)
     answered = [m for m in lists if m.error is None]
-    for m in lists:
-        if m.error is not None:
-            notes.append(f"warning: could not list the models of {m.url} ({m.error}); "
-                         "the model name is sent as given there, unchecked")
     model = opts.defaults.model
     if model:
         for m in answered:
@@ -100,7 +127,17 @@ async def resolve_target(opts: RunOptions, source: TaskSource | None = None) -> 
         return opts, []
     if opts.echo or not opts.endpoints:
         return dataclasses.replace(opts, identity=job_identity(opts)), []
-    lists = await fetch_model_lists(opts)
+    # Azure's /openai/models lists base models, not the deployments requests go to: not asked.
+    asked = [s for s in job_endpoints(opts) if s.kind != "azure"]
+    if opts.endpoint_specs:
+        identity, notes = settle_endpoint_models(opts, asked, await fetch_model_lists(opts, asked))
+        return dataclasses.replace(opts, identity=identity), notes
+    if not asked:  # only Azure endpoints: --model (the deployment) is sent as given
+        if not opts.defaults.model and _first_task_model(opts, source) is None:
+            raise StartRefused("no --model given: an Azure OpenAI endpoint needs the deployment name "
+                               "(--model DEPLOYMENT)")
+        return dataclasses.replace(opts, identity=job_identity(opts)), []
+    lists = await fetch_model_lists(opts, asked)
     model, identity, notes = settle_model(opts, lists, source)
     defaults = dataclasses.replace(opts.defaults, model=model)
     return dataclasses.replace(opts, defaults=defaults, identity=identity), notes

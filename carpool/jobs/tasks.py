@@ -69,6 +69,8 @@ class TaskDefaults:
 
     model: str | None = None
     max_tokens: int | None = None
+    # --max-completion-tokens: written under that name (what OpenAI's reasoning models take)
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     idempotent: str = "auto"  # auto | on | off
     require_model: bool = False  # an HTTP endpoint needs a model name in every request
@@ -150,8 +152,11 @@ def _build_task(obj: dict, line_no: int, defaults: TaskDefaults) -> Task | BadLi
         return _bad(line_no, cid, prefix + "model", "missing: the endpoint needs a model name; set it in the "
                                                     "task or pass --model NAME")
     if kind != "embedding":
-        if defaults.max_tokens is not None and "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = defaults.max_tokens
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            if defaults.max_completion_tokens is not None:
+                body["max_completion_tokens"] = defaults.max_completion_tokens
+            elif defaults.max_tokens is not None:
+                body["max_tokens"] = defaults.max_tokens
         if defaults.temperature is not None and "temperature" not in body:
             body["temperature"] = defaults.temperature
     for k, v in defaults.extra.items():
