@@ -153,3 +153,29 @@ def test_sigterm_stops_like_sigint(logging_fault_server, tmp_path):
     rerun = subprocess.run(run_cmd(args), capture_output=True, timeout=120, check=False)
     assert rerun.returncode == 0
     assert sorted(d["custom_id"] for d in read_jsonl(out)) == sorted(f"t{i}" for i in range(n))
+
+
+@pytest.mark.parametrize(("name", "end"), [("cr", b"\r"), ("crlf", b"\r\n"), ("lf", b"\n")])
+def test_every_line_ending_reads_as_lines(logging_fault_server, tmp_path, name, end):
+    # Old Mac files end their lines in a lone CR: before, the whole file was one line, one
+    # invalid_input error and nothing sent.  CRLF (Windows) and LF must read the same.
+    srv = logging_fault_server(FaultConfig())
+    src = tmp_path / f"{name}.jsonl"
+    src.write_bytes(end.join(json.dumps(chat_task(f"t{i}", f"q {i}")).encode() for i in range(5)) + end)
+    out = tmp_path / "out.jsonl"
+    s = run_batch(src, out, endpoints=[srv.url], model="m", cache="off")
+    got = read_jsonl(out)
+    assert sorted(d["custom_id"] for d in got) == [f"t{i}" for i in range(5)]
+    assert all(d["error"] is None for d in got), [d["error"] for d in got]
+    assert s["total"] == 5  # the progress bar's count reads the same line ends
+
+
+def test_a_cr_only_file_keeps_its_line_numbers_and_the_length_limit(tmp_path):
+    p = tmp_path / "mac.jsonl"
+    p.write_bytes(b"ab\r" + b"x" * 25 + b"\r0123456789\rtail")
+    from carpool.jobs.readers import CRLines
+
+    with open(p, "rb") as f:
+        got = list(numbered_lines(CRLines(f, chunk=4), max_bytes=10))
+    assert got == [(1, b"ab\n"), (2, TooLong(26)), (3, b"0123456789\n"), (4, b"tail")]
+
