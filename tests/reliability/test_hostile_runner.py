@@ -179,3 +179,13 @@ def test_a_cr_only_file_keeps_its_line_numbers_and_the_length_limit(tmp_path):
         got = list(numbered_lines(CRLines(f, chunk=4), max_bytes=10))
     assert got == [(1, b"ab\n"), (2, TooLong(26)), (3, b"0123456789\n"), (4, b"tail")]
 
+
+def test_a_missing_output_directory_names_the_o_path_and_the_fix(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_task("a", "x")])
+    missing = tmp_path / "no" / "such" / "dir"
+    r = run_cli([str(src), "-o", str(missing / "out.jsonl"), "--echo-backend", "--cache", "off"], timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 5, err  # the output cannot be written (carpool/jobs/exit_codes.py)
+    assert str(missing / "out.jsonl") in err and f"mkdir -p {missing}" in err, err
+    assert ".tmp" not in err and "Traceback" not in err, err  # before: named out.jsonl.carpool.tmp
+    assert not missing.exists()  # refused, not created
