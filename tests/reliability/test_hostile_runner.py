@@ -7,7 +7,9 @@
   leader failing for a reason of its own, used to give both the leader's error line;
 - a line past the length limit is one error line, read past without holding it;
 - a FIFO (with no writer: the job hung in ``open()``, deaf to SIGTERM and SIGINT) and
-  ``/dev/zero`` (grew ~75 MB/s) are refused at start with exit code 2.
+  ``/dev/zero`` (grew ~75 MB/s) are refused at start with exit code 2;
+- a CR-only file (old Mac) was one error line: it reads as lines, CRLF and LF as before;
+- a missing output directory named an internal temp file: now the -o path and the fix (exit 5).
 """
 
 from __future__ import annotations
