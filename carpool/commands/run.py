@@ -430,7 +430,7 @@ def _main_ray(args: argparse.Namespace) -> int:
         for msg in s.get("messages", []):
             if msg.startswith(f"shard {s['shard']}:"):
                 _say(f"carpool run --ray: {msg}")
-        if not args.quiet:
+        if not args.quiet and not s.get("stopped_by_outage"):
             st = s["stats"]
             _say(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
                  f"({st['done']} written, {st['skipped_done_before']} resumed)")
@@ -460,7 +460,7 @@ def _main_ray(args: argparse.Namespace) -> int:
     from carpool.jobs.exit_codes import ExitCode
 
     if not result["complete"]:
-        return ExitCode.CRASHED
+        return ExitCode.OUTAGE if result.get("stopped_by_outage") else ExitCode.CRASHED
     return ExitCode.TASKS_FAILED if sum(result["errors"].values()) else ExitCode.OK
 
 

@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="waiting requests (no token out yet) beyond which new ones get 429; 0: no limit")
     g.add_argument("--max-queued-tokens", type=int, default=0,
                    help="waiting prompt tokens beyond which new requests get 429; 0: no limit")
+    g.add_argument("--max-choices-per-request", type=int, default=d_server.max_choices_per_request,
+                   help="prompts x n one request may ask for (a /v1/completions prompt list); past it a 400 "
+                        "naming 'prompt'; 0: no limit")
 
     g = p.add_argument_group("embeddings (dynamic batcher)")
     g.add_argument("--embedding-model", default=d_server.embedding_model,
@@ -92,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or None,
         max_queue_size=args.max_queue_size or None,
         max_queued_tokens=args.max_queued_tokens or None,
+        max_choices_per_request=args.max_choices_per_request or None,
         embedding_model=embedding,
         max_queue_delay_us=args.max_queue_delay_us,
         preferred_batch_sizes=args.preferred_batch_sizes,

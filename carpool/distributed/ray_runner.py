@@ -12,7 +12,9 @@ The driver (this module, on the machine where the command runs):
 
 Resume: each shard output is that shard's journal (keyed by custom_id, as in a
 single-process run), and a finished shard leaves a ``.done.json`` marker; running the
-same command again runs only what is missing, whatever the number of workers.
+same command again runs only what is missing, whatever the number of workers.  A shard
+stopped by an outage (``--outage-timeout``) is not finished; the result says
+``stopped_by_outage`` (``carpool run --ray`` exits 4, as a single-process run does).
 Shared state: with ``--redis URL`` every worker takes its requests from one RPM/TPM
 budget and sees the others' endpoint cooldowns; ``--cache redis://...`` shares the exact
 cache.  On a multi-node cluster the input and the work directory must be on a file
@@ -211,9 +213,10 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
         shared = SharedState(redis=ray_opts.redis, budget_name=ray_opts.budget_name or default_budget_name(opts),
                              window_s=ray_opts.rpm_window_s, burst_s=ray_opts.rpm_burst_s) if ray_opts.redis else None
         run_error = None
+        seen: list[dict] = []  # the summaries of this run's shards, finished or not
         if pending:
             try:
-                _run_pending(ray, pending, {"opts": job_opts, "shared": shared, "workdir": str(workdir)},
+                seen = _run_pending(ray, pending, {"opts": job_opts, "shared": shared, "workdir": str(workdir)},
                              min(workers, len(pending)), ray_opts, on_shard)
             except Exception as e:  # noqa: BLE001  (a worker crashed: finished shards are kept)
                 run_error = e
@@ -236,6 +239,14 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
             result["messages"].append("--report is not written for --ray runs (use --summary-json)")
         result["shard_summaries"] = [{k: s.get(k) for k in ("shard", "host", "pid", "started", "finished")}
                                      for s in summaries]
+        outage = next((s["outage_stop"] for s in seen if s.get("stopped_by_outage")), None)
+        result["stopped_by_outage"] = bool(missing) and outage is not None
+        if result["stopped_by_outage"]:
+            result["messages"].append(
+                f"stopped by an outage ({outage}, past --outage-timeout {opts.outage_timeout:g} s): "
+                f"{len(missing)} of {len(shards)} shards did not finish; finished work is kept in {workdir}. "
+                "Run the same command again once the endpoint is back to resume.")
+            return result
         if missing:
             first = str(run_error).strip().splitlines()[0][:300] if run_error and str(run_error).strip() else ""
             why = f" ({type(run_error).__name__}: {first})" if run_error else ""
@@ -265,7 +276,8 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
 
 
 def _run_pending(ray: Any, pending: list[Shard], job: dict, workers: int, ray_opts: RayOptions,
-                 on_shard: Callable[[dict], None] | None) -> None:
+                 on_shard: Callable[[dict], None] | None) -> list[dict]:
+    """Run the shards on an actor pool; the summary of each, as each worker returned it."""
     from carpool.distributed.worker import ShardWorker
 
     ctx = ray.data.DataContext.get_current()
@@ -286,9 +298,13 @@ def _run_pending(ray: Any, pending: list[Shard], job: dict, workers: int, ray_op
         num_cpus=ray_opts.cpus_per_worker,
         num_gpus=ray_opts.gpus_per_worker or None,
     )
+    seen = []
     for row in out.iter_rows():
+        summary = json.loads(row["summary"])
+        seen.append(summary)
         if on_shard is not None:
-            on_shard(json.loads(row["summary"]))
+            on_shard(summary)
+    return seen
 
 
 def _finished_before(output: Path, input_path: Path) -> dict | None:

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from carpool.jobs.readers import TooLong, file_lines
+
 CHUNK = 1 << 20
 
 
@@ -84,19 +86,13 @@ def _last_byte(path: str | os.PathLike) -> bytes:
         return f.read(1)
 
 
-def iter_shard_lines(path: str | os.PathLike, shard: Shard) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line without its newline) for every line of the shard."""
-    with open(path, "rb") as f:
-        f.seek(shard.start)
-        line_no = shard.first_line
-        remaining = shard.end - shard.start
-        while remaining > 0:
-            raw = f.readline(remaining)
-            if not raw:
-                break
-            remaining -= len(raw)
-            yield line_no, raw.rstrip(b"\r\n")
-            line_no += 1
+def iter_shard_lines(path: str | os.PathLike, shard: Shard) -> Iterator[tuple[int, bytes | TooLong]]:
+    """(line number, raw line without its newline) for every line of the shard; a line past
+    the reader's length limit comes as ``TooLong`` (``carpool.jobs.readers.file_lines``, the
+    one splitter: CR-only files and the limit as in a single-process run)."""
+    for line_no, raw in file_lines(path, start=shard.start, length=shard.end - shard.start,
+                                   first_line=shard.first_line):
+        yield line_no, raw if isinstance(raw, TooLong) else raw.rstrip(b"\r\n")
 
 
 def _fingerprint(path: str | os.PathLike) -> dict:

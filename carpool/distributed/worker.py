@@ -32,6 +32,7 @@ from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import build_parts, job_defaults
 from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.readers import Reader, parse_jsonl_lines
+from carpool.jobs.summary import JobStats
 from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template
 from carpool.jobs.writer import error_line
 
@@ -187,6 +188,9 @@ class ShardWorker:
         self.workdir = Path(job["workdir"])
         self.loop = asyncio.new_event_loop()
         self.engine: EngineClient | None = None
+        # Set when a shard stopped by an outage (--outage-timeout): the next shards would
+        # only wait out the same outage, so this worker hands them back unstarted.
+        self.outage: str | None = None
 
     def _engine(self) -> EngineClient | None:
         if self.engine is None:
@@ -209,6 +213,11 @@ class ShardWorker:
         out, err, marker = shard_paths(self.workdir, shard, bool(self.opts.errors))
         if marker.exists():
             return json.loads(marker.read_text())
+        if self.outage is not None:
+            return {"shard": shard.index, "stats": JobStats().to_dict(), "stopped_by_outage": True,
+                    "outage_stop": self.outage, "pid": os.getpid(), "host": os.uname().nodename,
+                    "messages": [f"shard {shard.index}: not started (an earlier shard of this worker stopped "
+                                 "by an outage); it runs on resume"]}
         opts = dataclasses.replace(self.opts, output=str(out), errors=str(err) if err else None, progress=False,
                                    quiet=True, report=None, fresh=False, engine=self._engine())
         source = self._reader(shard)
@@ -221,12 +230,19 @@ class ShardWorker:
                     reorder_by_input(path, self._reader(shard))
         summary: dict[str, Any] = {"shard": shard.index, "stats": stats.to_dict(), "messages": pipeline.messages,
                    "pid": os.getpid(), "host": os.uname().nodename, "started": started, "finished": time.time()}
-        # Tasks read but without a line in the output (a task that crashed): not finished.
+        # Tasks read but without a line in the output (a task that crashed, or one an outage
+        # kept from running): not finished.
         unwritten = max(0, source.yielded - stats.done - stats.skipped)
-        if unwritten:
+        if stats.stopped_by_outage:
+            self.outage = stats.outage_stop or "paused: endpoint down"
+            summary.update(stopped_by_outage=True, outage_stop=self.outage)
+            summary["messages"].append(f"shard {shard.index}: stopped by an outage ({self.outage}, past "
+                                       f"--outage-timeout {opts.outage_timeout:g} s); its unfinished tasks "
+                                       "run on resume")
+        elif unwritten:
             summary["messages"].append(f"shard {shard.index}: {unwritten} tasks got no output line; "
                                        "the shard is not marked finished (run again to resume)")
-        if not stats.interrupted and not unwritten:
+        if not stats.interrupted and not stats.stopped_by_outage and not unwritten:
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps(summary))
             os.replace(tmp, marker)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -307,6 +308,8 @@ class Journal:
         another input warns, one with another fingerprint raises ``FingerprintMismatch``."""
         notes: list[str] = []
         done = DoneSet()
+        if not self.read_only:
+            self.check_directories()
         if fresh and not self.read_only:
             self.reset()
         elif self.exists() and not fresh:
@@ -324,6 +327,18 @@ class Journal:
         if not self.read_only:
             self.write_state(input_path, finished=False, argv=argv)
         return done, notes
+
+    def check_directories(self) -> None:
+        """Refuse an output whose directory does not exist, as ``cp`` or ``tee`` do (a typo in
+        ``-o`` should not create a tree): an ``OSError`` naming the file and the fix, raised
+        before anything is written (exit code 5).  Without it the first error named the
+        internal state file (``<output>.carpool.tmp``)."""
+        for path in self.paths:
+            parent = path.parent
+            if not parent.exists():
+                flag = "-o" if path == self.paths[0] else "--errors"
+                raise OSError(f"{flag} {str(path)!r}: its directory {str(parent)!r} does not exist; create it "
+                              f"(mkdir -p {shlex.quote(str(parent))}) or choose another {flag}")
 
     def check_fingerprint(self) -> list[str]:
         """Raise ``FingerprintMismatch`` when the recorded fingerprint differs (warn with ``force``)."""

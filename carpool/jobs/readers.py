@@ -9,6 +9,9 @@ CSV/Parquet rows keep what is not part of the request: with ``--template`` every
 the template does not use is the task's metadata; without one (the columns are the
 request: ``prompt``, ``messages``, ``max_tokens``...) a ``metadata`` column (an object,
 or JSON text in a CSV) is.  Either way it lands in the output line, never in the request.
+
+JSONL lines end in LF, CRLF or, in old Mac files, a lone CR (``file_lines`` tells them
+apart); one splitter with one length limit serves this reader and the distributed shards.
 """
 
 from __future__ import annotations
@@ -66,19 +69,87 @@ def detect_format(path: str | os.PathLike) -> str:
     return "jsonl"  # .jsonl, .json, .ndjson; Batch-format lines are recognised line by line
 
 
-def numbered_lines(f: BinaryIO, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes | TooLong]]:
-    """(line number, raw line) from 1; a line past ``max_bytes`` is read past in pieces of that
-    size and comes as ``TooLong(its length)``."""
-    line_no = 0
-    while raw := f.readline(max_bytes + 1):
+def numbered_lines(f: BinaryIO | CRLines, max_bytes: int = MAX_LINE_BYTES, *, first_line: int = 1,
+                   limit: int | None = None) -> Iterator[tuple[int, bytes | TooLong]]:
+    """(line number, raw line) from ``first_line``; a line past ``max_bytes`` is read past in
+    pieces of that size and comes as ``TooLong(its length)``.  ``limit``: read at most that
+    many bytes from where ``f`` stands (one shard of a file, ``carpool.distributed.shards``)."""
+    left = limit
+
+    def read(n: int) -> bytes:
+        nonlocal left
+        if left is None:
+            return f.readline(n)
+        if left <= 0:
+            return b""
+        raw = f.readline(min(n, left))
+        left -= len(raw)
+        return raw
+
+    line_no = first_line - 1
+    while raw := read(max_bytes + 1):
         line_no += 1
         if raw.endswith(b"\n") or len(raw) <= max_bytes:  # the newline may be the (max + 1)th byte
             yield line_no, raw
             continue
         n = len(raw)
-        while not raw.endswith(b"\n") and (raw := f.readline(max_bytes)):
+        while not raw.endswith(b"\n") and (raw := read(max_bytes)):
             n += len(raw)
         yield line_no, TooLong(n)
+
+
+class CRLines:
+    """``readline`` over a binary file whose lines end in a lone CR (classic Mac OS), each line
+    handed out ending in LF, so ``numbered_lines`` and the line-length limit work unchanged."""
+
+    def __init__(self, f: BinaryIO, chunk: int = 1 << 16):
+        self.f = f
+        self.chunk = chunk
+        self.buf = bytearray()
+        self.pos = 0  # start of what is not handed out yet: no O(n) delete per line
+
+    def readline(self, limit: int) -> bytes:
+        while True:
+            end = min(self.pos + limit, len(self.buf))
+            cr = self.buf.find(b"\r", self.pos, end)
+            if cr >= 0:
+                line = bytes(self.buf[self.pos:cr]) + b"\n"
+                self.pos = cr + 1
+                return line
+            if end - self.pos >= limit:
+                line = bytes(self.buf[self.pos:end])
+                self.pos = end
+                return line
+            more = self.f.read(self.chunk)
+            if not more:
+                line = bytes(self.buf[self.pos:])
+                self.buf, self.pos = bytearray(), 0
+                return line
+            del self.buf[:self.pos]
+            self.pos = 0
+            self.buf += more
+
+
+def cr_only(f: BinaryIO, sniff: int = 1 << 20) -> bool:
+    """True when the file's first ``sniff`` bytes hold a CR and no LF: old Mac line endings,
+    which ``readline`` would take for one huge line.  CRLF files are LF files here (the CR
+    is whitespace to the JSON decoder).  Leaves ``f`` at its start."""
+    f.seek(0)
+    head = f.read(sniff)
+    f.seek(0)
+    return b"\n" not in head and b"\r" in head
+
+
+def file_lines(path: str | os.PathLike, *, start: int = 0, length: int | None = None,
+               first_line: int = 1) -> Iterator[tuple[int, bytes | TooLong]]:
+    """The numbered lines of a file (LF, CRLF or CR-only), or of ``length`` bytes of it from
+    ``start``: the one line splitter, with the one length limit, for ``Reader`` and the shards."""
+    with open(path, "rb") as f:
+        src: BinaryIO | CRLines = f
+        if cr_only(f):
+            src = CRLines(f)
+        f.seek(start)
+        yield from numbered_lines(src, first_line=first_line, limit=length)
 
 
 def parse_jsonl_lines(lines: Iterable[tuple[int, bytes | TooLong]],
@@ -170,16 +241,16 @@ class Reader:
             return pq.ParquetFile(self.path).metadata.num_rows
         n, last = 0, b"\n"
         with open(self.path, "rb") as f:
+            end = b"\r" if cr_only(f) else b"\n"
             while chunk := f.read(1 << 22):
-                n += chunk.count(b"\n")
+                n += chunk.count(end)
                 last = chunk[-1:]
-        if last != b"\n":
+        if last != end:
             n += 1
         return n - 1 if self.fmt == "csv" else n
 
     def _jsonl(self) -> Iterator[Task | BadLine]:
-        with open(self.path, "rb") as f:
-            yield from parse_jsonl_lines(numbered_lines(f), self.defaults)
+        yield from parse_jsonl_lines(file_lines(self.path), self.defaults)
 
     def _csv_rows(self) -> Iterator[tuple[int, dict]]:
         # Undecodable bytes become U+FFFD rather than stopping the job mid-file.

@@ -44,7 +44,7 @@ from carpool.openai import tools as T
 from carpool.openai.errors import OpenAIError
 from carpool.openai.responses import Choice
 from carpool.openai.schema import chat_request_schema, completion_request_schema
-from carpool.openai.validation import SchemaError, validate
+from carpool.openai.validation import SchemaError, check_choice_count, validate
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions API and vLLM
 # No token of the byte-level BPE vocabularies carpool runs is longer than this many characters
@@ -253,8 +253,10 @@ class Translator:
     """
 
     def __init__(self, engine: EngineClient, model_names: list[str] | None = None,
-                 max_n: int = DEFAULT_MAX_N) -> None:
+                 max_n: int = DEFAULT_MAX_N, max_choices: int | None = None) -> None:
+        """``max_choices``: prompts x n one request may ask for (None: no limit, in-process)."""
         self.engine = engine
+        self.max_choices = max_choices
         self.max_model_len = int(engine.max_model_len)
         self.schemas = {
             "chat": chat_request_schema(model_names, self.max_model_len, max_n),
@@ -265,6 +267,8 @@ class Translator:
         """Validate ``body`` and build its choices; raises OpenAIError (400) naming the field."""
         try:
             validate(body, self.schemas[kind])
+            check_choice_count(len(_prompts(body["prompt"])) if kind == "completion" else 1,
+                               int(body.get("n") or 1), self.max_choices)
         except SchemaError as e:
             raise OpenAIError(400, e.message, param=e.param) from None
         check_fields(kind, body)

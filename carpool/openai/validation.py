@@ -163,3 +163,16 @@ def _describe(schema: dict) -> str:
 
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
+
+
+def check_choice_count(prompts: int, n: int, limit: int | None) -> None:
+    """A request runs ``prompts`` x ``n`` engine sequences (choices); past ``limit`` it is
+    refused before anything is tokenized, naming ``prompt`` (or ``n`` for one prompt) and
+    the limit.  One request could otherwise put 2048 x 16 sequences into the engine past
+    admission control, which always admits a request into an empty waiting room."""
+    if limit is None or prompts * n <= limit:
+        return
+    param = "prompt" if prompts > 1 else "n"
+    raise SchemaError(param, f"this request asks for {prompts:,} prompt(s) x n={n} = {prompts * n:,} choices; "
+                             f"this server runs at most {limit:,} per request (--max-choices-per-request); "
+                             "split the prompts over several requests")

@@ -18,6 +18,9 @@ class ServerConfig:
     max_queue_size: int | None = 1024
     max_queued_tokens: int | None = None
     max_n: int = 16  # largest accepted `n`
+    # prompts x n one request may ask for (each is an engine sequence); OpenAI caps n at 128
+    # and vLLM's default batch is 256 sequences: one request may fill a batch, not a thousand.
+    max_choices_per_request: int | None = 256
     # embeddings; embedding_model None disables /v1/embeddings
     embedding_model: str | None = "all-MiniLM-L6-v2"
     max_queue_delay_us: int = 2000

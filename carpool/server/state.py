@@ -72,7 +72,7 @@ class ServerState:
             name = self.batcher.model_name or cfg.embedding_model or "embedding"
             self.embedding_names = list(dict.fromkeys([name, cfg.embedding_model or name]))
             self.embedding_schema = embedding_request_schema(self.embedding_names, self.batcher.dim)
-        self._translator = Translator(self._engine, self.model_names, cfg.max_n)
+        self._translator = Translator(self._engine, self.model_names, cfg.max_n, cfg.max_choices_per_request)
         self.ready = True
 
     async def _make_batcher(self, model: str) -> DynamicBatcher:

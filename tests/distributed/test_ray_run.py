@@ -230,3 +230,32 @@ def test_a_ray_run_reports_dollars_spent_and_saved(ray_cluster, zero_server, tmp
     again = run_on_ray(RunOptions(output=str(tmp_path / "b.jsonl"), **common), RayOptions(workers=1, shards=2))
     assert again["cache_hits"] == 8 and again["cost"]["spent_usd"] == 0
     assert again["cost"]["saved_usd"] == pytest.approx(spent)
+
+
+def test_an_outage_stops_a_ray_run_with_exit_4_and_a_rerun_finishes(ray_cluster, tmp_path):
+    # The endpoint is down from the start (a closed port).  Before: the shard stopped by the
+    # outage was just "not finished" and `carpool run --ray` exited 1, as for a crash.
+    from carpool.testing.fault_server import FaultServer
+    from carpool.testing.fixtures import free_port
+
+    port = free_port()
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 12)
+    out = tmp_path / "out.jsonl"
+    parser = argparse.ArgumentParser()
+    run_command.add_arguments(parser)
+    args = [str(tasks), "-o", str(out), "--endpoint", f"http://127.0.0.1:{port}/v1", "--model", "m",
+            "--cache", "off", "--outage-timeout", "2s", "--ray", "--ray-workers", "1", "--ray-shards", "3",
+            "--quiet", "--summary-json", str(tmp_path / "summary.json")]
+    assert run_command.main(parser.parse_args(args)) == 4
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_by_outage"] is True and summary["complete"] is False
+    assert not out.exists()  # nothing merged; no error line was written for the unrun tasks
+    shard_lines = [json.loads(x) for p in Path(f"{out}.ray").glob("shard-*.jsonl") for x in p.read_text().splitlines()]
+    assert [d for d in shard_lines if d["error"] is not None] == []
+
+    srv = ThreadedFaultServer(FaultConfig.zero())
+    srv.server = FaultServer(FaultConfig.zero(), port=port)
+    with srv:
+        assert run_command.main(parser.parse_args(args)) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 12 and all(d["error"] is None for d in lines)

@@ -83,3 +83,33 @@ def test_reorder_puts_a_resumed_shard_back_in_input_order(tmp_path):
     reorder_by_input(out, ShardReader(src, shard))
     assert [line.split('"')[3] for line in out.read_text().splitlines()] == ["line-6", "c7", "line-8", "c9",
                                                                              "line-10"]
+
+
+def test_a_shard_reads_past_an_overlong_line_as_the_main_reader_does(tmp_path):
+    # Before, the shard reader had no limit: a line past 32 MiB was held whole (a file with
+    # no newline, the whole shard).  Now both readers give the same tasks and the same error.
+    from carpool.distributed.worker import ShardReader
+    from carpool.jobs.readers import MAX_LINE_BYTES, Reader, TooLong
+
+    path = tmp_path / "in.jsonl"
+    with open(path, "wb") as f:
+        f.write(b'{"prompt": "one"}\n{"prompt": "')
+        f.write(b"z" * (MAX_LINE_BYTES + 10))
+        f.write(b'"}\n{"prompt": "three"}\n')
+    plan = plan_shards(path, 3)
+    lines = [(no, raw) for s in plan for no, raw in iter_shard_lines(path, s)]
+    assert [no for no, _ in lines] == [1, 2, 3] and isinstance(lines[1][1], TooLong)
+    by_shards = [item for s in plan for item in ShardReader(path, s)]
+    whole = list(Reader(path))
+    assert [(i.line_no, i.custom_id, type(i).__name__, getattr(i, "message", None)) for i in by_shards] == \
+           [(i.line_no, i.custom_id, type(i).__name__, getattr(i, "message", None)) for i in whole]
+    assert "32 MiB" in whole[1].message
+
+
+def test_a_cr_only_file_is_read_as_lines_by_the_shards_too(tmp_path):
+    from carpool.distributed.worker import ShardReader
+
+    path = tmp_path / "mac.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\r{"prompt": "b"}\r{"prompt": "c"}\r')
+    items = [item for s in plan_shards(path, 2) for item in ShardReader(path, s)]
+    assert [(i.line_no, type(i).__name__) for i in items] == [(1, "Task"), (2, "Task"), (3, "Task")]

@@ -275,3 +275,36 @@ def test_the_bearer_scheme_is_case_insensitive(tiny_engine, tiny_config):
             assert request(url, method="GET", headers={"Authorization": f"{scheme} sekrit"})[0] == 200, scheme
         for bad in ("bearer wrong", "Basic sekrit", "sekrit", "bearer", "Bearer  "):
             assert request(url, method="GET", headers={"Authorization": bad})[0] == 401, bad
+
+
+# -- 8: prompts x n per request --------------------------------------------------------------
+
+def test_a_completions_request_of_2048_prompts_is_a_400_naming_the_field_and_the_limit(server):
+    # Before: all 2048 went into the engine, past admission control (an empty waiting room
+    # admits any one request).  The default cap is 256 choices (prompts x n) a request.
+    url = server.base_url + "/v1/completions"
+    status, _, body = request(url, json.dumps({"prompt": ["hi"] * 2048, "max_tokens": 1}).encode())
+    err = openai_error(body)
+    assert status == 400 and err["param"] == "prompt", (status, err)
+    assert "2,048" in err["message"] and "256" in err["message"] and "--max-choices-per-request" in err["message"]
+    status, _, body = request(url, json.dumps({"prompt": ["hi"] * 17, "n": 16, "max_tokens": 1}).encode())
+    assert status == 400 and "272 choices" in openai_error(body)["message"], body[:300]
+    status, _, body = request(url, json.dumps({"prompt": ["hi"] * 16, "n": 16, "max_tokens": 1}).encode())
+    assert status == 200 and len(json.loads(body)["choices"]) == 256, body[:300]
+
+
+def test_the_choice_cap_is_a_serve_flag(tiny_engine, tiny_config):
+    import argparse
+
+    from carpool.commands.serve import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert config_from_args(p.parse_args([])).max_choices_per_request == 256
+    assert config_from_args(p.parse_args(["--max-choices-per-request", "0"])).max_choices_per_request is None
+    cfg = config_from_args(p.parse_args(["--max-choices-per-request", "3"]))
+    cfg.engine, cfg.port, cfg.embedding_model = tiny_config, 0, None
+    with start_server(cfg, engine=tiny_engine) as srv:
+        status, _, body = request(srv.base_url + "/v1/chat/completions", chat("hi", n=4))
+    err = openai_error(body)
+    assert status == 400 and err["param"] == "n" and "at most 3" in err["message"], (status, err)

@@ -7,7 +7,9 @@
   leader failing for a reason of its own, used to give both the leader's error line;
 - a line past the length limit is one error line, read past without holding it;
 - a FIFO (with no writer: the job hung in ``open()``, deaf to SIGTERM and SIGINT) and
-  ``/dev/zero`` (grew ~75 MB/s) are refused at start with exit code 2.
+  ``/dev/zero`` (grew ~75 MB/s) are refused at start with exit code 2;
+- a CR-only file (old Mac) was one error line: it reads as lines, CRLF and LF as before;
+- a missing output directory named an internal temp file: now the -o path and the fix (exit 5).
 """
 
 from __future__ import annotations
@@ -153,3 +155,39 @@ def test_sigterm_stops_like_sigint(logging_fault_server, tmp_path):
     rerun = subprocess.run(run_cmd(args), capture_output=True, timeout=120, check=False)
     assert rerun.returncode == 0
     assert sorted(d["custom_id"] for d in read_jsonl(out)) == sorted(f"t{i}" for i in range(n))
+
+
+@pytest.mark.parametrize(("name", "end"), [("cr", b"\r"), ("crlf", b"\r\n"), ("lf", b"\n")])
+def test_every_line_ending_reads_as_lines(logging_fault_server, tmp_path, name, end):
+    # Old Mac files end their lines in a lone CR: before, the whole file was one line, one
+    # invalid_input error and nothing sent.  CRLF (Windows) and LF must read the same.
+    srv = logging_fault_server(FaultConfig())
+    src = tmp_path / f"{name}.jsonl"
+    src.write_bytes(end.join(json.dumps(chat_task(f"t{i}", f"q {i}")).encode() for i in range(5)) + end)
+    out = tmp_path / "out.jsonl"
+    s = run_batch(src, out, endpoints=[srv.url], model="m", cache="off")
+    got = read_jsonl(out)
+    assert sorted(d["custom_id"] for d in got) == [f"t{i}" for i in range(5)]
+    assert all(d["error"] is None for d in got), [d["error"] for d in got]
+    assert s["total"] == 5  # the progress bar's count reads the same line ends
+
+
+def test_a_cr_only_file_keeps_its_line_numbers_and_the_length_limit(tmp_path):
+    p = tmp_path / "mac.jsonl"
+    p.write_bytes(b"ab\r" + b"x" * 25 + b"\r0123456789\rtail")
+    from carpool.jobs.readers import CRLines
+
+    with open(p, "rb") as f:
+        got = list(numbered_lines(CRLines(f, chunk=4), max_bytes=10))
+    assert got == [(1, b"ab\n"), (2, TooLong(26)), (3, b"0123456789\n"), (4, b"tail")]
+
+
+def test_a_missing_output_directory_names_the_o_path_and_the_fix(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_task("a", "x")])
+    missing = tmp_path / "no" / "such" / "dir"
+    r = run_cli([str(src), "-o", str(missing / "out.jsonl"), "--echo-backend", "--cache", "off"], timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 5, err  # the output cannot be written (carpool/jobs/exit_codes.py)
+    assert str(missing / "out.jsonl") in err and f"mkdir -p {missing}" in err, err
+    assert ".tmp" not in err and "Traceback" not in err, err  # before: named out.jsonl.carpool.tmp
+    assert not missing.exists()  # refused, not created
