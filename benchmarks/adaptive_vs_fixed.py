@@ -28,6 +28,10 @@ A long sweep is split into calls (one server x one workload x one round each) an
 
 from __future__ import annotations
 
+from carpool.engine.process import configure_process
+
+configure_process()  # as the carpool command does: before anything imports torch (OMP_WAIT_POLICY)
+
 import argparse
 import asyncio
 import contextlib

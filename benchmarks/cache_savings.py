@@ -25,6 +25,10 @@ recall of the semantic rule on both splits (carpool/cache/pairs.py).  Prints one
 
 from __future__ import annotations
 
+from carpool.engine.process import configure_process
+
+configure_process()  # as the carpool command does: before anything imports torch (OMP_WAIT_POLICY)
+
 import argparse
 import json
 import random

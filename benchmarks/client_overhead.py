@@ -17,6 +17,10 @@ Targets: carpool_executor >= 0.9x raw_aiohttp and >= 2x cookbook.  Prints one JS
 
 from __future__ import annotations
 
+from carpool.engine.process import configure_process
+
+configure_process()  # as the carpool command does: before anything imports torch (OMP_WAIT_POLICY)
+
 import argparse
 import asyncio
 import json

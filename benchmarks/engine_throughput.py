@@ -38,9 +38,9 @@ except ImportError:  # an older tree (to measure the engine before this change):
 
 configure_process()  # before torch loads OpenMP
 
-import torch  # noqa: E402
+import torch
 
-from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams  # noqa: E402
+from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout (/work/main -> /work/shared), also from a worktree one level deeper.

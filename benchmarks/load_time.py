@@ -11,6 +11,10 @@ Each figure is the median of a few runs in fresh processes (load_model only, imp
 
 from __future__ import annotations
 
+from carpool.engine.process import configure_process
+
+configure_process()  # as the carpool command does: before anything imports torch (OMP_WAIT_POLICY)
+
 import argparse
 import json
 import os

@@ -16,6 +16,10 @@ author measures on a held-out file of this shape).
 
 from __future__ import annotations
 
+from carpool.engine.process import configure_process
+
+configure_process()  # as the carpool command does: before anything imports torch (OMP_WAIT_POLICY)
+
 import argparse
 import json
 import math

@@ -12,6 +12,10 @@ Prints one JSON object with tokens/s per mode and the ratios.
 
 from __future__ import annotations
 
+from carpool.engine.process import configure_process
+
+configure_process()  # as the carpool command does: before anything imports torch (OMP_WAIT_POLICY)
+
 import argparse
 import asyncio
 import contextlib

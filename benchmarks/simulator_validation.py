@@ -32,6 +32,10 @@ Prints one JSON object with the relative errors; the target is within 15%.
 
 from __future__ import annotations
 
+from carpool.engine.process import configure_process
+
+configure_process()  # as the carpool command does: before anything imports torch (OMP_WAIT_POLICY)
+
 import argparse
 import asyncio
 import json
