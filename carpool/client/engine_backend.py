@@ -38,13 +38,16 @@ class EngineBackend:
         self._batcher: DynamicBatcher | None = None
         self._translator: Translator | None = None
         self.record_chunks = record_chunks
+        self.engine_start_s: float | None = None  # building the engine on first use, when this did
 
     @property
     def translator(self) -> Translator:
         # Built on first use: reading max_model_len loads the model, which a job of
         # embeddings only never needs.
         if self._translator is None:
-            self._translator = Translator(self.engine)
+            t0 = time.perf_counter()
+            self._translator = Translator(self.engine)  # builds the engine if it is not running yet
+            self.engine_start_s = round(time.perf_counter() - t0, 3)
         return self._translator
 
     async def close(self) -> None:

@@ -114,3 +114,20 @@ def test_a_second_call_of_a_checked_request_is_answered_in_full(engine):
     assert first.ok and second.ok and first.request_id != second.request_id
     assert first.body["choices"] == second.body["choices"]
     assert first.completion_tokens == second.completion_tokens == 4
+
+
+def test_the_summary_says_how_long_the_engine_took_to_start(tmp_path):
+    # benchmarks/main_job.py sets it apart from the job's throughput: LLM.generate starts its clock later.
+    from carpool.engine import AsyncEngine, EngineConfig
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+                   + "\n")
+    fresh = AsyncEngine(EngineConfig(model="tiny-random", max_num_seqs=4, max_model_len=128))
+    try:
+        s = run_batch(src, tmp_path / "out.jsonl", engine=fresh, cache="off")
+    finally:
+        import asyncio
+
+        asyncio.run(fresh.shutdown())
+    assert s["ok"] == 1 and 0 < s["engine_start_s"] < s["elapsed_s"]
