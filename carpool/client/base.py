@@ -21,6 +21,9 @@ class Request:
     # Set by the executor for one attempt: a backend calls it when the first token of a
     # streamed answer arrives (the limiter counts the request as decoding from then on).
     on_first_token: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    # What the backend's admission check made of the body (EngineBackend: the templated,
+    # tokenized engine requests), taken by its first call so a prompt is templated once.
+    checked: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> str:

@@ -19,7 +19,7 @@ from carpool.embed.dynamic_batcher import DynamicBatcher, QueueFullError, QueueT
 from carpool.engine.protocol import EngineClient
 from carpool.openai.errors import OpenAIError
 from carpool.openai.generation import Generation, aborted_error, engine_failure
-from carpool.openai.requests import Translator
+from carpool.openai.requests import Prepared, Translator
 from carpool.openai.responses import ResponseBuilder, embedding_body
 
 
@@ -38,13 +38,16 @@ class EngineBackend:
         self._batcher: DynamicBatcher | None = None
         self._translator: Translator | None = None
         self.record_chunks = record_chunks
+        self.engine_start_s: float | None = None  # building the engine on first use, when this did
 
     @property
     def translator(self) -> Translator:
         # Built on first use: reading max_model_len loads the model, which a job of
         # embeddings only never needs.
         if self._translator is None:
-            self._translator = Translator(self.engine)
+            t0 = time.perf_counter()
+            self._translator = Translator(self.engine)  # builds the engine if it is not running yet
+            self.engine_start_s = round(time.perf_counter() - t0, 3)
         return self._translator
 
     async def close(self) -> None:
@@ -58,7 +61,7 @@ class EngineBackend:
         if req.kind == "embedding":
             return None
         try:
-            self.translator.prepare(req.kind, req.body)
+            req.checked = self.translator.prepare(req.kind, req.body)
         except OpenAIError as e:
             field = e.param or "body"
             # The caller says the field itself ("field 'x': ..."): do not say it twice.
@@ -70,10 +73,12 @@ class EngineBackend:
             return await self._embed(req)
         t0 = time.perf_counter()
         res = CallResult(ok=False, endpoint="engine", sent_at=t0)
-        try:
-            prepared = self.translator.prepare(req.kind, req.body)
-        except OpenAIError as e:
-            return _failed(res, e, t0)
+        prepared = _take_checked(req)
+        if prepared is None:  # a retry (its choices were used), or no admission check ran
+            try:
+                prepared = self.translator.prepare(req.kind, req.body)
+            except OpenAIError as e:
+                return _failed(res, e, t0)
         res.request_id = prepared.id
         chunk_times: list[float] | None = [] if self.record_chunks else None
         gen = Generation(self.engine, prepared.choices)
@@ -130,6 +135,17 @@ class EngineBackend:
                                   req.body.get("encoding_format"))
         res.status_code, res.ok = 200, True
         return res
+
+
+def _take_checked(req: Request) -> Prepared | None:
+    """The request ``check`` prepared, once: its choices gather one answer, so a retry prepares anew."""
+    prepared, req.checked = req.checked, None
+    if not isinstance(prepared, Prepared):
+        return None
+    now = time.monotonic()
+    for c in prepared.choices:  # queued in the engine from now, not from the admission check
+        c.request.arrival_time = now
+    return prepared
 
 
 def _failed(res: CallResult, e: OpenAIError, t0: float) -> CallResult:

@@ -145,6 +145,8 @@ class LLMEngine:
         given = [x is not None for x in (req.messages, req.prompt, req.prompt_token_ids)]
         if sum(given) != 1:
             raise EngineError(f"request {req.request_id}: give exactly one of messages, prompt, prompt_token_ids")
+        if req.tokenized is not None:  # counted before (the server's length check): template once
+            return req.tokenized
         if req.prompt_token_ids is not None:
             ids = [int(t) for t in req.prompt_token_ids]
         else:
@@ -166,7 +168,10 @@ class LLMEngine:
         return ids
 
     def count_prompt_tokens(self, req: GenerateRequest) -> int:
-        return len(self.tokenize(req))
+        """The prompt's length; its ids are kept on ``req`` (``tokenized``) for ``make_sequence``."""
+        ids = self.tokenize(req)
+        req.tokenized = ids
+        return len(ids)
 
     def _validate(self, req: GenerateRequest, ids: list[int]) -> None:
         p, rid = req.params, req.request_id

@@ -87,7 +87,10 @@ class GenerateRequest:
 
     ``messages`` go through the model's chat template (with the generation prompt added);
     ``prompt`` is tokenized as is.  ``priority``: lower runs first under the ``priority``
-    policy, as in vLLM.
+    policy, as in vLLM.  ``tokenized`` is the engine's own note, not an input: the prompt's
+    token ids once ``count_prompt_tokens`` has templated and tokenized it, so submitting the
+    same request does not do that again (it is copied by ``dataclasses.replace``, which is
+    right as long as the prompt fields are left as they are).
     """
 
     request_id: str
@@ -97,6 +100,7 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    tokenized: list[int] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -201,6 +201,7 @@ class Pipeline:
                 t.cancel()
             writer.close()
             st.finished = time.monotonic()
+            st.engine_start_s = getattr(parts.backend, "engine_start_s", None)
             st.retries.update(self.executor.retries)
             if self.executor.gate is not None:
                 st.outages = self.executor.gate.summary()

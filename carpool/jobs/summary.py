@@ -78,6 +78,9 @@ class JobStats:
     cache_backend: str = "off"  # the store, its TTL and namespace, as the summary shows them
     cache_ttl_s: float | None = None  # how long this run's answers are served from the store (None: for ever)
     prices: Prices | None = None  # None: the $ figures are unknown (carpool.jobs.prices)
+    # In-process jobs: the seconds spent building the engine (model load, KV cache) inside
+    # elapsed, which LLM.generate pays before its clock starts (benchmarks/main_job.py).
+    engine_start_s: float | None = None
 
     @property
     def elapsed(self) -> float:
@@ -153,7 +156,7 @@ class JobStats:
             "saved_time_s": round(self.saved_time_s(), 2), "interrupted": self.interrupted,
             "stopped_by_outage": self.stopped_by_outage,
             **({"outages": self.outages} if self.outages is not None else {}),
-            "backend": self.backend, "cache": self.cache_backend,
+            "backend": self.backend, "cache": self.cache_backend, "engine_start_s": self.engine_start_s,
             "cache_ttl_s": self.cache_ttl_s,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
             **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
