@@ -24,6 +24,10 @@ ratios of one run.  ``--quick``: a quarter of each workload (a smoke test, not e
 
 from __future__ import annotations
 
+from carpool.engine.process import configure_process
+
+configure_process()  # as the carpool command does: before anything imports torch (OMP_WAIT_POLICY)
+
 import argparse
 import json
 import os
