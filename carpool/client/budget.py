@@ -74,12 +74,7 @@ class TokenBuckets:
     async def acquire(self, requests: int = 1, tokens: int = 0) -> None:
         async with self._lock:
             while True:
-                now = time.monotonic()
-                wait = 0.0
-                for bucket, amount in ((self._req, requests), (self._tok, tokens)):
-                    if bucket is not None:
-                        bucket.refill(now)
-                        wait = max(wait, bucket.wait_for(amount))
+                wait = self.wait_s(requests, tokens)
                 if wait <= 0:
                     break
                 self.waited_s += wait

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from carpool.cache import DEFAULT_TTL_S
@@ -342,21 +343,29 @@ def _main(args: argparse.Namespace) -> int:
     return code
 
 
+def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Awaitable[dict]]) -> dict | None:
+    """``--dry-run`` and ``--estimate``: the document ``produce`` makes of the options, its messages
+    printed and ``--summary-json`` written; None (after saying why) when the start is refused."""
+    try:
+        doc = asyncio.run(produce(options_from_args(args)))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"carpool run: {e}", file=sys.stderr)
+        return None
+    for msg in doc.get("messages", []):
+        print(msg, file=sys.stderr)
+    if args.summary_json:
+        write_summary_json(doc, args.summary_json)
+    return doc
+
+
 def _main_dry_run(args: argparse.Namespace) -> int:
     """``--dry-run``: validate, count and check; nothing sent, nothing written."""
     from carpool.jobs.exit_codes import ExitCode
     from carpool.jobs.plan import plan
 
-    try:
-        opts = options_from_args(args)
-        doc = asyncio.run(plan(opts))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"carpool run: {e}", file=sys.stderr)
+    doc = _look_ahead(args, plan)
+    if doc is None:
         return ExitCode.REFUSED
-    for msg in doc.get("messages", []):
-        print(msg, file=sys.stderr)
-    if args.summary_json:
-        write_summary_json(doc, args.summary_json)
     if not args.quiet:
         kinds = ", ".join(f"{n:,} {k}" for k, n in sorted(doc["kinds"].items())) or "none"
         print(f"carpool run --dry-run: {doc['tasks_to_send']:,} tasks would be sent ({kinds}); "
@@ -381,16 +390,9 @@ def _main_estimate(args: argparse.Namespace) -> int:
     from carpool.jobs.estimate import estimate
     from carpool.jobs.exit_codes import ExitCode
 
-    try:
-        opts = options_from_args(args)
-        doc = asyncio.run(estimate(opts))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"carpool run: {e}", file=sys.stderr)
+    doc = _look_ahead(args, estimate)
+    if doc is None:
         return ExitCode.REFUSED
-    for msg in doc.get("messages", []):
-        print(msg, file=sys.stderr)
-    if args.summary_json:
-        write_summary_json(doc, args.summary_json)
     if not args.quiet:
         prompt = "not counted" if doc["prompt_tokens"] is None else f"{doc['prompt_tokens']:,}"
         p = doc["prices"]
