@@ -491,7 +491,8 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_row("errors", f(stats.n_errors))
     for kind, n in sorted(stats.errors.items(), key=lambda kv: -kv[1]):
         t.add_row(f"  {kind}", f(n))
-    t.add_row("elapsed", f(d["elapsed_s"], " s"))
+    start = d.get("engine_start_s")
+    t.add_row("elapsed", f(d["elapsed_s"], " s") + (f" (engine start {start:.1f} s)" if start else ""))
     t.add_row("throughput", f"{f(d['requests_per_s'])} req/s, {f(d['tokens_per_s'])} tok/s "
                             f"({f(d['output_tokens_per_s'])} out tok/s)")
     t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")

@@ -27,3 +27,16 @@ def test_dry_run_summary_json_and_resume(tmp_path):
     s2 = json.loads(again.stdout.strip().splitlines()[-1])
     assert s2["done"] == 0 and s2["skipped_done_before"] == 5
     assert len(out.read_text().splitlines()) == 5
+
+
+def test_the_summary_table_shows_the_engine_start_inside_elapsed(tmp_path):
+    # An in-process job pays its engine start inside "elapsed"; the table says how much of it,
+    # as --summary-json's engine_start_s does (benchmarks/main_job.py reports both).
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+                   + "\n")
+    p = run_cli(str(src), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny-random", "--cache", "off",
+                "--summary-json", str(tmp_path / "s.json"))
+    assert p.returncode == 0, p.stderr
+    start = json.loads((tmp_path / "s.json").read_text())["engine_start_s"]
+    assert start > 0 and f"(engine start {start:.1f} s)" in p.stderr
