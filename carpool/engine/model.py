@@ -84,8 +84,10 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = n * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
+    # Private: plain process memory, not shared with a forked child (mmap's default is shared).
     # frombuffer keeps the mmap alive as long as the tensor (and views of it) live.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 class LlamaModel:
