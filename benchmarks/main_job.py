@@ -155,6 +155,7 @@ def run_job(task_file: Path, out_dir: Path, tag: str, extra: list[str], env: dic
     start = s.get("engine_start_s")
     if start is not None:
         res["engine_start_s"] = start
+        res["engine_start_overlap_s"] = s.get("engine_start_overlap_s")  # of it, not waited for
         res["total_tok_s_after_start"] = round(tokens / max(1e-9, s["elapsed_s"] - start), 1)
     return res
 
