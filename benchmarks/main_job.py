@@ -7,12 +7,22 @@ mixed one made here: prompts of 20-2000 tokens, max_tokens 16-128) it runs, one 
 other, with the same tasks and the same output lengths (greedy, EOS ignored, the file's
 max_tokens):
 
-- ``generate``: ``LLM.generate`` in this process (the engine alone; warmed, load not timed);
+- ``generate``: ``LLM.generate`` in this process (the engine alone; warmed, load not timed), on
+  an engine of its own for each workload;
 - ``inprocess``: ``carpool run FILE --cache off`` in a subprocess, the embedded engine
   (what the README's main command does; its figures are the job's own ``--summary-json``,
   the summary table's);
 - ``endpoint``: ``carpool run FILE --endpoint URL --cache off`` against a ``carpool serve``
-  started here on ``--port`` (warmed with a few requests first, as a running server is).
+  started here on ``--port`` for each workload (warmed with a few requests first, as a running
+  server is).
+
+The three paths start each workload equally cold: an empty prefix cache (the generate engine
+and the server are new for each workload and warmed only with a prompt of no workload, as the
+in-process job's engine is new), so none of them gets prefix-cache hits from another workload
+or from its own warm-up; within a workload each shares its prompts' common prefixes alike.
+Besides the ratios each path is checked against ``generate``: the same prompt and completion
+token counts, and the share of tasks with the same text (greedy, but bf16 sums in another
+batch order can tip a near-tie, so a text may differ where the counts match).
 
 Prints one JSON object (last stdout line): per workload and path total tok/s, wall, TTFT
 P50/P99, tokens, and the ratios to ``generate`` (the issue's bars: in-process >= 0.9,
@@ -90,6 +100,11 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
 
 
+# What the engines are warmed with: no workload's prompt, so nothing of a workload is in the
+# prefix cache before its clock starts (the server is warmed with the same).
+WARM_MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
 def run_generate(llm, rows: list[dict]) -> dict:
     from carpool.engine import GenerateRequest, SamplingParams
 
@@ -98,7 +113,7 @@ def run_generate(llm, rows: list[dict]) -> dict:
                                 params=SamplingParams(temperature=0, max_tokens=r.get("max_tokens", 64),
                                                       ignore_eos=True)) for i, r in enumerate(rs)]
 
-    llm.generate(reqs(rows[:4], "warm"))
+    llm.generate(reqs([{"messages": WARM_MESSAGES, "max_tokens": 8}] * 4, "warm"))
     start = time.perf_counter()
     outs = llm.generate(reqs(rows, "r"))
     wall = time.perf_counter() - start
@@ -140,6 +155,7 @@ def run_job(task_file: Path, out_dir: Path, tag: str, extra: list[str], env: dic
     start = s.get("engine_start_s")
     if start is not None:
         res["engine_start_s"] = start
+        res["engine_start_overlap_s"] = s.get("engine_start_overlap_s")  # of it, not waited for
         res["total_tok_s_after_start"] = round(tokens / max(1e-9, s["elapsed_s"] - start), 1)
     return res
 
@@ -164,7 +180,7 @@ class Server:
             self.close()
             raise RuntimeError("carpool serve did not come up in 300 s")
         for _ in range(4):
-            body = json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "Say hi."}],
+            body = json.dumps({"model": "smollm2", "messages": WARM_MESSAGES,
                                "max_tokens": 8, "temperature": 0}).encode()
             req = urllib.request.Request(self.url + "/v1/chat/completions", body,
                                          {"Content-Type": "application/json"})
@@ -202,8 +218,6 @@ def main() -> int:
     from carpool.engine.loader import load_model
 
     loaded = load_model("smollm2", dtype="auto")
-    # The same engine settings `carpool run` and `carpool serve` use by default.
-    llm = LLM(EngineConfig(model="smollm2"), loaded=loaded) if "generate" in paths else None
     tok = loaded.tokenizer
     workloads: dict[str, list[dict]] = {}
     for name in names:
@@ -222,20 +236,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="carpool-main-job-") as tmp:
         tmpd = Path(tmp)
         try:
-            if "endpoint" in paths:
-                server = Server(args.port, env)
             for name, rows in workloads.items():
                 task_file = tmpd / f"{name}.jsonl"
                 task_file.write_text(task_lines(rows))
                 lens = [prompt_len(tok, r["messages"]) for r in rows]
                 w: dict = {"tasks": len(rows), "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens)}
-                if llm is not None:
+                if "generate" in paths:
+                    # A new engine (the same settings `carpool run` and `carpool serve` use by default)
+                    # over the loaded weights: an empty prefix cache, as the other paths start with.
+                    llm = LLM(EngineConfig(model="smollm2"), loaded=loaded)
                     w["generate"] = run_generate(llm, rows)
+                    del llm
                 if "inprocess" in paths:
                     w["inprocess"] = run_job(task_file, tmpd, f"{name}-inprocess", [], env)
-                if server is not None:
-                    w["endpoint"] = run_job(task_file, tmpd, f"{name}-endpoint",
-                                            ["--endpoint", server.url + "/v1", "--model", "smollm2"], env)
+                if "endpoint" in paths:
+                    server = Server(args.port, env)  # a new server: nothing of the last workload cached
+                    try:
+                        w["endpoint"] = run_job(task_file, tmpd, f"{name}-endpoint",
+                                                ["--endpoint", server.url + "/v1", "--model", "smollm2"], env)
+                    finally:
+                        server.close()
+                        server = None
                 base = w.get("generate", {})
                 for p in ("inprocess", "endpoint"):
                     r = w.get(p)
@@ -246,8 +267,11 @@ def main() -> int:
                         if "total_tok_s_after_start" in r:
                             r["ratio_to_generate_after_start"] = round(
                                 r["total_tok_s_after_start"] / base["total_tok_s"], 3)
+                        r["same_prompt_tokens"] = r["prompt_tokens"] == base["prompt_tokens"]
                         r["same_completion_tokens"] = r["completion_tokens"] == base["completion_tokens"]
                         r["texts_equal_generate"] = same_texts(base["texts"], r["texts"])
+                        if p == "endpoint" and "texts" in w.get("inprocess", {}):
+                            r["texts_equal_inprocess"] = same_texts(w["inprocess"]["texts"], r["texts"])
                 for p in ("generate", "inprocess", "endpoint"):
                     if p in w:
                         w[p].pop("texts", None)

@@ -75,6 +75,10 @@ class Outcome:
 
 class Backend(Protocol):
     name: str
+    # Seconds the backend spent starting the engine it runs in this process (None: it started
+    # none), and how many of them overlapped the job's own work (EngineBackend.begin_start).
+    engine_start_s: float | None
+    engine_start_overlap_s: float | None
 
     async def call(self, request: Request) -> CallResult: ...
 

@@ -28,8 +28,8 @@ from carpool.jobs.fingerprint import job_identity, make_fingerprint
 from carpool.jobs.journal import Journal
 from carpool.jobs.options import RunOptions
 from carpool.jobs.output_format import output_target
-from carpool.jobs.readers import Reader, TaskSource
-from carpool.jobs.tasks import TaskDefaults
+from carpool.jobs.readers import Reader, RecordSource, TaskSource
+from carpool.jobs.tasks import Task, TaskDefaults
 from carpool.jobs.tokens import CountedSource, openai_counter, openai_encoding_name
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ class EchoBackend:
     run from resuming them as answers."""
 
     name = "echo"
+    engine_start_s: float | None = None  # no engine runs in this process
+    engine_start_overlap_s: float | None = None
 
     async def call(self, req: Request) -> CallResult:
         body = {"id": "echo", "object": "chat.completion", "model": "echo",
@@ -70,6 +72,9 @@ class JobParts:
     # Closed in order after the backend (the engine this job started, shared Redis state).
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     messages: list[str] = field(default_factory=list)  # said to the user after the run
+    # Begins starting the job's engine in the background; the pipeline calls it first thing,
+    # so the model loads while the job opens its journal and reads its first tasks.
+    start_engine: Callable[[], None] | None = None
 
 
 def job_defaults(opts: RunOptions) -> TaskDefaults:
@@ -99,6 +104,7 @@ class _Target:
     model: str  # the model of tasks that name none (cache keys)
     check: Check | None = None
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    start_engine: Callable[[], None] | None = None  # the engine this job owns, started in the background
 
 
 def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
@@ -122,17 +128,37 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
 
     closers: list[Callable[[], Awaitable[None]]] = []
     engine = opts.engine
+    owned = None
     if engine is None:
         from carpool.engine import AsyncEngine, EngineConfig
 
-        # Built on first use (the first generation task): a job of embeddings only never
-        # loads the generation model.
+        # Built on the first generation task, or from the job's start when its first task is
+        # one (build_parts): a job of embeddings only never loads the generation model.
         owned = AsyncEngine(EngineConfig(model=opts.engine_model, **opts.engine_config))
         closers.append(owned.shutdown)
         engine = owned
     backend = EngineBackend(engine, opts.embedder_factory or default_embedder_factory)
     model = str(backend.model_name)
-    return _Target(backend, f"engine {model}", model, backend.check, closers)
+    return _Target(backend, f"engine {model}", model, backend.check, closers,
+                   backend.begin_start if owned is not None else None)
+
+
+def _starts_with_generation(source: TaskSource) -> bool:
+    """Whether the first record of ``source`` is a chat or completion task (a bad line counts:
+    the ones after it likely are).  Only sources that can be read again are looked at (the
+    input file, records in memory); any other answers False, and its engine starts on first use."""
+    if not isinstance(source, (Reader, RecordSource)):
+        return False
+    it = iter(source)
+    try:
+        first = next(it, None)
+    finally:
+        close = getattr(it, "close", None)  # a generator: its file is closed now, not when collected
+        if close is not None:
+            close()
+    if first is None:
+        return False
+    return not (isinstance(first, Task) and first.request.kind == "embedding")
 
 
 def endpoint_identity(opts: RunOptions) -> str:
@@ -160,9 +186,11 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
         source = CountedSource(source, openai_counter(encoding))
     journal = make_journal(opts)
     target = make_backend(opts, balancer)
+    start_engine = target.start_engine if target.start_engine is not None and _starts_with_generation(source) \
+        else None
     if budget is None:
         budget = opts.budget if opts.budget is not None else make_budget(opts.rpm, opts.tpm)
     caches = open_task_cache(opts, target.model, endpoint_identity(opts), messages)
     return JobParts(source=source, journal=journal, backend=target.backend, limiter=job_limiter(opts),
                     budget=budget, caches=caches, check=target.check, label=target.label,
-                    closers=target.closers, messages=messages)
+                    closers=target.closers, messages=messages, start_engine=start_engine)

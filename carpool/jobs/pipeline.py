@@ -180,6 +180,11 @@ class Pipeline:
         except BaseException:
             await self._close()
             raise
+        # Once the journal let the job start (a refused resume loads no model): the model loads
+        # on a thread while the progress, the line count and the first records get going.
+        began = time.monotonic()
+        if parts.start_engine is not None:
+            parts.start_engine()
         st = self.stats
         st.backend, st.cache_backend = parts.label, parts.caches.label
         st.cache_ttl_s = parts.caches.ttl_s if parts.caches.store is not None else None
@@ -188,7 +193,8 @@ class Pipeline:
         counter = asyncio.get_running_loop().run_in_executor(None, parts.source.count)
         counter.add_done_callback(lambda f: setattr(st, "total", f.result()) if not f.exception() else None)
         ticker = asyncio.create_task(self._tick(writer, progress))
-        st.started = time.monotonic()
+        # A job that began starting its engine counts from then: elapsed holds the whole start.
+        st.started = began if parts.start_engine is not None else time.monotonic()
         try:
             await self._produce(done, writer)
             while self._pending:
@@ -201,14 +207,15 @@ class Pipeline:
                 t.cancel()
             writer.close()
             st.finished = time.monotonic()
-            st.engine_start_s = getattr(parts.backend, "engine_start_s", None)
             st.retries.update(self.executor.retries)
             if self.executor.gate is not None:
                 st.outages = self.executor.gate.summary()
             st.sample(parts.limiter.snapshot())
             st.concurrency = parts.limiter.summary()
             progress.stop()
-            await self._close()
+            await self._close()  # the backend's close waits for an engine start still running
+            st.engine_start_s = parts.backend.engine_start_s
+            st.engine_start_overlap_s = parts.backend.engine_start_overlap_s
             if writer.error is not None:
                 st.interrupted = True
                 st.done -= writer.dropped

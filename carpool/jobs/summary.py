@@ -81,6 +81,9 @@ class JobStats:
     # In-process jobs: the seconds spent building the engine (model load, KV cache) inside
     # elapsed, which LLM.generate pays before its clock starts (benchmarks/main_job.py).
     engine_start_s: float | None = None
+    # Of those, the seconds the engine started in the background while the job opened its
+    # journal and read its first tasks (EngineBackend.begin_start), not waited for.
+    engine_start_overlap_s: float | None = None
 
     @property
     def elapsed(self) -> float:
@@ -157,6 +160,7 @@ class JobStats:
             "stopped_by_outage": self.stopped_by_outage,
             **({"outages": self.outages} if self.outages is not None else {}),
             "backend": self.backend, "cache": self.cache_backend, "engine_start_s": self.engine_start_s,
+            "engine_start_overlap_s": self.engine_start_overlap_s,
             "cache_ttl_s": self.cache_ttl_s,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
             **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
