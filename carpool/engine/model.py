@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from .config import ModelConfig
+from .quant import Int8Linear, linear
 
 if TYPE_CHECKING:
     from .ops import Kernels
@@ -59,13 +61,13 @@ class Layer(TypedDict):
     """One decoder layer's weights (q|k|v and gate|up fused at load time)."""
 
     ln1: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | Int8Linear
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | Int8Linear
     o_bias: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | Int8Linear
+    down: torch.Tensor | Int8Linear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,9 +77,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here trains)."""
 
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 quantization: str | None = None):
+        """``quantization``: None (weights in ``dtype``) or "int8" (``quant.Int8Linear`` for
+        q|k|v, o, gate|up, down and the head; embeddings and norms stay in ``dtype``)."""
         self.config = config
         self.dtype = dtype
+        self.quantization = quantization
         c = config
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
@@ -93,6 +99,9 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")
         self.layers: list[Layer] = []
+        def q(weight: torch.Tensor) -> torch.Tensor | Int8Linear:
+            return Int8Linear(weight, dtype) if quantization == "int8" else weight
+
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
@@ -104,20 +113,25 @@ class LlamaModel:
             gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0).contiguous()
             self.layers.append({
                 "ln1": w(p + "input_layernorm.weight"),
-                "qkv": qkv,
+                "qkv": q(qkv),
                 "qkv_bias": bias,
-                "o": w(p + "self_attn.o_proj.weight"),
+                "o": q(w(p + "self_attn.o_proj.weight")),
                 # Llama's attention_bias also biases o_proj (Qwen2 biases only q/k/v).
                 "o_bias": w(p + "self_attn.o_proj.bias") if (p + "self_attn.o_proj.bias") in state_dict else None,
                 "ln2": w(p + "post_attention_layernorm.weight"),
-                "gate_up": gate_up,
-                "down": w(p + "mlp.down_proj.weight"),
+                "gate_up": q(gate_up),
+                "down": q(w(p + "mlp.down_proj.weight")),
             })
         self.norm = w("model.norm.weight")
         if c.tie_word_embeddings or "lm_head.weight" not in state_dict:
             self.lm_head = self.embed
         else:
             self.lm_head = w("lm_head.weight")
+        # The head keeps the model dtype in self.lm_head (a tied head is the embedding itself,
+        # which index_select reads); the int8 copy is what the forward multiplies by.
+        self.head: torch.Tensor | Int8Linear = self.lm_head
+        if quantization == "int8" and quant.QUANTIZE_LM_HEAD:
+            self.head = Int8Linear(self.lm_head, dtype)
         self._build_rope(c.max_position_embeddings)
 
     def _build_rope(self, max_pos: int) -> None:
@@ -152,16 +166,16 @@ class LlamaModel:
         h = k.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps)
         rope_heads = self.num_heads + self.num_kv_heads
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(h, layer["qkv"], layer["qkv_bias"])
             k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
                                meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
-            h = k.add_rms_norm(x, F.linear(attn, layer["o"], layer["o_bias"]), layer["ln2"], self.eps)
-            down = F.linear(k.silu_mul(F.linear(h, layer["gate_up"])), layer["down"])
+            h = k.add_rms_norm(x, linear(attn, layer["o"], layer["o_bias"]), layer["ln2"], self.eps)
+            down = linear(k.silu_mul(linear(h, layer["gate_up"])), layer["down"])
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, down, next_ln, self.eps)
         # h is the final norm of every row; the head runs only on the rows that sample.
-        return F.linear(h.index_select(0, meta.logits_index), self.lm_head)
+        return linear(h.index_select(0, meta.logits_index), self.head)
 
     def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -174,7 +188,7 @@ class LlamaModel:
         nkv = self.num_kv_heads * self.head_dim
         h = _rms_norm(x, self.layers[0]["ln1"], self.eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(h, layer["qkv"], layer["qkv_bias"])
             t = qkv.shape[0]
             # RoPE on q and k together (rotate-half convention, as HF Llama).
             qk = qkv[:, : nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -184,13 +198,13 @@ class LlamaModel:
             k = qk[:, self.num_heads:]
             v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
             attn = self._attention(q, k, v, k_cache, v_cache, meta)
-            x = x + F.linear(attn, layer["o"], layer["o_bias"])
+            x = x + linear(attn, layer["o"], layer["o_bias"])
             h = _rms_norm(x, layer["ln2"], self.eps)
-            g, u = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, layer["down"])
+            g, u = linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(g) * u, layer["down"])
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = _rms_norm(x, next_ln, self.eps)
-        return F.linear(h.index_select(0, meta.logits_index), self.lm_head)
+        return linear(h.index_select(0, meta.logits_index), self.head)
 
     def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:
