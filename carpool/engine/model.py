@@ -78,9 +78,10 @@ class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here trains)."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 quantization: str | None = None):
+                 quantization: str | None = None, calibration_ids: list[int] | None = None):
         """``quantization``: None (weights in ``dtype``) or "int8" (``quant.Int8Linear`` for
-        q|k|v, o, gate|up, down and the head; embeddings and norms stay in ``dtype``)."""
+        q|k|v, o, gate|up, down and the head; embeddings and norms stay in ``dtype``), smoothed
+        with activation maxima measured on ``calibration_ids`` (none: not smoothed)."""
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
@@ -99,9 +100,6 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")
         self.layers: list[Layer] = []
-        def q(weight: torch.Tensor) -> torch.Tensor | Int8Linear:
-            return Int8Linear(weight, dtype) if quantization == "int8" else weight
-
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
@@ -113,14 +111,14 @@ class LlamaModel:
             gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0).contiguous()
             self.layers.append({
                 "ln1": w(p + "input_layernorm.weight"),
-                "qkv": q(qkv),
+                "qkv": qkv,
                 "qkv_bias": bias,
-                "o": q(w(p + "self_attn.o_proj.weight")),
+                "o": w(p + "self_attn.o_proj.weight"),
                 # Llama's attention_bias also biases o_proj (Qwen2 biases only q/k/v).
                 "o_bias": w(p + "self_attn.o_proj.bias") if (p + "self_attn.o_proj.bias") in state_dict else None,
                 "ln2": w(p + "post_attention_layernorm.weight"),
-                "gate_up": q(gate_up),
-                "down": q(w(p + "mlp.down_proj.weight")),
+                "gate_up": gate_up,
+                "down": w(p + "mlp.down_proj.weight"),
             })
         self.norm = w("model.norm.weight")
         if c.tie_word_embeddings or "lm_head.weight" not in state_dict:
@@ -130,9 +128,77 @@ class LlamaModel:
         # The head keeps the model dtype in self.lm_head (a tied head is the embedding itself,
         # which index_select reads); the int8 copy is what the forward multiplies by.
         self.head: torch.Tensor | Int8Linear = self.lm_head
-        if quantization == "int8" and quant.QUANTIZE_LM_HEAD:
-            self.head = Int8Linear(self.lm_head, dtype)
         self._build_rope(c.max_position_embeddings)
+        if quantization == "int8":
+            self._quantize_int8(calibration_ids)
+
+    def _quantize_int8(self, calibration_ids: list[int] | None) -> None:
+        """Smooth, then replace every linear weight by an ``Int8Linear``.
+
+        Smoothing (SmoothQuant, Xiao et al. 2022): a few input channels of each linear carry
+        activations far larger than the rest, and the int8 x int8 path quantizes each row of
+        activations with one scale, so those channels flatten every other one.  Dividing an input
+        channel by s and multiplying the weight's column by s leaves the product unchanged but
+        moves part of the range into the weights (which have a scale per output channel).  Every
+        division is folded into the op before: the RMSNorm weights for q|k|v and gate|up, the v rows
+        for o (per KV channel, as the query heads of a group share it), the up rows for down.  The
+        per-channel activation maxima come from one prefill of ``calibration_ids`` in the model dtype.
+        """
+        stats = self._calibrate(calibration_ids) if calibration_ids else None
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for i, layer in enumerate(self.layers):
+            qkv, gate_up, o, down = (layer[k] for k in ("qkv", "gate_up", "o", "down"))
+            assert isinstance(qkv, torch.Tensor) and isinstance(gate_up, torch.Tensor)
+            assert isinstance(o, torch.Tensor) and isinstance(down, torch.Tensor)
+            # fp32 copies: an fp32 model's tensors may be the loaded state dict's own (shared by engines).
+            qkv, gate_up, o, down = (wt.to(torch.float32, copy=True) for wt in (qkv, gate_up, o, down))
+            if stats is not None:
+                s = quant.smoothing(stats[i]["qkv"], qkv)
+                layer["ln1"] = (layer["ln1"].float() / s).to(self.dtype)
+                qkv *= s
+                s = quant.smoothing(stats[i]["gate_up"], gate_up)
+                layer["ln2"] = (layer["ln2"].float() / s).to(self.dtype)
+                gate_up *= s
+                inter = down.shape[1]
+                s = quant.smoothing(stats[i]["down"], down)
+                gate_up[inter:] /= s[:, None]
+                down *= s
+                # o's input channel (query head h, dim d) is a mix of v channel (h // group, d).
+                a = stats[i]["o"].view(self.num_kv_heads, self.group, self.head_dim).amax(1)
+                wmax = o.abs().amax(0).view(self.num_kv_heads, self.group, self.head_dim).amax(1)
+                t = quant.smoothing_from_max(a.reshape(-1), wmax.reshape(-1))
+                qkv[nq + nkv:] /= t[:, None]
+                if layer["qkv_bias"] is not None:
+                    b = layer["qkv_bias"].to(torch.float32, copy=True)
+                    b[nq + nkv:] /= t
+                    layer["qkv_bias"] = b.to(self.dtype)
+                o *= t.view(self.num_kv_heads, 1, self.head_dim).expand(-1, self.group, -1).reshape(1, nq)
+            layer["qkv"], layer["gate_up"] = Int8Linear(qkv, self.dtype), Int8Linear(gate_up, self.dtype)
+            layer["o"], layer["down"] = Int8Linear(o, self.dtype), Int8Linear(down, self.dtype)
+        if quant.QUANTIZE_LM_HEAD:
+            self.head = Int8Linear(self.lm_head, self.dtype)
+
+    @torch.inference_mode()
+    def _calibrate(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Per layer, each linear's per-input-channel max |activation| over one causal prefill."""
+        t = len(ids)
+        observed: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
+        saved = [dict(layer) for layer in self.layers]
+        for i, layer in enumerate(self.layers):
+            for k in ("qkv", "o", "gate_up", "down"):
+                layer[k] = quant.Observed(layer[k], observed[i], k)  # type: ignore[typeddict-item]
+        kv = self.allocate_kv_cache(-(-t // 16), 16)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.zeros(t, t, dtype=self.dtype).masked_fill_(~causal, float("-inf"))
+        meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decode=0, logits_index=torch.tensor([t - 1]),
+                                 prefill_shape=(1, t), prefill_slots=torch.arange(t).unsqueeze(0),
+                                 prefill_mask=mask.expand(self.group, t, t).reshape(1, 1, self.group * t, t))
+        try:
+            self._forward_torch(torch.tensor(ids), torch.arange(t), meta, kv)
+        finally:
+            for layer, orig in zip(self.layers, saved, strict=True):
+                layer.update(orig)  # type: ignore[typeddict-item]
+        return observed
 
     def _build_rope(self, max_pos: int) -> None:
         # In fp32 exactly as transformers computes them (fp32 inverse frequencies, fp32 angle =

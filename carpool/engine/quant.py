@@ -16,6 +16,12 @@ Why two kernels (measured on the 2-core AVX-512/VNNI EPYC, SmolLM2's shapes, tor
   by row scale x channel scale.
 So rows <= ``WEIGHT_ONLY_MAX_ROWS`` run weight-only (activations exact), larger batches run
 int8 x int8.  Both read the same int8 weight, so the weights are stored once.
+
+Per-row activation scales alone cost accuracy: a few channels carry far larger activations than
+the rest.  ``LlamaModel`` therefore smooths first (SmoothQuant; ``smoothing`` below, the folding
+in ``LlamaModel._quantize_int8``), measured on 64 of the benchmark's prompts: identical 48-token
+greedy outputs 3% -> 12.5%, mean matching prefix 0.11 -> 0.24, perplexity +0.31 -> +0.21 (alpha
+0.5; 0.3 and 0.75 agreed less).  docs/engine.md has the full figures.
 """
 
 from __future__ import annotations
@@ -73,8 +79,68 @@ class Int8Linear:
         return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+# What the int8 model measures its activation ranges on (SmoothQuant's calibration): plain prose
+# and a chat exchange like the work it runs, written for carpool; a fixed text so that a model
+# quantizes the same way at every start.
+CALIBRATION_TEXT = """<|im_start|>system
+You are a helpful assistant. Answer briefly and precisely.<|im_end|>
+<|im_start|>user
+Classify the sentiment of this review as positive, negative or neutral: "The delivery was late and
+the box was damaged, but the headphones sound great and the battery lasts all week."<|im_end|>
+<|im_start|>assistant
+Neutral. The review praises the product itself but complains about the delivery.<|im_end|>
+<|im_start|>user
+Extract the city and the date from: "Our team will meet in Lisbon on 14 March 2025 at 9:30."<|im_end|>
+<|im_start|>assistant
+{"city": "Lisbon", "date": "2025-03-14"}<|im_end|>
+<|im_start|>user
+Write two sentences about why rivers bend.<|im_end|>
+<|im_start|>assistant
+Rivers bend because water flows faster on the outside of a curve, wearing the bank away, while
+slower water on the inside drops sand and silt. Over many years the curves grow and drift across
+the valley floor.<|im_end|>
+"""
+
+
+def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
+    """CALIBRATION_TEXT's tokens; without a tokenizer, a fixed pseudo-random token sequence."""
+    if tokenizer is not None:
+        ids = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
+        if ids and max(ids) < vocab_size:
+            return ids
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (256,), generator=g).tolist()
+
+
+SMOOTHING_ALPHA = 0.5  # SmoothQuant's default: split the range evenly between activations and weights
+
+
+def smoothing_from_max(act_max: torch.Tensor, weight_max: torch.Tensor) -> torch.Tensor:
+    """Per input channel s = act_max^alpha / weight_max^(1 - alpha) (fp32; 1 where either is 0)."""
+    a, w = act_max.float(), weight_max.float()
+    s = a.clamp(min=1e-5).pow(SMOOTHING_ALPHA) / w.clamp(min=1e-5).pow(1 - SMOOTHING_ALPHA)
+    return torch.where((a > 0) & (w > 0), s, torch.ones_like(s)).clamp_(1e-3, 1e3)
+
+
+def smoothing(act_max: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return smoothing_from_max(act_max, weight.abs().amax(dim=0))
+
+
+class Observed:
+    """A weight that records the max |x| of each input channel it sees (calibration)."""
+
+    def __init__(self, weight: torch.Tensor | Int8Linear, into: dict[str, torch.Tensor], key: str):
+        self.weight, self.into, self.key = weight, into, key
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        m = x.detach().abs().amax(dim=0).float()
+        self.into[self.key] = torch.maximum(self.into[self.key], m) if self.key in self.into else m
+        return linear(x, self.weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Linear | Observed,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a plain weight (the unquantized path, unchanged), else the int8 layer."""
-    if isinstance(weight, Int8Linear):
+    if isinstance(weight, (Int8Linear, Observed)):
         return weight(x, bias)
     return F.linear(x, weight, bias)

@@ -56,9 +56,9 @@ def test_int8_engine_uses_int8_weights_and_keeps_the_unquantized_path(h, tiny):
 
 # Floors for the packaged model (bf16, kernel attention).  Greedy decoding of a 135M model flips
 # at near-ties: on 64 of the benchmark's prompts even fp32 vs bf16 give identical 48-token outputs
-# for only 20% (mean matching prefix 0.42).  Here int8 measured a mean matching prefix of 0.375
-# over these 8 prompts (16 tokens) and a lower perplexity than bf16 on the text below; the floors
-# leave room for another machine's rounding, and fail for a broken int8 path (garbage tokens).
+# for only 20% (mean matching prefix 0.42).  Here int8 measured a mean matching prefix of 0.32 over
+# these 8 prompts (16 tokens) and perplexity 8.03 vs bf16's 7.73 (x1.039) on the text; the floors
+# leave room for another machine's rounding and fail for a broken int8 path (garbage tokens).
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -69,8 +69,8 @@ PROMPTS = [
     "Who wrote Romeo and Juliet?",
     "Say hello in one word.",
 ]
-MIN_MEAN_PREFIX_MATCH = 0.25
-MAX_PPL_RATIO = 1.05
+MIN_MEAN_PREFIX_MATCH = 0.2
+MAX_PPL_RATIO = 1.06
 
 
 @pytest.mark.real_model
@@ -84,8 +84,10 @@ def test_smollm2_int8_agrees_with_bf16():
         outs = llm.generate([GenerateRequest(request_id=f"p{i}", messages=[{"role": "user", "content": p}],
                                              params=SamplingParams(temperature=0, max_tokens=16))
                              for i, p in enumerate(PROMPTS)])
-        text = "The quick brown fox jumps over the lazy dog. " * 4 + "Paris is the capital of France."
-        return [o.token_ids for o in outs], _perplexity(llm, loaded.tokenizer.encode(text))
+        from pydoc_data.topics import topics  # a fixed text that ships with Python
+
+        text = topics["if"] + "\n\n" + topics["while"] + "\n\n" + topics["for"]
+        return [o.token_ids for o in outs], _perplexity(llm, loaded.tokenizer.encode(text)[:384])
 
     ref, ppl_ref = greedy(None)
     got, ppl_q = greedy("int8")
