@@ -1,6 +1,7 @@
 """int8 weights vs bf16 in one run: decode throughput, greedy agreement, perplexity.
 
     python benchmarks/quantization.py [--requests 64] [--max-tokens 256] [--agreement-prompts 256]
+        [--bf16-head] [--fp32-reference] [--skip throughput|agreement|perplexity]
 
 - throughput: a decode-heavy workload (the first --requests prompts of reviews-128, cycled;
   --max-tokens output tokens each, EOS ignored, greedy, max_num_seqs 64), run on a bf16 engine
@@ -10,6 +11,8 @@
   for token, and the mean fraction of matching leading tokens (common prefix / longer output).
 - perplexity: of a fixed text (Python's own reference text for a few statements, from the
   stdlib's pydoc_data, first --ppl-tokens tokens) under each engine, teacher-forced in one pass.
+- --bf16-head: a third engine, int8 with the lm_head left in the model dtype (does the head pay?);
+  --fp32-reference: fp32 vs bf16 greedy agreement, the disagreement two float precisions already have.
 
 Prints one JSON object.  The machine may be shared: compare the two engines of one run.
 """
