@@ -80,7 +80,8 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  quantization: str | None = None, calibration_ids: list[int] | None = None):
         """``quantization``: None (weights in ``dtype``) or "int8" (``quant.Int8Linear`` for
-        q|k|v, o, gate|up, down and the head; embeddings and norms stay in ``dtype``), smoothed
+        q|k|v, o, gate|up, down, and the head only if ``quant.QUANTIZE_LM_HEAD``; embeddings and
+        norms stay in ``dtype``), smoothed
         with activation maxima measured on ``calibration_ids`` (none: not smoothed)."""
         self.config = config
         self.dtype = dtype

@@ -2,7 +2,7 @@
 
 Each linear weight [N, K] is stored as int8 with one scale per output channel (symmetric,
 round to nearest, scale = max |w| of the row / 127).  Embeddings and norms stay in the model
-dtype; so does the (tied) lm_head unless ``QUANTIZE_LM_HEAD``.
+dtype; so does the (tied) lm_head unless ``QUANTIZE_LM_HEAD`` (measured: it does not pay).
 
 Why two kernels (measured on the 2-core AVX-512/VNNI EPYC, SmolLM2's shapes, torch 2.13):
 - a decode batch of 64 rows is compute-bound, not memory-bound: bf16 ``F.linear`` runs the
@@ -21,7 +21,10 @@ Per-row activation scales alone cost accuracy: a few channels carry far larger a
 the rest.  ``LlamaModel`` therefore smooths first (SmoothQuant; ``smoothing`` below, the folding
 in ``LlamaModel._quantize_int8``), measured on 64 of the benchmark's prompts: identical 48-token
 greedy outputs 3% -> 12.5%, mean matching prefix 0.11 -> 0.24, perplexity +0.31 -> +0.21 (alpha
-0.5; 0.3 and 0.75 agreed less).  docs/engine.md has the full figures.
+0.5; 0.3 and 0.75 agreed less).
+
+End to end this is *slower* than bf16 today (0.69-0.77x output tok/s at batch 64, three runs of
+benchmarks/quantization.py) although each GEMM is faster in isolation: see docs/engine.md.
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ import torch.nn.functional as F
 QUANTIZATIONS = ("int8",)  # besides None (weights in the model dtype)
 # At or below this many rows the weight-only kernel beats quantizing the activations (see above).
 WEIGHT_ONLY_MAX_ROWS = 4
-QUANTIZE_LM_HEAD = True
+# The head (49152 x 576, tied to the embedding) stays in the model dtype: quantized, it agreed
+# less with bf16 (greedy identical on 5.9% vs 10.9% of 256 prompts, mean matching prefix 0.19 vs
+# 0.26, perplexity +0.21 vs +0.13) and was no faster (0.77/0.74/0.69x vs 0.80/0.65/0.71x of bf16
+# in three runs of benchmarks/quantization.py; run-to-run noise is larger than the difference).
+QUANTIZE_LM_HEAD = False
 
 
 def check_quantization(value: object) -> str | None:

@@ -51,6 +51,7 @@ def test_int8_engine_uses_int8_weights_and_keeps_the_unquantized_path(h, tiny):
     assert all(isinstance(layer[k], torch.Tensor) for layer in plain.layers for k in ("qkv", "o", "gate_up", "down"))
     assert all(isinstance(layer[k], Int8Linear) for layer in q.layers for k in ("qkv", "o", "gate_up", "down"))
     assert plain.head is plain.lm_head
+    assert q.head is q.lm_head  # measured not to pay (quant.QUANTIZE_LM_HEAD)
     assert torch.equal(q.embed, plain.embed)  # embeddings stay in the model dtype
 
 
