@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "model (smollm2, tiny-random or a HF folder; default smollm2)")
     g.add_argument("--api-key", default=None, help="default: $CARPOOL_API_KEY or $OPENAI_API_KEY")
     g.add_argument("--max-num-seqs", type=int, help="embedded engine: requests batched per step")
+    g.add_argument("--quantization", choices=["int8"],
+                   help="embedded engine: int8 linear weights, per-output-channel scales; "
+                        "experimental: slower than bf16 on CPU today (docs/engine.md)")
     g.add_argument("--no-stream", action="store_true", help="HTTP: do not stream (no TTFT/TPOT)")
     g = p.add_argument_group("throughput")
     g.add_argument("--concurrency", type=int, help="fixed number of requests in flight (default: adaptive)")
@@ -234,6 +237,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     engine_config = {}
     if args.max_num_seqs:
         engine_config["max_num_seqs"] = args.max_num_seqs
+    if args.quantization:
+        engine_config["quantization"] = args.quantization
     output = args.output or (os.path.splitext(args.input)[0] + ".results.jsonl")
     return RunOptions(
         input=args.input, output=output, errors=args.errors, fmt=args.format, template=template,

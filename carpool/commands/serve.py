@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the --model value)")
     g.add_argument("--dtype", default=d_engine.dtype, help="auto (bf16 where the CPU has it), bfloat16, float32")
+    g.add_argument("--quantization", default=d_engine.quantization, choices=["int8"],
+                   help="int8: int8 linear weights, per-output-channel scales; experimental: slower than "
+                        "bf16 on CPU today (docs/engine.md); default: none")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d_engine.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d_engine.max_num_batched_tokens)
@@ -77,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -25,6 +25,7 @@ from .model_runner import PREFILL_MODES, ModelRunner
 from .ops.build import ISA_NAMES
 from .process import configure_process
 from .protocol import EngineError, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
+from .quant import calibration_ids, check_quantization
 from .sampler import RawLogprobs, SampleResult
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -75,6 +76,10 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         configure_process(config.num_threads or os.cpu_count() or 1)
         self.dtype = resolve_dtype(config.dtype)
+        try:  # before the weights load: a typo fails at once
+            self.quantization = check_quantization(config.quantization)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         if loaded is None:
             from .loader import load_model
 
@@ -91,7 +96,8 @@ class LLMEngine:
             raise EngineError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                               f"max_position_embeddings ({mcfg.max_position_embeddings})")
         self.block_size = config.block_size
-        self.model = LlamaModel(mcfg, loaded.state_dict, self.dtype)
+        calib = calibration_ids(self.tokenizer, mcfg.vocab_size) if self.quantization else None
+        self.model = LlamaModel(mcfg, loaded.state_dict, self.dtype, self.quantization, calib)
         self.num_blocks = self._num_blocks()
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from .config import ModelConfig
+from .quant import Int8Linear, linear
 
 if TYPE_CHECKING:
     from .ops import Kernels
@@ -60,13 +62,13 @@ class Layer(TypedDict):
     """One decoder layer's weights (q|k|v and gate|up fused at load time)."""
 
     ln1: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | Int8Linear
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | Int8Linear
     o_bias: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | Int8Linear
+    down: torch.Tensor | Int8Linear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,9 +95,15 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here trains)."""
 
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 quantization: str | None = None, calibration_ids: list[int] | None = None):
+        """``quantization``: None (weights in ``dtype``) or "int8" (``quant.Int8Linear`` for
+        q|k|v, o, gate|up, down, and the head only if ``quant.QUANTIZE_LM_HEAD``; embeddings and
+        norms stay in ``dtype``), smoothed
+        with activation maxima measured on ``calibration_ids`` (none: not smoothed)."""
         self.config = config
         self.dtype = dtype
+        self.quantization = quantization
         c = config
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
@@ -136,7 +144,80 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = w("lm_head.weight")
+        # The head keeps the model dtype in self.lm_head (a tied head is the embedding itself,
+        # which index_select reads); the int8 copy is what the forward multiplies by.
+        self.head: torch.Tensor | Int8Linear = self.lm_head
         self._build_rope(c.max_position_embeddings)
+        if quantization == "int8":
+            self._quantize_int8(calibration_ids)
+
+    def _quantize_int8(self, calibration_ids: list[int] | None) -> None:
+        """Smooth, then replace every linear weight by an ``Int8Linear``.
+
+        Smoothing (SmoothQuant, Xiao et al. 2022): a few input channels of each linear carry
+        activations far larger than the rest, and the int8 x int8 path quantizes each row of
+        activations with one scale, so those channels flatten every other one.  Dividing an input
+        channel by s and multiplying the weight's column by s leaves the product unchanged but
+        moves part of the range into the weights (which have a scale per output channel).  Every
+        division is folded into the op before: the RMSNorm weights for q|k|v and gate|up, the v rows
+        for o (per KV channel, as the query heads of a group share it), the up rows for down.  The
+        per-channel activation maxima come from one prefill of ``calibration_ids`` in the model dtype.
+        """
+        stats = self._calibrate(calibration_ids) if calibration_ids else None
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for i, layer in enumerate(self.layers):
+            qkv, gate_up, o, down = (layer[k] for k in ("qkv", "gate_up", "o", "down"))
+            assert isinstance(qkv, torch.Tensor) and isinstance(gate_up, torch.Tensor)
+            assert isinstance(o, torch.Tensor) and isinstance(down, torch.Tensor)
+            # fp32 copies: an fp32 model's tensors may be the loaded state dict's own (shared by engines).
+            qkv, gate_up, o, down = (wt.to(torch.float32, copy=True) for wt in (qkv, gate_up, o, down))
+            if stats is not None:
+                s = quant.smoothing(stats[i]["qkv"], qkv)
+                layer["ln1"] = (layer["ln1"].float() / s).to(self.dtype)
+                qkv *= s
+                s = quant.smoothing(stats[i]["gate_up"], gate_up)
+                layer["ln2"] = (layer["ln2"].float() / s).to(self.dtype)
+                gate_up *= s
+                inter = down.shape[1]
+                s = quant.smoothing(stats[i]["down"], down)
+                gate_up[inter:] /= s[:, None]
+                down *= s
+                # o's input channel (query head h, dim d) is a mix of v channel (h // group, d).
+                a = stats[i]["o"].view(self.num_kv_heads, self.group, self.head_dim).amax(1)
+                wmax = o.abs().amax(0).view(self.num_kv_heads, self.group, self.head_dim).amax(1)
+                t = quant.smoothing_from_max(a.reshape(-1), wmax.reshape(-1))
+                qkv[nq + nkv:] /= t[:, None]
+                if layer["qkv_bias"] is not None:
+                    b = layer["qkv_bias"].to(torch.float32, copy=True)
+                    b[nq + nkv:] /= t
+                    layer["qkv_bias"] = b.to(self.dtype)
+                o *= t.view(self.num_kv_heads, 1, self.head_dim).expand(-1, self.group, -1).reshape(1, nq)
+            layer["qkv"], layer["gate_up"] = Int8Linear(qkv, self.dtype), Int8Linear(gate_up, self.dtype)
+            layer["o"], layer["down"] = Int8Linear(o, self.dtype), Int8Linear(down, self.dtype)
+        if quant.QUANTIZE_LM_HEAD:
+            self.head = Int8Linear(self.lm_head, self.dtype)
+
+    @torch.inference_mode()
+    def _calibrate(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Per layer, each linear's per-input-channel max |activation| over one causal prefill."""
+        t = len(ids)
+        observed: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
+        saved = [dict(layer) for layer in self.layers]
+        for i, layer in enumerate(self.layers):
+            for k in ("qkv", "o", "gate_up", "down"):
+                layer[k] = quant.Observed(layer[k], observed[i], k)  # type: ignore[typeddict-item]
+        kv = self.allocate_kv_cache(-(-t // 16), 16)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.zeros(t, t, dtype=self.dtype).masked_fill_(~causal, float("-inf"))
+        meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decode=0, logits_index=torch.tensor([t - 1]),
+                                 prefill_shape=(1, t), prefill_slots=torch.arange(t).unsqueeze(0),
+                                 prefill_mask=mask.expand(self.group, t, t).reshape(1, 1, self.group * t, t))
+        try:
+            self._forward_torch(torch.tensor(ids), torch.arange(t), meta, kv)
+        finally:
+            for layer, orig in zip(self.layers, saved, strict=True):
+                layer.update(orig)  # type: ignore[typeddict-item]
+        return observed
 
     def _build_rope(self, max_pos: int) -> None:
         # In fp32 exactly as transformers computes them (fp32 inverse frequencies, fp32 angle =
@@ -169,16 +250,16 @@ class LlamaModel:
         h = k.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps)
         rope_heads = self.num_heads + self.num_kv_heads
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(h, layer["qkv"], layer["qkv_bias"])
             k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
                                meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
-            h = k.add_rms_norm(x, F.linear(attn, layer["o"], layer["o_bias"]), layer["ln2"], self.eps)
-            down = F.linear(k.silu_mul(F.linear(h, layer["gate_up"])), layer["down"])
+            h = k.add_rms_norm(x, linear(attn, layer["o"], layer["o_bias"]), layer["ln2"], self.eps)
+            down = linear(k.silu_mul(linear(h, layer["gate_up"])), layer["down"])
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, down, next_ln, self.eps)
         # h is the final norm of every row; the head runs only on the rows that sample.
-        return F.linear(h.index_select(0, meta.logits_index), self.lm_head)
+        return linear(h.index_select(0, meta.logits_index), self.head)
 
     def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -191,7 +272,7 @@ class LlamaModel:
         nkv = self.num_kv_heads * self.head_dim
         h = _rms_norm(x, self.layers[0]["ln1"], self.eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(h, layer["qkv"], layer["qkv_bias"])
             t = qkv.shape[0]
             # RoPE on q and k together (rotate-half convention, as HF Llama).
             qk = qkv[:, : nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -201,13 +282,13 @@ class LlamaModel:
             k = qk[:, self.num_heads:]
             v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
             attn = self._attention(q, k, v, k_cache, v_cache, meta)
-            x = x + F.linear(attn, layer["o"], layer["o_bias"])
+            x = x + linear(attn, layer["o"], layer["o_bias"])
             h = _rms_norm(x, layer["ln2"], self.eps)
-            g, u = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, layer["down"])
+            g, u = linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(g) * u, layer["down"])
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = _rms_norm(x, next_ln, self.eps)
-        return F.linear(h.index_select(0, meta.logits_index), self.lm_head)
+        return linear(h.index_select(0, meta.logits_index), self.head)
 
     def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:

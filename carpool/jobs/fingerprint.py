@@ -48,7 +48,15 @@ def job_identity(opts: RunOptions) -> ModelIdentity:
     if opts.endpoints:
         return ModelIdentity(opts.defaults.model or "")
     name = str(getattr(opts.engine, "model_name", None) or opts.engine_model)
-    return ModelIdentity(name, kind="engine")
+    return ModelIdentity(engine_model_name(name, opts), kind="engine")
+
+
+def engine_model_name(name: str, opts: RunOptions) -> str:
+    """The in-process engine's model as jobs name it: int8 weights answer differently from
+    bf16 ones, so "smollm2+int8" keeps their cache entries and resumes apart."""
+    quantization = (getattr(getattr(opts.engine, "config", None), "quantization", None)
+                    or opts.engine_config.get("quantization"))
+    return f"{name}+{quantization}" if quantization else name
 
 
 def make_fingerprint(opts: RunOptions) -> dict:

@@ -24,7 +24,7 @@ from carpool.client.base import Backend, CallResult, Request
 from carpool.client.budget import Budget, make_budget
 from carpool.client.limiter import FixedLimiter
 from carpool.jobs.caching import TaskCache, open_task_cache
-from carpool.jobs.fingerprint import job_identity, make_fingerprint
+from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
 from carpool.jobs.journal import Journal
 from carpool.jobs.options import RunOptions
 from carpool.jobs.output_format import output_target
@@ -138,7 +138,7 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
         closers.append(owned.shutdown)
         engine = owned
     backend = EngineBackend(engine, opts.embedder_factory or default_embedder_factory)
-    model = str(backend.model_name)
+    model = engine_model_name(str(backend.model_name), opts)
     return _Target(backend, f"engine {model}", model, backend.check, closers,
                    backend.begin_start if owned is not None else None)
 

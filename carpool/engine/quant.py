@@ -1,0 +1,153 @@
+"""int8 weights for the decoder's linear layers (``EngineConfig.quantization="int8"``).
+
+Each linear weight [N, K] is stored as int8 with one scale per output channel (symmetric,
+round to nearest, scale = max |w| of the row / 127).  Embeddings and norms stay in the model
+dtype; so does the (tied) lm_head unless ``QUANTIZE_LM_HEAD`` (measured: it does not pay).
+
+Why two kernels (measured on the 2-core AVX-512/VNNI EPYC, SmolLM2's shapes, torch 2.13):
+- a decode batch of 64 rows is compute-bound, not memory-bound: bf16 ``F.linear`` runs the
+  [64, 576] x [576, 3072] gate|up in ~0.7 ms (~300 GFLOP/s) while reading only 3.5 MB.  So
+  weight-only int8 (``torch.ops.aten._weight_int8pack_mm``, which converts the weights to
+  float inside its loop) is 2-2.5x *slower* than bf16 there (and 3x slower at 512 rows);
+  it only wins for a handful of rows (3x faster at M=1), where reading the weights dominates.
+- int8 x int8 -> int32 through ``torch._int_mm`` (oneDNN, VNNI) is 2.3-3x faster than bf16 at
+  M=64 and ~2x at M=512.  That needs the activations in int8 too: each row is quantized on the
+  fly with its own scale (dynamic per-token quantization), and the int32 result is scaled back
+  by row scale x channel scale.
+So rows <= ``WEIGHT_ONLY_MAX_ROWS`` run weight-only (activations exact), larger batches run
+int8 x int8.  Both read the same int8 weight, so the weights are stored once.
+
+Per-row activation scales alone cost accuracy: a few channels carry far larger activations than
+the rest.  ``LlamaModel`` therefore smooths first (SmoothQuant; ``smoothing`` below, the folding
+in ``LlamaModel._quantize_int8``), measured on 64 of the benchmark's prompts: identical 48-token
+greedy outputs 3% -> 12.5%, mean matching prefix 0.11 -> 0.24, perplexity +0.31 -> +0.21 (alpha
+0.5; 0.3 and 0.75 agreed less).
+
+End to end this is *slower* than bf16 today (0.69-0.77x output tok/s at batch 64, three runs of
+benchmarks/quantization.py) although each GEMM is faster in isolation: see docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("int8",)  # besides None (weights in the model dtype)
+# At or below this many rows the weight-only kernel beats quantizing the activations (see above).
+WEIGHT_ONLY_MAX_ROWS = 4
+# The head (49152 x 576, tied to the embedding) stays in the model dtype: quantized, it agreed
+# less with bf16 (greedy identical on 5.9% vs 10.9% of 256 prompts, mean matching prefix 0.19 vs
+# 0.26, perplexity +0.21 vs +0.13) and was no faster (0.77/0.74/0.69x vs 0.80/0.65/0.71x of bf16
+# in three runs of benchmarks/quantization.py; run-to-run noise is larger than the difference).
+QUANTIZE_LM_HEAD = False
+
+
+def check_quantization(value: object) -> str | None:
+    """None or "int8"; anything else is a ValueError naming the field and the allowed values."""
+    if value is None or value in QUANTIZATIONS:
+        return value
+    allowed = ", ".join(["None (weights in the model dtype)", *(repr(q) for q in QUANTIZATIONS)])
+    raise ValueError(f"quantization: unknown value {value!r}; allowed: {allowed}")
+
+
+def _has_kernels() -> bool:
+    return hasattr(torch, "_int_mm") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8Linear:
+    """A linear layer's weight as int8 [N, K] + per-output-channel scales; ``y = layer(x, bias)``."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(dtype).contiguous()  # _weight_int8pack_mm wants the activations' dtype
+        self.scale_f32 = scale.contiguous()
+        self.dtype = dtype
+        self.shape = tuple(weight.shape)
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.qweight.float() * self.scale_f32[:, None]).to(self.dtype)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not _has_kernels():  # an older torch: the same int8 values, computed in the model dtype
+            return F.linear(x, self.dequantized(), bias)
+        if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
+        else:
+            # Dynamic per-row activation quantization in fp32 (the rows are small: [M, K]).
+            xf = x.float()
+            amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+            xq = torch.round(xf * (127.0 / amax)).to(torch.int8)
+            acc = torch._int_mm(xq, self.qweight.t())  # [M, N] int32
+            y = acc.float().mul_(amax * (1.0 / 127.0)).mul_(self.scale_f32).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y
+
+
+# What the int8 model measures its activation ranges on (SmoothQuant's calibration): plain prose
+# and a chat exchange like the work it runs, written for carpool; a fixed text so that a model
+# quantizes the same way at every start.
+CALIBRATION_TEXT = """<|im_start|>system
+You are a helpful assistant. Answer briefly and precisely.<|im_end|>
+<|im_start|>user
+Classify the sentiment of this review as positive, negative or neutral: "The delivery was late and
+the box was damaged, but the headphones sound great and the battery lasts all week."<|im_end|>
+<|im_start|>assistant
+Neutral. The review praises the product itself but complains about the delivery.<|im_end|>
+<|im_start|>user
+Extract the city and the date from: "Our team will meet in Lisbon on 14 March 2025 at 9:30."<|im_end|>
+<|im_start|>assistant
+{"city": "Lisbon", "date": "2025-03-14"}<|im_end|>
+<|im_start|>user
+Write two sentences about why rivers bend.<|im_end|>
+<|im_start|>assistant
+Rivers bend because water flows faster on the outside of a curve, wearing the bank away, while
+slower water on the inside drops sand and silt. Over many years the curves grow and drift across
+the valley floor.<|im_end|>
+"""
+
+
+def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
+    """CALIBRATION_TEXT's tokens; without a tokenizer, a fixed pseudo-random token sequence."""
+    if tokenizer is not None:
+        ids = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
+        if ids and max(ids) < vocab_size:
+            return ids
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (256,), generator=g).tolist()
+
+
+SMOOTHING_ALPHA = 0.5  # SmoothQuant's default: split the range evenly between activations and weights
+
+
+def smoothing_from_max(act_max: torch.Tensor, weight_max: torch.Tensor) -> torch.Tensor:
+    """Per input channel s = act_max^alpha / weight_max^(1 - alpha) (fp32; 1 where either is 0)."""
+    a, w = act_max.float(), weight_max.float()
+    s = a.clamp(min=1e-5).pow(SMOOTHING_ALPHA) / w.clamp(min=1e-5).pow(1 - SMOOTHING_ALPHA)
+    return torch.where((a > 0) & (w > 0), s, torch.ones_like(s)).clamp_(1e-3, 1e3)
+
+
+def smoothing(act_max: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return smoothing_from_max(act_max, weight.abs().amax(dim=0))
+
+
+class Observed:
+    """A weight that records the max |x| of each input channel it sees (calibration)."""
+
+    def __init__(self, weight: torch.Tensor | Int8Linear, into: dict[str, torch.Tensor], key: str):
+        self.weight, self.into, self.key = weight, into, key
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        m = x.detach().abs().amax(dim=0).float()
+        self.into[self.key] = torch.maximum(self.into[self.key], m) if self.key in self.into else m
+        return linear(x, self.weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Linear | Observed,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a plain weight (the unquantized path, unchanged), else the int8 layer."""
+    if isinstance(weight, (Int8Linear, Observed)):
+        return weight(x, bias)
+    return F.linear(x, weight, bias)
