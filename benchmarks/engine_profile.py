@@ -11,7 +11,8 @@ Two passes over the same requests (SmolLM2, greedy, EOS ignored, as engine_throu
    embedding and other ops; the forward's Python overhead is pass 1's forward time minus the
    ops' time (the profiler's own cost per op makes the op figures slightly high).
 Prints one JSON object with seconds per category and per-step means split by step kind
-(steps with a prefill chunk vs decode-only steps).
+(steps with a prefill chunk vs decode-only steps), and the profiled op categories split by
+the same step kinds (``forward_breakdown_by_kind_profiled_s``: profiler-inflated seconds).
 """
 
 from __future__ import annotations
@@ -86,6 +87,28 @@ class Labelled:
             return self.fn(*a, **kw)
 
 
+class KindLabelled:
+    """Wraps the model's forward in a profiler label naming the step kind (prefill or decode)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, input_ids, positions, meta, *a, **kw):
+        kind = "prefill" if input_ids.shape[0] > meta.num_decode else "decode"
+        with torch.profiler.record_function(f"forward:{kind}"):
+            return self.fn(input_ids, positions, meta, *a, **kw)
+
+
+def step_kind(ev) -> str:
+    """The forward:KIND label above a profiler event ("other": outside the forward)."""
+    p = ev.cpu_parent
+    while p is not None:
+        if p.name.startswith("forward:"):
+            return p.name.split(":", 1)[1]
+        p = p.cpu_parent
+    return "other"
+
+
 def run(llm: LLM, rows: list[dict], tag: str, profile: bool) -> dict:
     eng = llm.engine
     runner = eng.runner
@@ -94,7 +117,7 @@ def run(llm: LLM, rows: list[dict], tag: str, profile: bool) -> dict:
     orig = (eng.scheduler.schedule, runner.prepare, runner.model.forward, runner.sampler)
     eng.scheduler.schedule = Timed(orig[0], "schedule", step_rec)
     runner.prepare = Timed(orig[1], "prepare", step_rec)
-    runner.model.forward = Timed(orig[2], "forward", step_rec)
+    runner.model.forward = Timed(KindLabelled(orig[2]) if profile else orig[2], "forward", step_rec)
     runner.sampler = Timed(orig[3], "sample", step_rec)
 
     def on_step(info: dict) -> None:
@@ -125,6 +148,7 @@ def run(llm: LLM, rows: list[dict], tag: str, profile: bool) -> dict:
                  "tokens": sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)}
     if prof is not None:
         ops: dict[str, float] = defaultdict(float)
+        by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for ev in prof.events():
             if ev.cpu_parent is None and not ev.name.startswith("aten::") and not ev.name.startswith("carpool::"):
                 continue  # python-level annotations
@@ -132,7 +156,9 @@ def run(llm: LLM, rows: list[dict], tag: str, profile: bool) -> dict:
                                               or ev.cpu_parent.name.startswith("carpool::")):
                 continue  # only top-level ops: a child's time is inside its parent's
             ops[ev.name] += ev.cpu_time_total / 1e6
+            by_kind[step_kind(ev)][category(ev.name)] += ev.cpu_time_total / 1e6
         res["ops"] = dict(ops)
+        res["ops_by_kind"] = {k: {c: round(v, 3) for c, v in sorted(d.items())} for k, d in by_kind.items()}
     return res
 
 
@@ -165,6 +191,7 @@ def summarize(plain: dict, profiled: dict) -> dict:
     out["forward_python_overhead_s"] = round(max(0.0, forward - op_sum * scale), 3)
     out["forward_s"] = round(forward, 3)
     out["sample_s"] = round(sample, 3)
+    out["forward_breakdown_by_kind_profiled_s"] = profiled["ops_by_kind"]
     out["top_ops_profiled_s"] = {k: round(v, 3) for k, v in sorted(profiled["ops"].items(), key=lambda kv: -kv[1])[:15]}
     return out
 
@@ -175,6 +202,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention", default="kernel")
+    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "flash", "kernel"],
+                    help="the engine's extra.prefill_attention (which kernel runs prefill chunks)")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -183,7 +212,7 @@ def main() -> int:
     rows = [json.loads(line) for line in args.workload.read_text().splitlines() if line.strip()]
     if args.limit:
         rows = rows[: args.limit]
-    extra = {"attention": args.attention}
+    extra = {"attention": args.attention, "prefill_attention": args.prefill_attention}
     kw = {"quantization": args.quantization} if args.quantization else {}
     cfg = EngineConfig(model="smollm2", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, extra=extra, **kw)

@@ -42,8 +42,13 @@ def configure_process(num_threads: int | None = None) -> None:
 
     - ``OMP_WAIT_POLICY=PASSIVE`` unless already set: OpenMP threads that spin at barriers
       stall for a whole time slice when the cores are shared (other processes, a busy
-      server); sleeping waiters cost microseconds instead.  Only effective before torch is
-      imported (after, it only reaches subprocesses; logged at debug level).
+      server); sleeping waiters cost microseconds instead.  A bounded spin was tried as the
+      middle ground (``GOMP_SPINCOUNT=100000``, about a millisecond) and not kept: twice, while
+      another CPU-bound process happened to share the 2 cores, SmolLM2 ran 4x slower than the
+      passive run just before (reviews-128, first 64 requests: 295 vs 1143 total tok/s; the long
+      mix 268 vs 1023): a spinning waiter can hold the core the thread it waits for needs.
+      Only effective before torch is imported (after, it only reaches subprocesses; logged at
+      debug level).
     - glibc keeps freed memory (``keep_freed_memory``).
     - ``num_threads``: torch's intra-op threads (imports torch).  None leaves torch's default,
       one thread per physical core.

@@ -180,3 +180,22 @@ def test_a_wider_isa_than_the_cpu_runs_is_refused(best_isa):
     k = Kernels(isa=3) if best_isa == 2 else Kernels(isa=best_isa + 1)
     assert not k.wait()
     assert "instruction set" in k.error
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_equals_f_linear_bitwise(rows, bias):
+    """The model's bf16 linears run on weights prepacked for oneDNN: the same bits as F.linear,
+    which Hugging Face's model runs, or greedy decoding would drift from transformers'."""
+    from carpool.engine.model import Linear, _packing_available
+
+    if not _packing_available(torch.bfloat16):
+        pytest.skip("this torch has no oneDNN weight packing")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
+    lin = Linear(w, b, packed=True)
+    assert lin.packed is not None
+    assert torch.equal(lin(x), F.linear(x, w, b))
+    assert torch.equal(Linear(w, b, packed=False)(x), F.linear(x, w, b))
