@@ -16,6 +16,7 @@ ITL come from the same client code a batch job uses.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -58,6 +59,9 @@ class HttpBackend:
         self.model = model
         self.stream = stream
         self.timeouts = timeouts or Timeouts()
+        # per endpoint URL: time to the first byte of its last answers (see read_timeout)
+        self._first_bytes: collections.defaultdict[str, collections.deque[float]] = \
+            collections.defaultdict(lambda: collections.deque(maxlen=64))
         self._max_connections = max_connections
         self._fresh_connections = fresh_connections
         self.record_chunks = record_chunks
@@ -146,21 +150,47 @@ class HttpBackend:
             await ep.budget.acquire(1, req.est_tokens)
         t0 = time.perf_counter()
         res = CallResult(ok=False, endpoint=ep.url, sent_at=t0)
+        watch: _ReadWatch | None = None
         try:
-            async with timeout(self.timeouts.total_s):
-                await self._call(self._spec(ep), req, res, t0)
+            async with timeout(self.timeouts.total_s), timeout(None) as idle:
+                watch = _ReadWatch(idle, self.timeouts.read_s, lambda: self.read_timeout(ep.url))
+                try:
+                    await self._call(self._spec(ep), req, res, t0, watch)
+                finally:
+                    watch.close()
         except (TimeoutError, asyncio.TimeoutError):
-            if res.error_kind is None:
+            if watch is not None and watch.fired:
+                res.error_kind = ErrorKind.READ_TIMEOUT
+                res.error_message = f"no data for {watch.waited:.3g}s"
+                res.endpoint_fault = True
+            elif res.error_kind is None:
                 res.error_kind = ErrorKind.TOTAL_TIMEOUT
                 res.error_message = f"no answer within {self.timeouts.total_s:g}s"
                 res.endpoint_fault = True
         res.e2e_s = time.perf_counter() - t0
+        if res.ok and res.ttft_s is not None:
+            self._first_bytes[ep.url].append(res.ttft_s)
         used = res.prompt_tokens + res.completion_tokens
         if ep.budget is not None and used and req.est_tokens:
             ep.budget.adjust(used - req.est_tokens)
         self.balancer.done(ep, res.ok, res.endpoint_fault)
         self._tell_breaker(ep, res)
         return res
+
+    def read_timeout(self, url: str) -> float:
+        """How long a request to ``url`` may go without a byte now: ``read_s``, or twice the
+        slowest first byte of the endpoint's last 64 answers when that is longer (at most
+        ``total_s``); asked again each time the wait passes it (``_ReadWatch``).
+
+        A server past its batch queues requests (vLLM, carpool serve; no 429), and a request
+        behind a long queue waits longer than ``read_s`` for its first token: timed out, it
+        would be sent again and its work done twice (measured: 49 of 120 long-prompt tasks at
+        256 in flight against carpool serve).  The queue grows gradually, so the answers that
+        came back meanwhile show how long one can take; a hung server sends nothing, so its
+        requests still time out after ``read_s``."""
+        seen = self._first_bytes.get(url)
+        slowest = max(seen) if seen else 0.0
+        return min(self.timeouts.total_s, max(self.timeouts.read_s, 2.0 * slowest))
 
     # -- circuit breakers -----------------------------------------------------------------
     def _tell_breaker(self, ep: Endpoint, res: CallResult) -> None:
@@ -211,7 +241,7 @@ class HttpBackend:
         else:
             b.on_answer()
 
-    async def _call(self, spec: EndpointSpec, req: Request, res: CallResult, t0: float) -> None:
+    async def _call(self, spec: EndpointSpec, req: Request, res: CallResult, t0: float, watch: _ReadWatch) -> None:
         body = self.prepare_body(req, spec)
         streaming = bool(body.get("stream"))
         headers = {**self._headers, **self._auth(spec), "X-Carpool-Custom-Id": custom_id_header(req.custom_id)}
@@ -222,6 +252,7 @@ class HttpBackend:
             async with self.session.post(url, data=_dumps(body), headers=headers, params=spec.params or None,
                                          trace_request_ctx=trace) as resp:
                 got_headers = True
+                watch.data()
                 res.connect_s = trace.get("connect_s")
                 res.status_code = resp.status
                 res.request_id = resp.headers.get("x-request-id", "")
@@ -230,7 +261,7 @@ class HttpBackend:
                     return
                 ctype = resp.headers.get("Content-Type", "")
                 if streaming and ctype.startswith("text/event-stream"):
-                    await self._read_stream(resp, req, res, t0)
+                    await self._read_stream(resp, req, res, t0, watch)
                 else:
                     raw = await resp.read()
                     res.ttft_s = time.perf_counter() - t0
@@ -249,7 +280,7 @@ class HttpBackend:
             res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.CONNECT, _connect_why(e), True
         except aiohttp.ConnectionTimeoutError as e:
             res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.CONNECT, f"connect timeout: {e}", True
-        except aiohttp.SocketTimeoutError:
+        except aiohttp.SocketTimeoutError:  # a socket read timeout a caller's session may set
             res.error_kind = ErrorKind.READ_TIMEOUT
             res.error_message = f"no data for {self.timeouts.read_s:g}s"
             res.endpoint_fault = True
@@ -283,7 +314,8 @@ class HttpBackend:
         else:
             res.error_kind = ErrorKind.CLIENT_ERROR
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, req: Request, res: CallResult, t0: float) -> None:
+    async def _read_stream(self, resp: aiohttp.ClientResponse, req: Request, res: CallResult, t0: float,
+                           watch: _ReadWatch) -> None:
         acc = StreamAccumulator(chat=req.kind == "chat")
         sse = SSEReader()
         done = False
@@ -291,6 +323,7 @@ class HttpBackend:
             res.chunk_times = []
         try:
             async for data in resp.content.iter_any():
+                watch.data()
                 for payload in sse.feed(data):
                     done = self._take_event(payload, acc, res, t0, req.on_first_token)
                     if done or res.error_kind:
@@ -351,6 +384,42 @@ class HttpBackend:
                 res.chunk_times.append(now)
         acc.add(chunk)
         return False
+
+
+class _ReadWatch:
+    """The read timeout of one request: it fails (``fired``) once no byte came for longer than
+    ``patience()`` allows, asked only when a wait passes ``read_s`` and again each time it
+    passes the answer (a queue that grows while the request waits raises it meanwhile).
+
+    Done here rather than as aiohttp's ``sock_read``, which is fixed when a request is sent:
+    the requests of a burst are all sent before any answer shows how long the queue is."""
+
+    def __init__(self, idle, read_s: float, patience: Callable[[], float]):
+        self._idle = idle  # a timeout() context with no deadline, moved to now to fire
+        self._read_s = read_s
+        self._patience = patience
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self.fired = False
+        self.waited = 0.0
+        self._check_at = self._loop.call_at(self._last + read_s, self._check)
+
+    def data(self) -> None:
+        self._last = self._loop.time()  # the pending check sees it: no re-arming per chunk
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        due = self._last + self._read_s
+        if now >= due:
+            due = self._last + max(self._read_s, self._patience())
+        if now < due:
+            self._check_at = self._loop.call_at(due, self._check)
+            return
+        self.fired, self.waited = True, now - self._last
+        self._idle.reschedule(now)
+
+    def close(self) -> None:
+        self._check_at.cancel()
 
 
 # Longer ids are cut and end in a digest: a header line has a size limit (8 KiB in aiohttp,

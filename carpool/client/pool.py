@@ -17,13 +17,18 @@ import aiohttp
 @dataclass
 class Timeouts:
     connect_s: float = 10.0  # TCP connect (and pool wait is not counted: the limiter bounds it)
-    read_s: float = 60.0  # between two chunks of the response (time to first byte included)
+    # Between two reads of a response, and for its first byte.  A queueing server (vLLM or
+    # carpool serve past its batch) can keep a request waiting longer than that for its first
+    # token and is not hung: the HTTP backend then waits up to twice the slowest first byte its
+    # endpoint sent lately (``HttpBackend.read_timeout``), so a queued request is not sent twice.
+    read_s: float = 60.0
     total_s: float = 600.0  # one attempt, end to end
 
     def client_timeout(self) -> aiohttp.ClientTimeout:
-        # total is enforced by the backend around the whole attempt, so it is reported
-        # as its own error kind instead of a generic timeout.
-        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=self.read_s)
+        # total and read are enforced by the backend around the whole attempt (the read timeout
+        # grows with a queueing server's first bytes: HttpBackend.read_timeout), so each is
+        # reported as its own error kind instead of a generic timeout.
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s)
 
 
 def make_session(max_connections: int = 0, timeouts: Timeouts | None = None, *, fresh_connections: bool = False,

@@ -68,6 +68,9 @@ class FaultConfig:
     completion_tokens: int | None = None  # None: the request's max_tokens (capped at 16)
     capacity: int | None = None  # 429 past this many requests in flight
     capacity_retry_after: float | None = 0.05
+    # At most this many answered at once; the rest wait their turn in arrival order, as in a
+    # batching server past its batch (which queues instead of refusing).
+    serve_at_once: int | None = None
     faults: list[Fault] = field(default_factory=list)
     embedding_dim: int = 8
     seed: int = 0
@@ -93,6 +96,7 @@ class FaultServer:
         self._runner: web.AppRunner | None = None
         self._rng = random.Random(self.config.seed)
         self._fault_left = [f.times for f in self.config.faults]
+        self._turns: asyncio.Semaphore | None = None  # serve_at_once
         self.reset_counts()
 
     # -- counters -------------------------------------------------------------------------
@@ -250,6 +254,15 @@ class FaultServer:
         cfg = self.config
         if cfg.capacity is not None and self.in_flight > cfg.capacity:
             return self._error(429, "over capacity", cfg.capacity_retry_after)
+        if cfg.serve_at_once is not None:
+            if self._turns is None:
+                self._turns = asyncio.Semaphore(cfg.serve_at_once)  # made on the server's own loop
+            async with self._turns:
+                return await self._answer_now(request, raw, key)
+        return await self._answer_now(request, raw, key)
+
+    async def _answer_now(self, request: web.Request, raw: bytes, key: str) -> web.StreamResponse:
+        cfg = self.config
         fault = self._pick_fault(key, raw)
         if fault is not None and fault.kind != "reset_before_body":
             self.faults_injected[fault.kind] += 1

@@ -107,6 +107,43 @@ def test_stall_past_read_timeout(fault_server):
     assert sampled.result.ok and sampled.attempts == 1
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
+def test_a_request_queued_past_the_read_timeout_is_not_sent_twice(fault_server, stream):
+    # A batching server past its batch queues (no 429): one answered at a time, 0.15 s each,
+    # 12 sent at once, so the last waits ~1.8 s for its first byte, 6x the read timeout.  The
+    # wait grows with the queue, and the answers that came back show it: every request is sent
+    # once, none times out.
+    srv = fault_server(FaultConfig(serve_at_once=1, latency_s=0.15, completion_tokens=2))
+    t = Timeouts(connect_s=2, read_s=0.3, total_s=10)
+    reqs = [chat(f"q{i}") for i in range(12)]
+    outs, ex = run([srv.url], reqs, stream=stream, timeouts=t, limit=12)
+    assert all(o.result.ok and o.attempts == 1 for o in outs), [o.retried_kinds for o in outs]
+    assert sum(srv.server.seen.values()) == 12 and not ex.retries
+
+
+def test_a_hung_server_still_times_out_after_slow_answers(fault_server):
+    # Slow first bytes (0.5 s) raise the patience past read_s (0.6 s) to ~1 s; a request
+    # to a server that then hangs (a stall of 3 s) is still cut there.
+    srv = fault_server(FaultConfig(latency_s=0.5, completion_tokens=2,
+                                   faults=[Fault("stall", match="last", stall_s=3.0)]))
+    t = Timeouts(connect_s=2, read_s=0.6, total_s=10)
+
+    async def go():
+        be = HttpBackend([srv.url], model="m", timeouts=t)
+        try:
+            firsts = [await be.call(chat(f"slow{i}")) for i in range(2)]
+            t0 = asyncio.get_running_loop().time()
+            last = await be.call(chat("last"))
+            return firsts, last, asyncio.get_running_loop().time() - t0, be.read_timeout(srv.url)
+        finally:
+            await be.close()
+
+    firsts, last, waited, patience = asyncio.run(go())
+    assert all(r.ok for r in firsts)
+    assert 1.0 <= patience <= 1.3
+    assert last.error_kind == ErrorKind.READ_TIMEOUT and waited < 2.0, (last.error_kind, waited)
+
+
 def test_stall_on_sampled_is_reported_not_resent(fault_server):
     srv = fault_server(FaultConfig(faults=[Fault("stall_mid_stream", times=1, stall_s=1.2)]))
     t = Timeouts(connect_s=2, read_s=0.3, total_s=10)
