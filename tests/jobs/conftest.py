@@ -1,9 +1,14 @@
 """Fault-injecting servers on free ports, stopped after each test."""
 
+import os
+import sys
+
 import pytest
 
 from carpool.testing.fault_server import ThreadedFaultServer
 from carpool.testing.fixtures import running_engine, started_servers
+
+sys.path.insert(0, os.path.dirname(__file__))  # job_helpers
 
 
 @pytest.fixture

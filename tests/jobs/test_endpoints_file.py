@@ -8,37 +8,17 @@ only their base URLs pointed at the local servers.
 """
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from job_helpers import cli, lines, write_tasks
 
 from carpool.jobs.exit_codes import ExitCode
 from carpool.testing.fault_server import Fault, FaultConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "endpoints"
-
-
-def cli(*args, env=None, timeout=180):
-    full_env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "carpool.cli", "run", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, check=False, env=full_env)
-
-
-def write_tasks(path: Path, n: int, **params) -> None:
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"custom_id": f"t{i}", "messages": [{"role": "user", "content": f"task {i}"}],
-                                "temperature": 0, **params}) + "\n")
-
-
-def lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def example_pointed_at(name: str, urls: list[str], tmp_path: Path) -> Path:

@@ -4,6 +4,7 @@ Everything through ``carpool run`` in a subprocess against the fault server (a r
 server on 127.0.0.1), as a user's script would call it.
 """
 
+import functools
 import json
 import os
 import signal
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from job_helpers import cli, lines
+from job_helpers import write_tasks as _write_tasks
 
 from carpool.jobs.exit_codes import ExitCode, exit_code
 from carpool.jobs.journal import Journal, compact, recover
@@ -20,21 +23,7 @@ from carpool.jobs.summary import JobStats
 from carpool.jobs.writer import error_line, line_tail, success_line, with_tail
 from carpool.testing.fault_server import Fault, FaultConfig
 
-
-def cli(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "carpool.cli", "run", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, check=False, env=env)
-
-
-def write_tasks(path: Path, n: int, **params) -> None:
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"custom_id": f"t{i}", "messages": [{"role": "user", "content": f"task {i}"}],
-                                "max_tokens": 4, "temperature": 0, **params}) + "\n")
-
-
-def lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
+write_tasks = functools.partial(_write_tasks, max_tokens=4)
 
 
 # -- exit codes ---------------------------------------------------------------------------
