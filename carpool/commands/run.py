@@ -89,7 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="may a request that might have run be sent again? auto: yes for temperature 0 "
                         "and embeddings")
     g.add_argument("--connect-timeout", type=float, default=10.0)
-    g.add_argument("--read-timeout", type=float, default=60.0, help="seconds between two chunks")
+    g.add_argument("--read-timeout", type=float, default=60.0,
+                   help="seconds between two chunks (grows to twice the slowest first token of the endpoint "
+                        "lately: a request queued in the server is not re-sent)")
     g.add_argument("--total-timeout", type=float, default=600.0, help="seconds for one attempt")
     g.add_argument("--outage-timeout", type=_duration, default=900.0, metavar="DURATION",
                    help="while every endpoint is down the job pauses (nothing fails); after this long "
