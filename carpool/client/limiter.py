@@ -157,6 +157,9 @@ REASON_WHY = {
 # judged on the first MIN_SHARES streamed answers (a full batch frees slots only as answers
 # end, so "batch full" cannot be told before a few of them anyway).
 MIN_SHARES, MIN_DECODE_SHARE = 4, 0.15
+# ... or once this many were seen decoding at once, which a server that sends each answer
+# whole never shows (its requests are decoding only between its first and last byte).
+MIN_VISIBLE_BATCH = 8
 
 
 class _Window:
@@ -243,8 +246,9 @@ class AdaptiveLimiter(FixedLimiter):
         # every request looks queued until it ends, so the limiter steers by throughput instead.
         self._shares: collections.deque[float] = collections.deque(maxlen=64)
         self._decode_hidden = False
-        self._peak = 0  # slow start: the most decoding at once so far, and when it was reached
+        self._peak = 0  # slow start: the most decoding at once so far, and when it last grew for real
         self._peak_t = self.clock()
+        self._grown_past = 0.0
         # a probe upward: [limit before, throughput before, mean in flight before, settled?]
         self._probing: list | None = None
         self._hold = 0  # windows to wait before the next probe upward (grows when probes fail)
@@ -306,23 +310,34 @@ class AdaptiveLimiter(FixedLimiter):
     # -- slow start (streamed) ----------------------------------------------------------------
     def _start_check(self, now: float) -> None:
         """Slow start clocked by the server's admissions: the limit follows the most requests
-        decoding at once, plus half as many again waiting (prefilling or queued), so the
-        server always has prompts to prefill, as under a high fixed limit, while the queue
-        it holds stays bounded by half the batch.  Each request the server takes in raises
-        the limit by 1.5: exponential growth as long as there is room.  Once the batch has
-        not grown for a while with requests waiting, it is full."""
+        decoding at once, plus a quarter as many again waiting (``start_queue``; at least 8:
+        prefilling or queued), so the server always has prompts to prefill, as under a high
+        fixed limit, while the queue it holds stays bounded.  Each request the server takes
+        in raises the limit by 1.25: exponential growth as long as there is room.  Once the
+        batch has not grown for a while with requests waiting, it is full."""
         w = self._win
         if w.batch > self._peak:
-            self._peak, self._peak_t = w.batch, now
+            self._peak = w.batch
+            if w.batch >= self._grown_past:
+                # Grown for real: a batch that wobbles by a sequence or two at its size (one
+                # ends, one is taken in) must not restart the wait below.
+                self._peak_t = now
+                self._grown_past = w.batch * 1.03 + 1
             grown = self._peak + max(8.0, self.start_queue * self._peak)
             if grown > self.limit:
                 self._set(grown, "slow start")
             return
-        if not w.ttfts or self.in_flight < 0.9 * int(self.limit) or len(self._shares) < MIN_SHARES:
-            return  # nothing taken in yet, the job does not fill the limit, or too few answers to judge
+        if not w.ttfts or self.in_flight < 0.9 * int(self.limit):
+            return  # nothing taken in yet, or the job does not fill the limit
+        if len(self._shares) < MIN_SHARES and self._peak < MIN_VISIBLE_BATCH:
+            return  # too little seen to tell whether the server streams its answers token by token
         ref = statistics.median(w.ttfts[-64:])
         waiting = self.in_flight - self.decoding
-        if waiting >= 2 and now - self._peak_t >= max(1.0, 3 * ref):
+        # A waiting request enters a batch with room within about one time to first token (its
+        # prefill, behind the others waiting): no growth for 1.5 of those, with requests
+        # waiting, is a full batch.  (3 first-token times and four answers back, the first
+        # design, kept vLLM in slow start for 84 s of a 90 s job: a round trip there is ~40 s.)
+        if waiting >= 2 and now - self._peak_t >= max(1.0, 1.5 * ref):
             self.batch = self._peak
             self.phase = "steady"
             self._set(self._peak + self.queue_for(self._peak), "batch full")

@@ -55,6 +55,25 @@ def test_finds_the_throughput_knee_of_a_batching_server():
         assert seqs * 0.9 <= lim.limit <= 1.5 * seqs, (case, lim.limit)
 
 
+def cpu_vllm(**kw) -> BatchServerSim:
+    """`vllm serve` on 2 CPU cores: 128 sequences, each step costing ~6 ms a sequence, so the
+    throughput is nearly flat from 32 up and a round trip at the full batch is ~20 s."""
+    return BatchServerSim(**{"max_num_seqs": 128, "step_s": 0.02, "decode_s": 0.006, "prefill_s": 0.0009,
+                             "token_budget": 4096, **kw})
+
+
+def test_leaves_slow_start_on_a_server_whose_round_trip_is_long():
+    # The first answers come back only after ~20 s: the batch must be seen full from the
+    # first tokens alone, well before then, not after a few round trips (the first design
+    # held 160 in flight, 25% queued, until 69% of this job was over).
+    reqs = short_requests(300, 7)
+    lim, res = adaptive_run(cpu_vllm, reqs)
+    n, best = best_of(fixed_runs(cpu_vllm, reqs, settings=(32, 64, 128, 256)))
+    assert lim.batch is not None and 120 <= lim.batch <= 128, lim.batch
+    assert res.limit_at(0.45 * res.elapsed) <= 1.05 * 128, res.limits
+    assert res.throughput >= 0.97 * best.throughput and res.p99() <= 1.10 * best.p99(), (n, res.p99(), best.p99())
+
+
 def test_reaches_the_batch_within_the_first_few_percent_of_a_job():
     reqs = short_requests(2000, 5)
     _, res = adaptive_run(cpu_server, reqs)
