@@ -24,12 +24,13 @@ far plus a quarter as many again waiting (at least 8), so the server always has 
 prefill, as under a high fixed limit, while the queue it holds stays short; every request
 it takes in raises the limit.  Taking requests in is bound by the server's prefill, so
 this ramps about as fast as any limit could.  Once the batch stops growing while requests
-wait, it is full, and the limit settles at the batch plus a short queue (``queue_for``: 3% of
-the batch, at least 2): the queue refills a finished sequence's slot at once, where the
-client's round trip would leave it empty for a step.  It is kept that short because every
-request queued in the server adds a step's worth of waiting to each answer: at 10% (the
-first design) the P99 latency against ``carpool serve`` on long prompts was 1.17x that of the
-best fixed setting (which was the batch itself) for no throughput.  Then, once per window, the limiter
+wait, it is full, and the limit settles at the batch plus a short queue (``queue_for``: 5% of
+the batch, at least 2, more when short answers free slots every step): the queue refills a
+finished sequence's slot at once, where the client's round trip would leave it empty for a
+step or more.  It is kept short because every request queued in the server adds a step's
+worth of waiting to each answer (at 10%, the first design, the P99 latency against
+``carpool serve`` on long prompts was 1.17x that of the best fixed setting in one round).
+Then, once per window, the limiter
 comes down when a longer queue stands (the server's capacity shrank: another tenant, a
 stretch of long prompts that fills the KV cache) and probes upward when nothing queues at
 all (capacity grew); a probe is kept only if throughput (Little's law: in flight / mean
@@ -213,7 +214,7 @@ class _Window:
 
 
 class AdaptiveLimiter(FixedLimiter):
-    def __init__(self, initial: int = 16, min_limit: int = 1, max_limit: int = 1024, margin: float = 0.03,
+    def __init__(self, initial: int = 16, min_limit: int = 1, max_limit: int = 1024, margin: float = 0.05,
                  min_queue: float = 2.0, probe: float = 0.125, min_gain: float = 0.05, probe_windows: int = 4,
                  drop_tolerance: float = 0.05, start_queue: float = 0.25, clock=time.monotonic):
         super().__init__(initial, clock)
@@ -239,6 +240,7 @@ class AdaptiveLimiter(FixedLimiter):
         self._last_drop = -math.inf
         # latency
         self._rtt: float | None = None  # EMA of request duration: the window length
+        self._out_tokens: float | None = None  # EMA of an answer's completion tokens (queue_for)
         self._win_e2e: list[float] = []  # the last window's latencies (the EMA lags a rising one)
         self._streaming = False  # first tokens are reported, and decoding is long enough to be seen
         # Per streamed answer, the share of its time spent after the first token.  A server that
@@ -271,6 +273,9 @@ class AdaptiveLimiter(FixedLimiter):
         if e2e is None or e2e <= 0:
             return
         self._rtt = e2e if self._rtt is None else self._rtt + 0.1 * (e2e - self._rtt)
+        if completion_tokens > 0:
+            out = self._out_tokens
+            self._out_tokens = completion_tokens if out is None else out + 0.05 * (completion_tokens - out)
         w.completed += 1
         w.tokens += tokens
         w.e2es.append(e2e)
@@ -304,8 +309,16 @@ class AdaptiveLimiter(FixedLimiter):
         self._win = _Window(now, self.limit, self.in_flight, self.decoding, self._win.limit)
 
     def queue_for(self, batch: float) -> float:
-        """The standing queue to keep in a server whose decode batch for us is ``batch``."""
-        return max(self.min_queue, self.margin * batch)
+        """The standing queue to keep in a server whose decode batch for us is ``batch``: 5% of
+        it, at least 2, and at least the answers that end in three of its steps (``batch`` / the
+        mean completion tokens, a step each).  A slot that ends is refilled from this queue at
+        once; refilled by the client it stays empty for the client's turnaround, which on a
+        loaded machine is a step or more, and the batch seen decoding already leaves out the
+        slots prefilling a new prompt.  Short answers at a full batch free a few slots every
+        step (simulated: 64 sequences, 24-token answers, a 4-step turnaround: queue 2 loses
+        3%, queue 6 nothing)."""
+        turnover = 3.0 * batch / self._out_tokens if self._out_tokens else 0.0
+        return max(self.min_queue, self.margin * batch, turnover)
 
     # -- slow start (streamed) ----------------------------------------------------------------
     def _start_check(self, now: float) -> None:

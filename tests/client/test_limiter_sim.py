@@ -70,7 +70,7 @@ def test_leaves_slow_start_on_a_server_whose_round_trip_is_long():
     lim, res = adaptive_run(cpu_vllm, reqs)
     n, best = best_of(fixed_runs(cpu_vllm, reqs, settings=(32, 64, 128, 256)))
     assert lim.batch is not None and 120 <= lim.batch <= 128, lim.batch
-    assert res.limit_at(0.45 * res.elapsed) <= 1.05 * 128, res.limits
+    assert res.limit_at(0.45 * res.elapsed) <= 1.15 * 128, res.limits
     assert res.throughput >= 0.97 * best.throughput and res.p99() <= 1.10 * best.p99(), (n, res.p99(), best.p99())
 
 
