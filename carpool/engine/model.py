@@ -323,8 +323,8 @@ class LlamaModel:
             qkv_w, o_w, gate_up_w, down_w = layer["qkv"], layer["o"], layer["gate_up"], layer["down"]
             assert isinstance(qkv_w, Int8Linear) and isinstance(o_w, Int8Linear)
             assert isinstance(gate_up_w, Int8Linear) and isinstance(down_w, Int8Linear)
-            qkv = k.int8_dequantize(qkv_w.int_mm(hq), hs, qkv_w.scale_f32, layer["qkv_bias"], dt)
-            k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
+            qkv = k.int8_dequantize_rope(qkv_w.int_mm(hq), hs, qkv_w.scale_f32, layer["qkv_bias"], dt, positions,
+                                         self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
                                meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
             aq, a_s = k.quantize_rows(attn)

@@ -239,6 +239,14 @@ def test_int8_ends_equal_the_torch_reference(best_isa, isa, dtype, n):
     assert torch.equal(k.int8_dequantize(acc, rs, cs, None, dtype), dq)
     assert torch.equal(k.int8_dequantize(acc, rs, cs, bias, dtype), dq + bias)
 
+    # the q|k|v scale-back with RoPE fused (3 heads of 32 columns rotated, the rest untouched)
+    pos = torch.randint(0, 500, (rows,), generator=g)
+    ang = torch.arange(512, dtype=torch.float).unsqueeze(1) * (1.0 / (10000.0 ** (torch.arange(0, 32, 2) / 32)))
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    want = dq + bias
+    k.rope_(want, pos, cos, sin, 3, 32)
+    assert torch.equal(k.int8_dequantize_rope(acc, rs, cs, bias, dtype, pos, cos, sin, 3, 32), want)
+
     # residual add of the dequantized product + RMSNorm, in the model dtype or quantized
     for b in (None, bias):
         xr = x.clone()

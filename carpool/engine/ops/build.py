@@ -3,8 +3,9 @@
 ``Kernels`` is owned by a model runner: ``start()`` builds (or loads the cached build) in a
 background thread so a fresh machine serves with the torch path during its first minute,
 ``wait()`` blocks until the build is there, and the methods (``attention``, ``rope_``,
-``add_rms_norm``, ``silu_mul``, and the int8 linear's ``quantize_rows``/``int8_*``) call the compiled ops at the instruction set level ``isa``
-(AVX-512, AVX2 or scalar: the widest the CPU runs unless lowered, e.g. by a test).
+``add_rms_norm``, ``silu_mul``, and the int8 linear's ``quantize_rows`` / ``int8_*``) call the
+compiled ops at the instruction set level ``isa`` (AVX-512, AVX2 or scalar: the widest the CPU
+runs unless lowered, e.g. by a test).
 
 The cache key covers everything the ``.so`` depends on: the sources, the compiler flags and
 version, torch's version, Python's extension ABI, and this CPU's instruction set flags, so a
@@ -195,6 +196,13 @@ class Kernels:
                         bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """int32 [T, n] -> (acc * row scale * column scale, rounded to dtype) + bias, in dtype."""
         return self.module.int8_dequantize(acc, row_scale, col_scale, bias, dtype, self.isa)
+
+    def int8_dequantize_rope(self, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                             bias: torch.Tensor | None, dtype: torch.dtype, positions: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """``int8_dequantize`` then ``rope_`` on the result, in one pass (the q|k|v projection)."""
+        return self.module.int8_dequantize_rope(acc, row_scale, col_scale, bias, dtype, positions, cos, sin, heads,
+                                                head_dim, self.isa)
 
     def int8_add_rms_norm(self, x: torch.Tensor, acc: torch.Tensor | None, row_scale: torch.Tensor | None,
                           col_scale: torch.Tensor | None, bias: torch.Tensor | None, weight: torch.Tensor,

@@ -129,6 +129,34 @@ at::Tensor int8_dequantize(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::op
   return out;
 }
 
+// int8_dequantize, then rope_ on the result: the q|k|v projection's scale-back and RoPE in one pass.
+at::Tensor int8_dequantize_rope(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
+                                at::ScalarType dtype, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                int64_t heads, int64_t head_dim, int64_t isa) {
+  check_scales(acc, rs, cs, acc.size(1), "int8_dequantize_rope");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) * 2 == head_dim,
+              "int8_dequantize_rope: bad cos/sin table");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "int8_dequantize_rope: cos/sin must be dtype");
+  TORCH_CHECK(heads * head_dim <= n, "int8_dequantize_rope: ", heads, " heads do not fit in width ", n);
+  auto pos = positions.contiguous();
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.numel() == rows, "int8_dequantize_rope: positions [rows] int64");
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < cos.size(0), "int8_dequantize_rope: position ", p[t], " is outside the table");
+  auto out = at::empty({rows, n}, acc.options().dtype(dtype));
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == dtype && b.numel() == n, "int8_dequantize_rope: bias must be [n] in dtype");
+  }
+  CARPOOL_DISPATCH(isa, dtype, "int8_dequantize_rope",
+                   (ns::dequantize_rope<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
+                                           b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), rows, n, p,
+                                           cos.data_ptr<T>(), sin.data_ptr<T>(), heads, head_dim)));
+  return out;
+}
+
 // x [T, n] (+= dequantized acc, in place, when acc is given) -> rms_norm(x) * w, returned as
 // [out] in x's dtype when quantize is false, else as [int8 [T, n], fp32 scales [T]].
 std::vector<at::Tensor> int8_add_rms_norm(at::Tensor x, c10::optional<at::Tensor> acc, c10::optional<at::Tensor> rs,
