@@ -23,8 +23,11 @@ in ``LlamaModel._quantize_int8``), measured on 64 of the benchmark's prompts: id
 greedy outputs 3% -> 12.5%, mean matching prefix 0.11 -> 0.24, perplexity +0.31 -> +0.21 (alpha
 0.5; 0.3 and 0.75 agreed less).
 
-End to end this is *slower* than bf16 today (0.69-0.77x output tok/s at batch 64, three runs of
-benchmarks/quantization.py) although each GEMM is faster in isolation: see docs/engine.md.
+``Int8Linear`` below is the torch path (no C++ kernels).  Computed as these torch ops, the two ends
+of each int8 x int8 GEMM (~12 small ops per linear) made int8 *slower* than bf16 end to end
+(0.65-0.80x output tok/s at batch 64).  With the kernels the model fuses them into the ops around
+the GEMM instead (ops/quant_kernels.h, ``LlamaModel._forward_int8``; ``quantize_rows`` and
+``dequantize`` here are their reference): figures in docs/engine.md.
 """
 
 from __future__ import annotations
