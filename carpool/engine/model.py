@@ -287,6 +287,8 @@ class LlamaModel:
         assert meta.block_tables is not None and meta.seq_of_row is not None
         assert meta.ctx_len is not None and meta.flash_seqs is not None
         x = self.embed.index_select(0, input_ids)
+        if self.quantization == "int8" and x.shape[0] > quant.WEIGHT_ONLY_MAX_ROWS and quant.has_int_mm():
+            return self._forward_int8(x, positions, meta, kv_caches, k)
         h = k.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps)
         rope_heads = self.num_heads + self.num_kv_heads
         for i, (layer, lin, (k_cache, v_cache)) in enumerate(zip(self.layers, self.linears, kv_caches, strict=True)):
@@ -299,6 +301,44 @@ class LlamaModel:
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, down, next_ln, self.eps)
         # h is the final norm of every row; the head runs only on the rows that sample.
+        return self.head_linear(h.index_select(0, meta.logits_index))
+
+    def _forward_int8(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k: Kernels) -> torch.Tensor:
+        """The kernel path with int8 x int8 linears (more than ``quant.WEIGHT_ONLY_MAX_ROWS`` rows).
+
+        The ops around each torch._int_mm write or read its int8/int32 ends directly: RMSNorm
+        and SiLU * up quantize their output rows, and the int32 products are scaled back inside
+        the residual add + RMSNorm and SiLU * up that consume them (ops/quant_kernels.h says why:
+        as torch ops these ends made int8 slower than bf16).  Same values as the torch path's
+        ``Int8Linear`` up to the RMSNorm's summation order.
+        """
+        assert meta.block_tables is not None and meta.seq_of_row is not None
+        assert meta.ctx_len is not None and meta.flash_seqs is not None
+        dt, eps = self.dtype, self.eps
+        rope_heads = self.num_heads + self.num_kv_heads
+        hq, hs = k.int8_add_rms_norm(x, None, None, None, None, self.layers[0]["ln1"], eps, True)
+        h = x
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            qkv_w, o_w, gate_up_w, down_w = layer["qkv"], layer["o"], layer["gate_up"], layer["down"]
+            assert isinstance(qkv_w, Int8Linear) and isinstance(o_w, Int8Linear)
+            assert isinstance(gate_up_w, Int8Linear) and isinstance(down_w, Int8Linear)
+            qkv = k.int8_dequantize_rope(qkv_w.int_mm(hq), hs, qkv_w.scale_f32, layer["qkv_bias"], dt, positions,
+                                         self.cos, self.sin, rope_heads, self.head_dim)
+            attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
+                               meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
+            aq, a_s = k.quantize_rows(attn)
+            hq, hs = k.int8_add_rms_norm(x, o_w.int_mm(aq), a_s, o_w.scale_f32, layer["o_bias"], layer["ln2"], eps,
+                                         True)
+            mq, m_s = k.int8_silu_mul(gate_up_w.int_mm(hq), hs, gate_up_w.scale_f32, dt)
+            last = i + 1 == len(self.layers)
+            out = k.int8_add_rms_norm(x, down_w.int_mm(mq), m_s, down_w.scale_f32, None,
+                                      self.norm if last else self.layers[i + 1]["ln1"], eps, not last)
+            if last:
+                h = out[0]
+            else:
+                hq, hs = out
+        # h is the final norm of every row (model dtype); the head runs only on the rows that sample.
         return self.head_linear(h.index_select(0, meta.logits_index))
 
     def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -23,8 +23,11 @@ in ``LlamaModel._quantize_int8``), measured on 64 of the benchmark's prompts: id
 greedy outputs 3% -> 12.5%, mean matching prefix 0.11 -> 0.24, perplexity +0.31 -> +0.21 (alpha
 0.5; 0.3 and 0.75 agreed less).
 
-End to end this is *slower* than bf16 today (0.69-0.77x output tok/s at batch 64, three runs of
-benchmarks/quantization.py) although each GEMM is faster in isolation: see docs/engine.md.
+``Int8Linear`` below is the torch path (no C++ kernels).  Computed as these torch ops, the two ends
+of each int8 x int8 GEMM (~12 small ops per linear) made int8 *slower* than bf16 end to end
+(0.65-0.80x output tok/s at batch 64).  With the kernels the model fuses them into the ops around
+the GEMM instead (ops/quant_kernels.h, ``LlamaModel._forward_int8``; ``quantize_rows`` and
+``dequantize`` here are their reference): figures in docs/engine.md.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ def _has_kernels() -> bool:
     return hasattr(torch, "_int_mm") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
+def has_int_mm() -> bool:
+    """Whether torch has the int8 x int8 GEMM the C++ kernel path's int8 linears run on."""
+    return hasattr(torch, "_int_mm")
+
+
 class Int8Linear:
     """A linear layer's weight as int8 [N, K] + per-output-channel scales; ``y = layer(x, bias)``."""
 
@@ -75,15 +83,31 @@ class Int8Linear:
         if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
         else:
-            # Dynamic per-row activation quantization in fp32 (the rows are small: [M, K]).
-            xf = x.float()
-            amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
-            xq = torch.round(xf * (127.0 / amax)).to(torch.int8)
-            acc = torch._int_mm(xq, self.qweight.t())  # [M, N] int32
-            y = acc.float().mul_(amax * (1.0 / 127.0)).mul_(self.scale_f32).to(x.dtype)
+            xq, row_scale = quantize_rows(x)
+            y = dequantize(self.int_mm(xq), row_scale, self.scale_f32, x.dtype)
         if bias is not None:
             y = y + bias
         return y
+
+    def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
+        """int8 [M, K] x this int8 weight -> int32 [M, N] (torch._int_mm: oneDNN, VNNI where the CPU has it)."""
+        return torch._int_mm(xq, self.qweight.t())
+
+
+# The torch reference of the int8 x int8 path's two ends; the C++ kernels (ops/quant_kernels.h)
+# compute the same values fused into the ops around the GEMM.
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row quantization in fp32: (int8 [M, K], fp32 row scales [M] = max |row| / 127)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+    xq = torch.round(xf * (127.0 / amax)).to(torch.int8)
+    return xq, (amax * (1.0 / 127.0)).squeeze(1)
+
+
+def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int32 [M, N] -> (acc * row scale) * column scale, rounded to dtype."""
+    return acc.float().mul_(row_scale[:, None]).mul_(col_scale).to(dtype)
 
 
 # What the int8 model measures its activation ranges on (SmoothQuant's calibration): plain prose

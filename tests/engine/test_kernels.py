@@ -199,3 +199,91 @@ def test_prepacked_linear_equals_f_linear_bitwise(rows, bias):
     assert lin.packed is not None
     assert torch.equal(lin(x), F.linear(x, w, b))
     assert torch.equal(Linear(w, b, packed=False)(x), F.linear(x, w, b))
+
+
+# ------------------------------------------------------------------------ int8 (quant_kernels.h)
+
+
+def int8_operands(rows: int, n: int, dtype, seed: int):
+    """An int32 product as torch._int_mm returns it, its row and column scales, a bias, a norm weight."""
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.randint(-40000, 40000, (rows, n), generator=g, dtype=torch.int32)
+    rs = torch.rand(rows, generator=g) * 1e-3 + 1e-4
+    cs = torch.rand(n, generator=g) * 1e-2 + 1e-3
+    bias = torch.randn(n, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    return acc, rs, cs, bias, w
+
+
+@pytest.mark.parametrize("isa", [2, 1, 0], ids=lambda i: ISA[i])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [576, 100])  # 100: a tail shorter than a vector
+def test_int8_ends_equal_the_torch_reference(best_isa, isa, dtype, n):
+    """Each fused kernel equals the torch ops it replaces (quant.quantize_rows / quant.dequantize
+    around the existing add_rms_norm and silu_mul kernels), bit for bit."""
+    from carpool.engine import quant
+
+    k = kernels_at(isa, best_isa)
+    rows = 37
+    acc, rs, cs, bias, w = int8_operands(rows, n, dtype, seed=n + isa)
+    g = torch.Generator().manual_seed(5)
+    x = (4 * torch.randn(rows, n, generator=g)).to(dtype)
+    x[3] = 0  # an all-zero row: scale clamped, not a division by zero
+
+    q, s = k.quantize_rows(x)
+    q_ref, s_ref = quant.quantize_rows(x)
+    assert q.dtype == torch.int8 and torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert (q[3] == 0).all() and q.abs().max() == 127  # each row's max lands on +-127
+
+    dq = quant.dequantize(acc, rs, cs, dtype)
+    assert torch.equal(k.int8_dequantize(acc, rs, cs, None, dtype), dq)
+    assert torch.equal(k.int8_dequantize(acc, rs, cs, bias, dtype), dq + bias)
+
+    # the q|k|v scale-back with RoPE fused (3 heads of 32 columns rotated, the rest untouched)
+    pos = torch.randint(0, 500, (rows,), generator=g)
+    ang = torch.arange(512, dtype=torch.float).unsqueeze(1) * (1.0 / (10000.0 ** (torch.arange(0, 32, 2) / 32)))
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    want = dq + bias
+    k.rope_(want, pos, cos, sin, 3, 32)
+    assert torch.equal(k.int8_dequantize_rope(acc, rs, cs, bias, dtype, pos, cos, sin, 3, 32), want)
+
+    # residual add of the dequantized product + RMSNorm, in the model dtype or quantized
+    for b in (None, bias):
+        xr = x.clone()
+        want_h = k.add_rms_norm(xr, dq if b is None else dq + b, w, 1e-5)
+        xk = x.clone()
+        (h,) = k.int8_add_rms_norm(xk, acc, rs, cs, b, w, 1e-5, False)
+        assert torch.equal(xk, xr) and torch.equal(h, want_h)
+        xk = x.clone()
+        hq, hs = k.int8_add_rms_norm(xk, acc, rs, cs, b, w, 1e-5, True)
+        want_q, want_s = quant.quantize_rows(want_h)
+        assert torch.equal(xk, xr) and torch.equal(hq, want_q) and torch.equal(hs, want_s)
+    # no residual (the first layer's norm of the embeddings)
+    hq, hs = k.int8_add_rms_norm(x.clone(), None, None, None, None, w, 1e-5, True)
+    want_q, want_s = quant.quantize_rows(k.add_rms_norm(x.clone(), None, w, 1e-5))
+    assert torch.equal(hq, want_q) and torch.equal(hs, want_s)
+
+    # SiLU * up of the dequantized [gate | up], quantized
+    acc2, rs2, cs2, _, _ = int8_operands(rows, 2 * n, dtype, seed=7)
+    mq, ms = k.int8_silu_mul(acc2, rs2, cs2, dtype)
+    want_q, want_s = quant.quantize_rows(k.silu_mul(quant.dequantize(acc2, rs2, cs2, dtype)))
+    assert torch.equal(mq, want_q) and torch.equal(ms, want_s)
+
+
+@pytest.mark.parametrize("rows", [5, 64, 300])
+def test_int8_linear_through_the_kernels_is_close_to_fp32(best_isa, rows):
+    """quantize_rows -> torch._int_mm -> int8_dequantize against the fp32 product x @ w.T: within
+    2% relative (Frobenius) error, the error rounding x and w to 1/127 of their rows' max allows."""
+    from carpool.engine.quant import Int8Linear
+
+    k = kernels_at(best_isa, best_isa)
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(192, 576, generator=g) * 0.05
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    layer = Int8Linear(w, torch.bfloat16)
+    xq, xs = k.quantize_rows(x)
+    y = k.int8_dequantize(layer.int_mm(xq), xs, layer.scale_f32, None, torch.bfloat16)
+    ref = x.float() @ w.T
+    assert y.dtype == torch.bfloat16
+    assert (y.float() - ref).norm() / ref.norm() < 0.02
+    assert torch.equal(y, layer(x))  # the torch path's Int8Linear computes the same values

@@ -3,8 +3,9 @@
 ``Kernels`` is owned by a model runner: ``start()`` builds (or loads the cached build) in a
 background thread so a fresh machine serves with the torch path during its first minute,
 ``wait()`` blocks until the build is there, and the methods (``attention``, ``rope_``,
-``add_rms_norm``, ``silu_mul``) call the compiled ops at the instruction set level ``isa``
-(AVX-512, AVX2 or scalar: the widest the CPU runs unless lowered, e.g. by a test).
+``add_rms_norm``, ``silu_mul``, and the int8 linear's ``quantize_rows`` / ``int8_*``) call the
+compiled ops at the instruction set level ``isa`` (AVX-512, AVX2 or scalar: the widest the CPU
+runs unless lowered, e.g. by a test).
 
 The cache key covers everything the ``.so`` depends on: the sources, the compiler flags and
 version, torch's version, Python's extension ABI, and this CPU's instruction set flags, so a
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("module.cpp", "attention.cpp", "layers.cpp")
-HEADERS = ("simd.h", "per_isa.h", "attention_kernels.h", "layer_kernels.h")
+HEADERS = ("simd.h", "per_isa.h", "attention_kernels.h", "layer_kernels.h", "quant_kernels.h")
 # -ffp-contract=off: a * b - c * d stays two rounded products (as torch computes it), not an FMA.
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17")
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -184,3 +185,33 @@ class Kernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.module.silu_mul(gate_up, self.isa)
+
+    # The int8 x int8 linear's ends (quant_kernels.h; the GEMM between them is torch._int_mm).
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, n] -> (int8 [T, n], fp32 row scales [T]), as ``quant.quantize_rows``."""
+        return self.module.quantize_rows(x, self.isa)
+
+    def int8_dequantize(self, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                        bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """int32 [T, n] -> (acc * row scale * column scale, rounded to dtype) + bias, in dtype."""
+        return self.module.int8_dequantize(acc, row_scale, col_scale, bias, dtype, self.isa)
+
+    def int8_dequantize_rope(self, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                             bias: torch.Tensor | None, dtype: torch.dtype, positions: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """``int8_dequantize`` then ``rope_`` on the result, in one pass (the q|k|v projection)."""
+        return self.module.int8_dequantize_rope(acc, row_scale, col_scale, bias, dtype, positions, cos, sin, heads,
+                                                head_dim, self.isa)
+
+    def int8_add_rms_norm(self, x: torch.Tensor, acc: torch.Tensor | None, row_scale: torch.Tensor | None,
+                          col_scale: torch.Tensor | None, bias: torch.Tensor | None, weight: torch.Tensor,
+                          eps: float, quantize: bool) -> list[torch.Tensor]:
+        """``x += dequantized acc (+ bias)`` in place when acc is given, then rms_norm(x) * weight:
+        ``[h]`` in x's dtype, or ``[int8 h, fp32 row scales]`` when ``quantize``."""
+        return self.module.int8_add_rms_norm(x, acc, row_scale, col_scale, bias, weight, eps, quantize, self.isa)
+
+    def int8_silu_mul(self, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 [gate | up] -> silu(gate) * up (each rounded to dtype), quantized per row."""
+        return self.module.int8_silu_mul(acc, row_scale, col_scale, dtype, self.isa)

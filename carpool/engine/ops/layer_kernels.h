@@ -83,33 +83,36 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t n) {
   });
 }
 
-// In place on the first `heads` heads of every row of qkv (q then k heads; v is untouched):
+// In place on the first `heads` heads of one row x of qkv (q then k heads; v is untouched):
 // rotate-half RoPE, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product rounded to T as
-// HF's `q * cos + rotate_half(q) * sin` in the model dtype.  cos/sin [max_pos, D/2] in T.
+// HF's `q * cos + rotate_half(q) * sin` in the model dtype.  c/s: the position's cos/sin [D/2] in T.
+template <typename T>
+inline void rope_row(T* row, const T* c, const T* s, int64_t heads, int64_t d) {
+  const int64_t half = d / 2, nv = half / W * W;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x = row + h * d;
+    for (int64_t i = 0; i < nv; i += W) {
+      const Vf x1 = load(x + i), x2 = load(x + half + i), cv = load(c + i), sv = load(s + i);
+      const Vf a = sub(round_as<T>(mul(x1, cv)), round_as<T>(mul(x2, sv)));
+      const Vf b = add(round_as<T>(mul(x2, cv)), round_as<T>(mul(x1, sv)));
+      store(x + i, a);
+      store(x + half + i, b);
+    }
+    for (int64_t i = nv; i < half; ++i) {
+      const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+      const float cv = static_cast<float>(c[i]), sv = static_cast<float>(s[i]);
+      x[i] = static_cast<T>(round_as_scalar<T>(x1 * cv) - round_as_scalar<T>(x2 * sv));
+      x[half + i] = static_cast<T>(round_as_scalar<T>(x2 * cv) + round_as_scalar<T>(x1 * sv));
+    }
+  }
+}
+
+// rope_row on every row of qkv [tokens, stride]; cos/sin [max_pos, D/2] in T.
 template <typename T>
 void rope(T* qkv, int64_t stride, const int64_t* pos, const T* cos, const T* sin, int64_t tokens, int64_t heads,
           int64_t d) {
-  const int64_t half = d / 2, nv = half / W * W;
+  const int64_t half = d / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + pos[t] * half;
-      const T* s = sin + pos[t] * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* x = qkv + t * stride + h * d;
-        for (int64_t i = 0; i < nv; i += W) {
-          const Vf x1 = load(x + i), x2 = load(x + half + i), cv = load(c + i), sv = load(s + i);
-          const Vf a = sub(round_as<T>(mul(x1, cv)), round_as<T>(mul(x2, sv)));
-          const Vf b = add(round_as<T>(mul(x2, cv)), round_as<T>(mul(x1, sv)));
-          store(x + i, a);
-          store(x + half + i, b);
-        }
-        for (int64_t i = nv; i < half; ++i) {
-          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
-          const float cv = static_cast<float>(c[i]), sv = static_cast<float>(s[i]);
-          x[i] = static_cast<T>(round_as_scalar<T>(x1 * cv) - round_as_scalar<T>(x2 * sv));
-          x[half + i] = static_cast<T>(round_as_scalar<T>(x2 * cv) + round_as_scalar<T>(x1 * sv));
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) rope_row(qkv + t * stride, cos + pos[t] * half, sin + pos[t] * half, heads, d);
   });
 }

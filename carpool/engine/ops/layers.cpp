@@ -1,15 +1,21 @@
 // The decoder layer's row-wise ops (kernels in layer_kernels.h): residual add + RMSNorm, SiLU * up,
-// and RoPE in place on the fused q|k|v projection.  One parallel pass each instead of a chain of
+// and RoPE in place on the fused q|k|v projection; and the int8 linear's ends fused into them
+// (quant_kernels.h).  One parallel pass each instead of a chain of
 // torch ops; on SmolLM2 they took ~5% of a long-prompt step as torch ops (engine_profile.py).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "simd.h"
 
 #define CARPOOL_KERNELS "layer_kernels.h"
+#include "per_isa.h"
+#define CARPOOL_KERNELS "quant_kernels.h"
 #include "per_isa.h"
 
 namespace carpool {
@@ -77,6 +83,133 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
   CARPOOL_DISPATCH(isa, qkv.scalar_type(), "rope_",
                    (ns::rope<T>(qkv.data_ptr<T>(), stride, p, cos.data_ptr<T>(), sin.data_ptr<T>(),
                                 tokens, heads, head_dim)));
+}
+
+// ---------------------------------------------------------------- int8 (quant_kernels.h)
+
+namespace {
+
+void check_scales(const at::Tensor& acc, const at::Tensor& rs, const at::Tensor& cs, int64_t cols, const char* name) {
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(), name,
+              ": acc must be a contiguous int32 [rows, cols]");
+  TORCH_CHECK(rs.scalar_type() == at::kFloat && rs.is_contiguous() && rs.numel() == acc.size(0), name,
+              ": row scales must be fp32 [rows]");
+  TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.is_contiguous() && cs.numel() == cols, name,
+              ": column scales must be fp32 [cols]");
+}
+
+}  // namespace
+
+// x [T, n] -> (int8 [T, n], fp32 scales [T]): each row rounded to amax / 127 steps.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(at::Tensor x, int64_t isa) {
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2, "quantize_rows: x must be [rows, n]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto q = at::empty({rows, n}, x.options().dtype(at::kChar));
+  auto qs = at::empty({rows}, x.options().dtype(at::kFloat));
+  CARPOOL_DISPATCH(isa, x.scalar_type(), "quantize_rows",
+                   (ns::quantize_rows<T>(x.data_ptr<T>(), q.data_ptr<int8_t>(), qs.data_ptr<float>(), rows, n)));
+  return {q, qs};
+}
+
+// acc int32 [T, n], row scales [T], column scales [n], bias [n] or None -> [T, n] in `dtype`.
+at::Tensor int8_dequantize(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
+                           at::ScalarType dtype, int64_t isa) {
+  check_scales(acc, rs, cs, acc.size(1), "int8_dequantize");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  auto out = at::empty({rows, n}, acc.options().dtype(dtype));
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == dtype && b.numel() == n, "int8_dequantize: bias must be [n] in dtype");
+  }
+  CARPOOL_DISPATCH(isa, dtype, "int8_dequantize",
+                   (ns::dequantize<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
+                                      b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), rows, n)));
+  return out;
+}
+
+// int8_dequantize, then rope_ on the result: the q|k|v projection's scale-back and RoPE in one pass.
+at::Tensor int8_dequantize_rope(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
+                                at::ScalarType dtype, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                int64_t heads, int64_t head_dim, int64_t isa) {
+  check_scales(acc, rs, cs, acc.size(1), "int8_dequantize_rope");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) * 2 == head_dim,
+              "int8_dequantize_rope: bad cos/sin table");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "int8_dequantize_rope: cos/sin must be dtype");
+  TORCH_CHECK(heads * head_dim <= n, "int8_dequantize_rope: ", heads, " heads do not fit in width ", n);
+  auto pos = positions.contiguous();
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.numel() == rows, "int8_dequantize_rope: positions [rows] int64");
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < cos.size(0), "int8_dequantize_rope: position ", p[t], " is outside the table");
+  auto out = at::empty({rows, n}, acc.options().dtype(dtype));
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == dtype && b.numel() == n, "int8_dequantize_rope: bias must be [n] in dtype");
+  }
+  CARPOOL_DISPATCH(isa, dtype, "int8_dequantize_rope",
+                   (ns::dequantize_rope<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
+                                           b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), rows, n, p,
+                                           cos.data_ptr<T>(), sin.data_ptr<T>(), heads, head_dim)));
+  return out;
+}
+
+// x [T, n] (+= dequantized acc, in place, when acc is given) -> rms_norm(x) * w, returned as
+// [out] in x's dtype when quantize is false, else as [int8 [T, n], fp32 scales [T]].
+std::vector<at::Tensor> int8_add_rms_norm(at::Tensor x, c10::optional<at::Tensor> acc, c10::optional<at::Tensor> rs,
+                                          c10::optional<at::Tensor> cs, c10::optional<at::Tensor> bias, at::Tensor w,
+                                          double eps, bool quantize, int64_t isa) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2, "int8_add_rms_norm: contiguous [rows, n] x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.numel() == n, "int8_add_rms_norm: w must be [n] in x's dtype");
+  at::Tensor a, r, c, b;
+  if (acc.has_value()) {
+    TORCH_CHECK(rs.has_value() && cs.has_value(), "int8_add_rms_norm: acc needs row and column scales");
+    a = *acc;
+    r = *rs;
+    c = *cs;
+    check_scales(a, r, c, n, "int8_add_rms_norm");
+    TORCH_CHECK(a.size(0) == rows, "int8_add_rms_norm: acc must have x's rows");
+    if (bias.has_value()) {
+      b = bias->contiguous();
+      TORCH_CHECK(b.scalar_type() == x.scalar_type() && b.numel() == n, "int8_add_rms_norm: bias must be [n]");
+    }
+  }
+  at::Tensor out, q, qs;
+  if (quantize) {
+    q = at::empty({rows, n}, x.options().dtype(at::kChar));
+    qs = at::empty({rows}, x.options().dtype(at::kFloat));
+  } else {
+    out = at::empty_like(x);
+  }
+  const float e = static_cast<float>(eps);
+  CARPOOL_DISPATCH(isa, x.scalar_type(), "int8_add_rms_norm",
+                   (ns::dequant_add_rms_norm<T>(
+                       x.data_ptr<T>(), a.defined() ? a.data_ptr<int32_t>() : nullptr,
+                       a.defined() ? r.data_ptr<float>() : nullptr, a.defined() ? c.data_ptr<float>() : nullptr,
+                       b.defined() ? b.data_ptr<T>() : nullptr, w.data_ptr<T>(),
+                       quantize ? nullptr : out.data_ptr<T>(), quantize ? q.data_ptr<int8_t>() : nullptr,
+                       quantize ? qs.data_ptr<float>() : nullptr, rows, n, e)));
+  if (quantize) return {q, qs};
+  return {out};
+}
+
+// acc int32 [T, 2I] = [gate | up], row scales [T], column scales [2I] -> silu(gate) * up in the
+// model dtype's rounding (`dtype`), quantized: (int8 [T, I], fp32 scales [T]).
+std::tuple<at::Tensor, at::Tensor> int8_silu_mul(at::Tensor acc, at::Tensor rs, at::Tensor cs, at::ScalarType dtype,
+                                                 int64_t isa) {
+  check_scales(acc, rs, cs, acc.size(1), "int8_silu_mul");
+  TORCH_CHECK(acc.size(1) % 2 == 0, "int8_silu_mul: acc must be [rows, 2I]");
+  const int64_t rows = acc.size(0), n = acc.size(1) / 2;
+  auto q = at::empty({rows, n}, acc.options().dtype(at::kChar));
+  auto qs = at::empty({rows}, acc.options().dtype(at::kFloat));
+  CARPOOL_DISPATCH(isa, dtype, "int8_silu_mul",
+                   (ns::dequant_silu_mul_quant<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
+                                                  q.data_ptr<int8_t>(), qs.data_ptr<float>(), rows, n)));
+  return {q, qs};
 }
 
 }  // namespace carpool

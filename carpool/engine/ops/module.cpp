@@ -1,5 +1,6 @@
-// The Python module of carpool's kernels: the ops of attention.cpp and layers.cpp, and the
-// instruction set dispatch level (best_isa) the Python side passes back to every call.
+// The Python module of carpool's kernels: the ops of attention.cpp and layers.cpp (with the int8
+// linear's ends), and the instruction set dispatch level (best_isa) the Python side passes back
+// to every call.
 #include <torch/extension.h>
 
 #include "simd.h"
@@ -12,6 +13,17 @@ at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Te
 at::Tensor silu_mul(at::Tensor gu, int64_t isa);
 void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t head_dim,
            int64_t isa);
+std::tuple<at::Tensor, at::Tensor> quantize_rows(at::Tensor x, int64_t isa);
+at::Tensor int8_dequantize(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
+                           at::ScalarType dtype, int64_t isa);
+at::Tensor int8_dequantize_rope(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
+                                at::ScalarType dtype, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                int64_t heads, int64_t head_dim, int64_t isa);
+std::vector<at::Tensor> int8_add_rms_norm(at::Tensor x, c10::optional<at::Tensor> acc, c10::optional<at::Tensor> rs,
+                                          c10::optional<at::Tensor> cs, c10::optional<at::Tensor> bias, at::Tensor w,
+                                          double eps, bool quantize, int64_t isa);
+std::tuple<at::Tensor, at::Tensor> int8_silu_mul(at::Tensor acc, at::Tensor rs, at::Tensor cs, at::ScalarType dtype,
+                                                 int64_t isa);
 }  // namespace carpool
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,4 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &carpool::add_rms_norm, "x += residual (in place, optional); returns rms_norm(x) * w");
   m.def("silu_mul", &carpool::silu_mul, "[gate | up] -> silu(gate) * up");
   m.def("rope_", &carpool::rope_, "rotate-half RoPE in place on the q and k heads of qkv");
+  m.def("quantize_rows", &carpool::quantize_rows, "each row to int8 with its own fp32 scale (amax / 127)");
+  m.def("int8_dequantize", &carpool::int8_dequantize, "int32 acc * row scale * column scale (+ bias) -> dtype");
+  m.def("int8_dequantize_rope", &carpool::int8_dequantize_rope, "int8_dequantize, then rope_ on the result");
+  m.def("int8_add_rms_norm", &carpool::int8_add_rms_norm,
+        "x += dequantized acc (optional), then rms_norm(x) * w, in x's dtype or quantized to int8");
+  m.def("int8_silu_mul", &carpool::int8_silu_mul, "dequantized [gate | up] -> silu(gate) * up, quantized to int8");
 }

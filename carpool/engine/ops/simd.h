@@ -1,6 +1,6 @@
 // Small SIMD vocabulary shared by the kernels: one namespace per instruction set, each with the
-// same names (Vf, W, load, store, fmadd, gather, reduce_add, exp, ...), so a kernel body written once is
-// compiled three times (see per_isa.h) and the right copy is picked at run time.
+// same names (Vf, W, load, store, fmadd, gather, reduce_add, exp, store_i8, ...), so a kernel
+// body written once is compiled three times (see per_isa.h) and the right copy is picked at run time.
 //
 // The build uses no -march flag: every AVX2 / AVX-512 function is compiled under a
 // `#pragma GCC target` region, so one .so runs on any x86-64 CPU and the dispatcher
@@ -70,6 +70,13 @@ inline Vf gather(const float* base, int stride) { (void)stride; return {*base}; 
 inline float reduce_add(Vf a) { return a.v; }
 inline float reduce_max(Vf a) { return a.v; }
 inline Vf exp(Vf x) { return {x.v < kExpLo ? 0.f : std::exp(x.v)}; }
+inline Vf load(const int32_t* p) { return {static_cast<float>(*p)}; }
+inline Vf vabs(Vf a) { return {std::fabs(a.v)}; }
+// Rounds to nearest (ties to even, as torch.round) and saturates to [-128, 127].
+inline void store_i8(int8_t* p, Vf x) {
+  const float r = std::nearbyint(x.v);
+  *p = static_cast<int8_t>(r > 127.f ? 127.f : (r < -128.f ? -128.f : r));
+}
 }  // namespace scalar
 
 // ------------------------------------------------------------------------------------ AVX2
@@ -141,6 +148,14 @@ inline Vf exp(Vf x) {
   __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
   return {_mm256_andnot_ps(under, y)};
 }
+inline Vf load(const int32_t* p) { return {_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline Vf vabs(Vf a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.f), a.v)}; }
+// Rounds to nearest even (the default MXCSR mode, as torch.round) and saturates to [-128, 127].
+inline void store_i8(int8_t* p, Vf x) {
+  const __m256i i = _mm256_cvtps_epi32(x.v);
+  const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(h, h));
+}
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -200,6 +215,12 @@ inline Vf exp(Vf x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return {_mm512_maskz_scalef_ps(static_cast<__mmask16>(~under), p, n)};
+}
+inline Vf load(const int32_t* p) { return {_mm512_cvtepi32_ps(_mm512_loadu_si512(p))}; }
+inline Vf vabs(Vf a) { return {_mm512_abs_ps(a.v)}; }
+// Rounds to nearest even (the default MXCSR mode, as torch.round) and saturates to [-128, 127].
+inline void store_i8(int8_t* p, Vf x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x.v)));
 }
 }  // namespace avx512
 #pragma GCC pop_options
