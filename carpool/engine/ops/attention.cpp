@@ -2,8 +2,9 @@
 //
 // attention() takes the fused q|k|v projection of every new token (RoPE already applied), writes
 // the new keys and values into the paged cache, and returns the attention output of every row:
-// - rows [0, num_kernel_rows) (decodes and short prefill chunks) run the SIMD kernel of
-//   attention_kernels.h, straight from the paged cache through the block tables;
+// - rows [0, num_kernel_rows) (decodes and prefill chunks) run the SIMD kernel of
+//   attention_kernels.h, straight from the paged cache through the block tables; bf16 blocks of
+//   prefill rows on a CPU with AVX-512 BF16 go to attention_bf16.cpp's dot-product kernel;
 // - each long prefill chunk (a row of flash_seqs) runs torch's CPU flash attention
 //   (at::_scaled_dot_product_flash_attention_for_cpu, blocked and AMX/AVX-512 GEMM based): once
 //   causally over the chunk's own keys, once over its cached prefix (gathered block by block), and
@@ -16,8 +17,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "simd.h"
 
 #define CARPOOL_KERNELS "attention_kernels.h"
@@ -56,8 +59,10 @@ void rows_kernel(const at::Tensor& qkv, const at::Tensor& kc, const at::Tensor& 
   const T *k = kc.data_ptr<T>(), *v = vc.data_ptr<T>();
   const int64_t *tb = tables.data_ptr<int64_t>(), *sr = seq_of_row.data_ptr<int64_t>(), *cl = ctx_len.data_ptr<int64_t>();
   T* o = out.data_ptr<T>();
+  const bool bf16_dot = isa == kAvx512 && attention_bf16_enabled();
 #define CARPOOL_ROWS(DIM) \
-  CARPOOL_DISPATCH_ISA(isa, (ns::attend_rows<T, DIM>(q, qs, k, v, tb, mb, sr, cl, o, os, rows, hq, hkv, bs, scale)))
+  CARPOOL_DISPATCH_ISA(isa, (ns::attend_rows<T, DIM>(q, qs, k, v, tb, mb, sr, cl, o, os, rows, hq, hkv, bs, scale, \
+                                                     bf16_dot)))
   switch (d) {
     case 64: CARPOOL_ROWS(64); break;
     case 128: CARPOOL_ROWS(128); break;

@@ -38,8 +38,8 @@ from carpool.paths import cache_dir as carpool_cache_dir
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("module.cpp", "attention.cpp", "layers.cpp")
-HEADERS = ("simd.h", "per_isa.h", "attention_kernels.h", "layer_kernels.h", "quant_kernels.h")
+SOURCES = ("module.cpp", "attention.cpp", "attention_bf16.cpp", "layers.cpp")
+HEADERS = ("simd.h", "per_isa.h", "attention_bf16.h", "attention_kernels.h", "layer_kernels.h", "quant_kernels.h")
 # -ffp-contract=off: a * b - c * d stays two rounded products (as torch computes it), not an FMA.
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17")
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)

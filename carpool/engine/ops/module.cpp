@@ -3,6 +3,7 @@
 // to every call.
 #include <torch/extension.h>
 
+#include "attention_bf16.h"
 #include "simd.h"
 
 namespace carpool {
@@ -29,6 +30,11 @@ std::tuple<at::Tensor, at::Tensor> int8_silu_mul(at::Tensor acc, at::Tensor rs, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &carpool::best_isa, "widest instruction set this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512");
   m.def("attention", &carpool::attention, "paged attention of a flat batch (writes the new K/V first)");
+  m.def("cpu_has_avx512_bf16", &carpool::cpu_has_avx512_bf16, "whether this CPU runs AVX-512 BF16");
+  m.def("attention_bf16_enabled", &carpool::attention_bf16_enabled,
+        "whether bf16 prefill blocks run on AVX-512 BF16 dot products (default: where the CPU has them)");
+  m.def("set_attention_bf16_enabled", &carpool::set_attention_bf16_enabled,
+        "turn the AVX-512 BF16 prefill path on (where the CPU has it) or off (the fp32 path)");
   m.def("add_rms_norm", &carpool::add_rms_norm, "x += residual (in place, optional); returns rms_norm(x) * w");
   m.def("silu_mul", &carpool::silu_mul, "[gate | up] -> silu(gate) * up");
   m.def("rope_", &carpool::rope_, "rotate-half RoPE in place on the q and k heads of qkv");

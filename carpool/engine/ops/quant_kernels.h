@@ -17,12 +17,6 @@
 // does; so each kernel's output equals those torch ops around the existing add_rms_norm and
 // silu_mul kernels bit for bit (tests/engine/test_kernels.py).
 
-// Rows per thread chunk for rows of n values: at most ~128K values run on the calling thread
-// alone (at::parallel_for then never wakes the pool).  Measured at 64 rows (a decode batch), 2
-// threads with OMP_WAIT_POLICY=PASSIVE vs 1: quantize_rows 74 vs 6 us (576 wide), the q|k|v
-// scale-back 73 vs 18 us, residual add + RMSNorm + quantize 65 vs 35 us, SiLU * up + quantize
-// 129 vs 128 us: waking the second thread costs more than it saves at these sizes.
-inline int64_t row_grain(int64_t n) { return std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(n, 1)); }
 
 // Quantizes n values (already rounded to the model dtype) to int8; returns the row's scale.
 template <typename S>

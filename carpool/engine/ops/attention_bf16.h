@@ -1,0 +1,27 @@
+// Prefill attention on AVX-512 BF16 (attention_bf16.cpp): the tiled path of attention_kernels.h
+// for bf16 models on CPUs that multiply bf16 pairs natively (vdpbf16ps).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+namespace carpool {
+
+// Whether this CPU and OS run AVX-512 BF16 (with AVX-512 F/BW/DQ/VL).
+bool cpu_has_avx512_bf16();
+
+// Whether attend_rows hands bf16 blocks of many query vectors to attend_item_bf16: on by default
+// where the CPU has the instructions; set(false) keeps the fp32 path (tests compare both).
+bool attention_bf16_enabled();
+void set_attention_bf16_enabled(bool on);
+
+// One work item of attend_rows: rows [row0, row0 + nr) of one sequence (ctx_len[row] keys each,
+// through its block table) against KV head h and its g query heads.  Returns false, doing
+// nothing, for shapes it does not cover (head_dim other than 32, 64, 128; more than 128 query
+// vectors); the caller then runs its own path.
+bool attend_item_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                      const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
+                      int64_t row0, int64_t nr, int64_t h, int64_t g, int64_t hkv, int64_t bs, int64_t d, float scale);
+
+}  // namespace carpool
