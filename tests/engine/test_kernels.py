@@ -116,14 +116,15 @@ def test_attention_matches_reference(best_isa, isa, dtype, shape, route):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
-def test_bf16_prefill_on_bf16_dot_products_and_without(best_isa, shape):
-    """The AVX-512 BF16 path (attention_bf16.cpp, default where the CPU has it) and the fp32 path
-    it replaces both match the fp64 reference on prefill chunks; and the switch really switches."""
+def test_bf16_attention_on_bf16_dot_products_and_without(best_isa, shape):
+    """The AVX-512 BF16 kernels (attention_bf16.cpp, default where the CPU has them: decode rows and
+    prefill chunks) and the fp32 path they replace both match the fp64 reference; and the switch
+    really switches."""
     k = kernels_at(2, best_isa)
     if not k.module.cpu_has_avx512_bf16():
         pytest.skip("this CPU has no AVX-512 BF16")
     hq, hkv, d, bs = shape
-    seqs = [(0, 1), (0, 70), (130, 45), (16, 200), (5, 3)]
+    seqs = [(300, 1), (37, 1), (0, 70), (130, 45), (16, 200), (5, 3)]
     qkv, kc, vc, slots, block_tables, tables = make_batch(seqs, hq, hkv, d, bs, torch.bfloat16, seed=7)
     ref = reference(qkv, kc, vc, tables, seqs, hq, hkv, d, bs)
     rows_seq = [i for i, (_, n) in enumerate(seqs) for _ in range(n)]
@@ -139,12 +140,12 @@ def test_bf16_prefill_on_bf16_dot_products_and_without(best_isa, shape):
             torch.testing.assert_close(outs[on].double(), ref, atol=2e-2, rtol=2e-2)
     finally:
         k.module.set_attention_bf16_enabled(True)
-    decode = slice(0, 1)  # a lone decode row never takes the bf16 path: the same bits either way
-    assert torch.equal(outs[True][decode], outs[False][decode])
-    if d != 16:  # head dims the bf16 kernel covers: its rounding differs from the fp32 path's somewhere
-        assert not torch.equal(outs[True], outs[False])
-    else:
-        assert torch.equal(outs[True], outs[False])
+    decode, prefill = slice(0, 2), slice(2, None)
+    for rows in (decode, prefill):
+        if d != 16:  # head dims the bf16 kernels cover: their rounding differs from the fp32 path's
+            assert not torch.equal(outs[True][rows], outs[False][rows])
+        else:
+            assert torch.equal(outs[True][rows], outs[False][rows])
 
 
 @pytest.mark.parametrize("isa", [2, 1, 0], ids=lambda i: ISA[i])

@@ -85,10 +85,11 @@ struct Scratch {
   std::vector<int64_t> offs;
 };
 
-// S[l0 + b][:] = scale * (q . k_{l0+b}) for LB keys, QZ vectors of queries.
+// S[l0 + b][:] = scale * (q . k_{l0+b}) for LB keys, QZ vectors of queries; from key minlen on,
+// -inf where a query's context cv ends; mx keeps each query's running maximum.
 template <int QZ, int LB, int P>
 inline void score_block(const int32_t* qp, const c10::BFloat16* kc, const int64_t* offs, int64_t l0, float scale,
-                        float* s) {
+                        const __m512i* cv, int64_t minlen, __m512* mx, float* s) {
   constexpr int QW = QZ * 16;
   __m512 acc[LB][QZ];
   const int32_t* kp[LB];
@@ -106,14 +107,20 @@ inline void score_block(const int32_t* qp, const c10::BFloat16* kc, const int64_
       for (int z = 0; z < QZ; ++z) acc[b][z] = _mm512_dpbf16_ps(acc[b][z], qv[z], kb);
     }
   }
-  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   for (int b = 0; b < LB; ++b)
-    for (int z = 0; z < QZ; ++z) _mm512_storeu_ps(s + (l0 + b) * QW + z * 16, _mm512_mul_ps(acc[b][z], sc));
+    for (int z = 0; z < QZ; ++z) {
+      __m512 v = _mm512_mul_ps(acc[b][z], sc);
+      if (l0 + b >= minlen)
+        v = _mm512_mask_mov_ps(v, _mm512_cmpge_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(l0 + b)), cv[z]), ninf);
+      mx[z] = _mm512_max_ps(mx[z], v);
+      _mm512_storeu_ps(s + (l0 + b) * QW + z * 16, v);
+    }
 }
 
-// o[d0 + j][:] = sum over key pairs m of P pair . v pair, for DB head dims from d0.
+// o[d0 + j][:] = inv * (sum over key pairs m of P pair . v pair), for DB head dims from d0.
 template <int QZ, int DB, int D>
-inline void value_block(const int32_t* pp, const int32_t* vp, int64_t pairs, int d0, float* o) {
+inline void value_block(const int32_t* pp, const int32_t* vp, int64_t pairs, int d0, const __m512* inv, float* o) {
   constexpr int QW = QZ * 16;
   __m512 acc[DB][QZ];
   for (int j = 0; j < DB; ++j)
@@ -128,7 +135,7 @@ inline void value_block(const int32_t* pp, const int32_t* vp, int64_t pairs, int
     }
   }
   for (int j = 0; j < DB; ++j)
-    for (int z = 0; z < QZ; ++z) _mm512_storeu_ps(o + (d0 + j) * QW + z * 16, acc[j][z]);
+    for (int z = 0; z < QZ; ++z) _mm512_storeu_ps(o + (d0 + j) * QW + z * 16, _mm512_mul_ps(acc[j][z], inv[z]));
 }
 
 template <int D, int QZ>
@@ -163,47 +170,36 @@ void item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, con
   alignas(64) int32_t ctx[QW];
   for (int64_t x = 0; x < QW; ++x) ctx[x] = static_cast<int32_t>(x < nq ? ctx_len[row0 + x / g] : maxlen);
 
-  sc.s.resize(static_cast<size_t>(rows * QW));
-  float* s = sc.s.data();
-  for (int64_t l0 = 0; l0 < rows; l0 += LB) score_block<QZ, LB, P>(sc.qp.data(), kc, offs, l0, scale, s);
-
-  // Softmax down the key axis: keys a query must not see (and the padding rows) are -inf -> 0.
-  __m512 mx[QZ], sum[QZ];
+  // Scores with the causal mask (keys a query must not see, and the padding rows, are -inf) and
+  // each query's maximum, in one pass.
+  __m512 mx[QZ], sum[QZ], inv[QZ];
   __m512i cv[QZ];
   for (int z = 0; z < QZ; ++z) {
     cv[z] = _mm512_load_si512(ctx + z * 16);
     mx[z] = _mm512_set1_ps(-INFINITY);
     sum[z] = _mm512_setzero_ps();
   }
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int64_t l = 0; l < rows; ++l)
-    for (int z = 0; z < QZ; ++z) {
-      __m512 v = _mm512_loadu_ps(s + l * QW + z * 16);
-      if (l >= minlen) {
-        v = _mm512_mask_mov_ps(v, _mm512_cmpge_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(l)), cv[z]), ninf);
-        _mm512_storeu_ps(s + l * QW + z * 16, v);
-      }
-      mx[z] = _mm512_max_ps(mx[z], v);
-    }
-  for (int64_t l = 0; l < rows; ++l)
-    for (int z = 0; z < QZ; ++z) {
-      const __m512 e = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(s + l * QW + z * 16), mx[z])}).v;
-      _mm512_storeu_ps(s + l * QW + z * 16, e);
-      sum[z] = _mm512_add_ps(sum[z], e);
-    }
-  // Normalised probabilities to bf16 pairs (keys 2m, 2m+1 of a query in one 32-bit lane), written
-  // over the scores in place: pair m lands at row m, below rows 2m and 2m + 1 it was read from.
+  sc.s.resize(static_cast<size_t>(rows * QW));
+  float* s = sc.s.data();
+  for (int64_t l0 = 0; l0 < rows; l0 += LB)
+    score_block<QZ, LB, P>(sc.qp.data(), kc, offs, l0, scale, cv, minlen, mx, s);
+  // exp(s - max) (-inf -> 0) summed, and rounded to bf16 pairs (keys 2m, 2m+1 of a query in one
+  // 32-bit lane) over the scores in place: pair m lands at row m, below rows 2m and 2m + 1 it was
+  // read from.  The 1 / sum is applied to the output (one multiply per output, not per key): the
+  // probabilities are rounded before normalising, where HF rounds after; both are bf16 roundings
+  // of the same fp32 values, within the kernels' tolerance (tests/engine/test_kernels.py) and equal
+  // to HF token for token on the parity prompts.  One pass here instead of four: at head_dim 64 a
+  // pass over the scores costs about as much as the dot products that made them.
   const __m512i interleave = _mm512_load_si512(kInterleave16);
-  __m512 inv[QZ];
-  for (int z = 0; z < QZ; ++z) inv[z] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[z]);
   int32_t* pp = reinterpret_cast<int32_t*>(s);
   for (int64_t m = 0; m < pairs; ++m)
     for (int z = 0; z < QZ; ++z) {
-      const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(s + 2 * m * QW + z * 16), inv[z]);
-      const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(s + (2 * m + 1) * QW + z * 16), inv[z]);
-      const __m512i ab = as_i(_mm512_cvtne2ps_pbh(b, a));
-      _mm512_storeu_si512(pp + m * QW + z * 16, _mm512_permutexvar_epi16(interleave, ab));
+      const __m512 a = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(s + 2 * m * QW + z * 16), mx[z])}).v;
+      const __m512 b = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(s + (2 * m + 1) * QW + z * 16), mx[z])}).v;
+      sum[z] = _mm512_add_ps(sum[z], _mm512_add_ps(a, b));
+      _mm512_storeu_si512(pp + m * QW + z * 16, _mm512_permutexvar_epi16(interleave, as_i(_mm512_cvtne2ps_pbh(b, a))));
     }
+  for (int z = 0; z < QZ; ++z) inv[z] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[z]);
 
   // Value rows 2m and 2m + 1 interleaved: 32-bit lane d holds (v[2m][d], v[2m+1][d]).
   const __m512i lo = _mm512_load_si512(kInterleave32);
@@ -221,7 +217,7 @@ void item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, con
   }
 
   sc.o.resize(static_cast<size_t>(D * QW));
-  for (int d0 = 0; d0 < D; d0 += DB) value_block<QZ, DB, D>(pp, vp, pairs, d0, sc.o.data());
+  for (int d0 = 0; d0 < D; d0 += DB) value_block<QZ, DB, D>(pp, vp, pairs, d0, inv, sc.o.data());
   const float* o = sc.o.data();
   for (int64_t x = 0; x < nq; ++x) {
     c10::BFloat16* dst = out + (row0 + x / g) * out_stride + (h * g + x % g) * D;
@@ -229,11 +225,125 @@ void item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, con
   }
 }
 
+// r[b] = the sum of v[b]'s 16 lanes, for 16 vectors at once: a transpose-and-add tree (45
+// shuffles and adds, where 16 separate horizontal sums take ~130).
+inline __m512 reduce16(__m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k)  // [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // each 128-bit lane: its 4-lane sums of v[4k .. 4k+3]
+    x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 2; ++k)  // 128-bit lanes 0+1 and 2+3 of x[2k], then of x[2k+1]
+    y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// A decode row (one query row, G query heads of KV head h): scores 16 keys at a time as bf16 dot
+// products (q and k as they are in memory, 32 pairs an instruction) summed by reduce16; softmax
+// along the keys; values two keys at a time, interleaved in pairs, into accumulators that stay in
+// registers.  Memory bound on a real batch (the whole cache streams once a step): ~2.5x fewer
+// instructions a key than the fp32 path, whose loads then have room to overlap.
+template <int D, int G>
+void decode_item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                 const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row,
+                 int64_t h, int64_t hkv, int64_t bs, float scale, Scratch& sc) {
+  constexpr int NZ = D / 32, NV = D / 16;
+  const int64_t len = ctx_len[row];
+  const int64_t rows = (len + 31) / 32 * 32, pairs = rows / 2;
+  sc.offs.resize(static_cast<size_t>(rows + 16));
+  const int64_t kstride = hkv * D;
+  for (int64_t l = 0, blk = 0; l < len; ++blk)
+    for (int64_t o = 0; o < bs && l < len; ++o, ++l) sc.offs[l] = (table[blk] * bs + o) * kstride + h * D;
+  for (int64_t l = len; l < rows + 16; ++l) sc.offs[l] = sc.offs[0];
+  const int64_t* offs = sc.offs.data();
+  __m512bh qv[G][NZ];
+  for (int j = 0; j < G; ++j)
+    for (int z = 0; z < NZ; ++z) qv[j][z] = as_bh(_mm512_loadu_si512(q + row * q_stride + (h * G + j) * D + z * 32));
+  sc.s.resize(static_cast<size_t>(G * rows));
+  float* s = sc.s.data();
+  const __m512 sc_v = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 mx[G];
+  for (int j = 0; j < G; ++j) mx[j] = ninf;
+  for (int64_t l0 = 0; l0 < rows; l0 += 16) {
+    for (int b = 0; b < 16; ++b)
+      for (int line = 0; line < D * 2; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(kc + offs[l0 + 16 + b]) + line, _MM_HINT_T0);
+    const __mmask16 valid = _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(l0)), lane),
+                                                    _mm512_set1_epi32(static_cast<int32_t>(len)));
+    for (int j = 0; j < G; ++j) {
+      __m512 part[16];
+      for (int b = 0; b < 16; ++b) {
+        const c10::BFloat16* kp = kc + offs[l0 + b];
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[j][0], as_bh(_mm512_loadu_si512(kp)));
+        for (int z = 1; z < NZ; ++z) a = _mm512_dpbf16_ps(a, qv[j][z], as_bh(_mm512_loadu_si512(kp + z * 32)));
+        part[b] = a;
+      }
+      const __m512 r = _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(reduce16(part), sc_v));
+      _mm512_storeu_ps(s + j * rows + l0, r);
+      mx[j] = _mm512_max_ps(mx[j], r);
+    }
+  }
+  // Softmax along each query's keys; probabilities normalised, then rounded to bf16 in key order,
+  // which is already the (key 2m, key 2m+1) pairing the value pass wants.
+  int32_t* pp = reinterpret_cast<int32_t*>(s);  // [G][pairs], over the scores (row j at j * pairs)
+  for (int j = 0; j < G; ++j) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[j]));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < rows; l += 16) {
+      const __m512 e = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(s + j * rows + l), m)}).v;
+      _mm512_storeu_ps(s + j * rows + l, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t l = 0; l < rows; l += 32)  // row j's pairs land at j * pairs <= j * rows: read before written
+      _mm512_storeu_si512(pp + j * pairs + l / 2,
+                          as_i(_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + j * rows + l + 16), inv),
+                                                   _mm512_mul_ps(_mm512_loadu_ps(s + j * rows + l), inv))));
+  }
+  const __m512i lo = _mm512_load_si512(kInterleave32);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  __m512 acc[G][NV];
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t m = 0; m < pairs; ++m) {
+    const c10::BFloat16* a = vc + offs[2 * m];
+    const c10::BFloat16* b = vc + offs[2 * m + 1];
+    for (int line = 0; line < D * 2; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 16]) + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 17]) + line, _MM_HINT_T0);
+    }
+    __m512bh vz[NV];
+    for (int k = 0; k < NV; k += 2) {
+      const __m512i va = _mm512_loadu_si512(a + k * 16), vb = _mm512_loadu_si512(b + k * 16);
+      vz[k] = as_bh(_mm512_permutex2var_epi16(va, lo, vb));
+      vz[k + 1] = as_bh(_mm512_permutex2var_epi16(va, hi, vb));
+    }
+    for (int j = 0; j < G; ++j) {
+      const __m512bh pb = as_bh(_mm512_set1_epi32(pp[j * pairs + m]));
+      for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], vz[i], pb);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < NV; ++i) avx512::store(out + row * out_stride + (h * G + j) * D + i * 16, avx512::Vf{acc[j][i]});
+}
+
 template <int D>
 bool item_d(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
             const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row0,
             int64_t nr, int64_t h, int64_t g, int64_t hkv, int64_t bs, float scale) {
   thread_local Scratch sc;
+  if (nr == 1 && g <= 4) {  // a decode row (more query heads would not keep their sums in registers)
+    switch (g) {
+      case 1: decode_item<D, 1>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, h, hkv, bs, scale, sc); return true;
+      case 2: decode_item<D, 2>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, h, hkv, bs, scale, sc); return true;
+      case 3: decode_item<D, 3>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, h, hkv, bs, scale, sc); return true;
+      default: decode_item<D, 4>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, h, hkv, bs, scale, sc); return true;
+    }
+  }
   const int64_t qz = (nr * g + 15) / 16;
 #define CARPOOL_ITEM(QZ) \
   case QZ: item<D, QZ>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, nr, h, g, hkv, bs, scale, sc); return true

@@ -173,8 +173,8 @@ inline void attend_item(const T* q, int64_t q_stride, const T* kc, const T* vc, 
 // Every row attends to the first ctx_len[row] keys of its sequence, read through its block table.
 // Work items (row block x KV head) are split between the threads by cost (rows x context), so a
 // few long contexts do not leave one thread idle while the other finishes them.
-// bf16_dot: bf16 items of kTiledMinQueries query vectors or more go to attend_item_bf16 (AVX-512
-// BF16 dot products, attention_bf16.cpp) when it covers their shape.
+// bf16_dot: bf16 items go to attend_item_bf16 (AVX-512 BF16 dot products, attention_bf16.cpp)
+// when it covers their shape.
 template <typename T, int D>
 void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const int64_t* tables, int64_t max_blocks,
                  const int64_t* seq_of_row, const int64_t* ctx_len, T* out, int64_t out_stride, int64_t rows,
@@ -206,7 +206,7 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
         if (mid < lo || mid >= hi) continue;
         const int64_t b = w / hkv, h = w % hkv;
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (bf16_dot && (starts[b + 1] - starts[b]) * g >= kTiledMinQueries &&
+          if (bf16_dot &&
               attend_item_bf16(q, q_stride, kc, vc, tables + seq_of_row[starts[b]] * max_blocks, ctx_len, out,
                                out_stride, starts[b], starts[b + 1] - starts[b], h, g, hkv, bs, D, scale))
             continue;
