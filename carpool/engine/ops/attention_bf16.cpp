@@ -259,6 +259,9 @@ void decode_item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* 
     for (int64_t o = 0; o < bs && l < len; ++o, ++l) sc.offs[l] = (table[blk] * bs + o) * kstride + h * D;
   for (int64_t l = len; l < rows + 16; ++l) sc.offs[l] = sc.offs[0];
   const int64_t* offs = sc.offs.data();
+  // The item of head 0 also pulls the rest of each key's cache row (the other heads, hkv * D
+  // values in all) into L2: the items of this row's other heads usually follow on the same thread.
+  const int64_t other = h == 0 ? hkv * D * 2 : 0;
   __m512bh qv[G][NZ];
   for (int j = 0; j < G; ++j)
     for (int z = 0; z < NZ; ++z) qv[j][z] = as_bh(_mm512_loadu_si512(q + row * q_stride + (h * G + j) * D + z * 32));
@@ -272,6 +275,9 @@ void decode_item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* 
     for (int b = 0; b < 16; ++b)
       for (int line = 0; line < D * 2; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(kc + offs[l0 + 16 + b]) + line, _MM_HINT_T0);
+    for (int b = 0; b < 16; ++b)  // the other heads' part of each cache row, for their items next
+      for (int64_t line = D * 2; line < other; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(kc + offs[l0 + 16 + b]) + line, _MM_HINT_T1);
     const __mmask16 valid = _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(l0)), lane),
                                                     _mm512_set1_epi32(static_cast<int32_t>(len)));
     for (int j = 0; j < G; ++j) {
@@ -315,6 +321,10 @@ void decode_item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* 
     for (int line = 0; line < D * 2; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 16]) + line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 17]) + line, _MM_HINT_T0);
+    }
+    for (int64_t line = D * 2; line < other; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 16]) + line, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 17]) + line, _MM_HINT_T1);
     }
     __m512bh vz[NV];
     for (int k = 0; k < NV; k += 2) {
