@@ -152,13 +152,8 @@ void item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, con
   }
   // Score rows: whole key blocks of the score kernel and whole key pairs of the value kernel.
   const int64_t rows = (maxlen + 2 * LB - 1) / (2 * LB) * (2 * LB), pairs = rows / 2;
-  // Element offset of key l's head-h vector; past maxlen (and LB ahead, for the prefetch) key 0,
-  // read but weighted 0 (the cache holds finite values).
-  sc.offs.resize(static_cast<size_t>(rows + LB));
-  const int64_t kstride = hkv * D;
-  for (int64_t l = 0, blk = 0; l < maxlen; ++blk)
-    for (int64_t o = 0; o < bs && l < maxlen; ++o, ++l) sc.offs[l] = (table[blk] * bs + o) * kstride + h * D;
-  for (int64_t l = maxlen; l < rows + LB; ++l) sc.offs[l] = sc.offs[0];
+  // Key offsets to maxlen, then key 0 for the padding rows and LB ahead (the prefetch).
+  key_offsets(table, maxlen, rows + LB, bs, hkv * D, h * D, sc.offs);
   const int64_t* offs = sc.offs.data();
 
   // Queries' pairs, [pair][query]; padding queries are zero (finite scores, output dropped).
@@ -253,11 +248,7 @@ void decode_item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* 
   constexpr int NZ = D / 32, NV = D / 16;
   const int64_t len = ctx_len[row];
   const int64_t rows = (len + 31) / 32 * 32, pairs = rows / 2;
-  sc.offs.resize(static_cast<size_t>(rows + 16));
-  const int64_t kstride = hkv * D;
-  for (int64_t l = 0, blk = 0; l < len; ++blk)
-    for (int64_t o = 0; o < bs && l < len; ++o, ++l) sc.offs[l] = (table[blk] * bs + o) * kstride + h * D;
-  for (int64_t l = len; l < rows + 16; ++l) sc.offs[l] = sc.offs[0];
+  key_offsets(table, len, rows + 16, bs, hkv * D, h * D, sc.offs);
   const int64_t* offs = sc.offs.data();
   // The item of head 0 also pulls the rest of each key's cache row (the other heads, hkv * D
   // values in all) into L2: the items of this row's other heads usually follow on the same thread.

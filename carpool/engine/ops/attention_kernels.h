@@ -63,11 +63,7 @@ inline void attend_item(const T* q, int64_t q_stride, const T* kc, const T* vc, 
   float* tile = acc + nq * D;  // [W keys][D] fp32 (tiled path)
   float* tile_t = tile + W * D;  // [D][W keys] fp32, the transpose
   // Element offset of key l's head-h vector in the cache; the padding repeats key 0 (read, never used).
-  offs.resize(static_cast<size_t>(lpad + kPrefetch));
-  const int64_t kstride = hkv * D;
-  for (int64_t l = 0, p = 0; l < maxlen; ++p)
-    for (int64_t o = 0; o < bs && l < maxlen; ++o, ++l) offs[l] = (table[p] * bs + o) * kstride + h * D;
-  for (int64_t l = maxlen; l < lpad + kPrefetch; ++l) offs[l] = offs[0];
+  key_offsets(table, maxlen, lpad + kPrefetch, bs, hkv * D, h * D, offs);
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t j = 0; j < g; ++j)
       for (int i = 0; i < NV; ++i)

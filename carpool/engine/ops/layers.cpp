@@ -98,6 +98,14 @@ void check_scales(const at::Tensor& acc, const at::Tensor& rs, const at::Tensor&
               ": column scales must be fp32 [cols]");
 }
 
+// The optional bias of an int8 op, contiguous, checked to be [n] in `dtype`; undefined when absent.
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, at::ScalarType dtype, int64_t n, const char* name) {
+  if (!bias.has_value()) return {};
+  at::Tensor b = bias->contiguous();
+  TORCH_CHECK(b.scalar_type() == dtype && b.numel() == n, name, ": bias must be [n] in dtype");
+  return b;
+}
+
 }  // namespace
 
 // x [T, n] -> (int8 [T, n], fp32 scales [T]): each row rounded to amax / 127 steps.
@@ -118,11 +126,7 @@ at::Tensor int8_dequantize(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::op
   check_scales(acc, rs, cs, acc.size(1), "int8_dequantize");
   const int64_t rows = acc.size(0), n = acc.size(1);
   auto out = at::empty({rows, n}, acc.options().dtype(dtype));
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == dtype && b.numel() == n, "int8_dequantize: bias must be [n] in dtype");
-  }
+  const at::Tensor b = checked_bias(bias, dtype, n, "int8_dequantize");
   CARPOOL_DISPATCH(isa, dtype, "int8_dequantize",
                    (ns::dequantize<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
                                       b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), rows, n)));
@@ -145,11 +149,7 @@ at::Tensor int8_dequantize_rope(at::Tensor acc, at::Tensor rs, at::Tensor cs, c1
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(p[t] >= 0 && p[t] < cos.size(0), "int8_dequantize_rope: position ", p[t], " is outside the table");
   auto out = at::empty({rows, n}, acc.options().dtype(dtype));
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == dtype && b.numel() == n, "int8_dequantize_rope: bias must be [n] in dtype");
-  }
+  const at::Tensor b = checked_bias(bias, dtype, n, "int8_dequantize_rope");
   CARPOOL_DISPATCH(isa, dtype, "int8_dequantize_rope",
                    (ns::dequantize_rope<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
                                            b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), rows, n, p,
@@ -173,10 +173,7 @@ std::vector<at::Tensor> int8_add_rms_norm(at::Tensor x, c10::optional<at::Tensor
     c = *cs;
     check_scales(a, r, c, n, "int8_add_rms_norm");
     TORCH_CHECK(a.size(0) == rows, "int8_add_rms_norm: acc must have x's rows");
-    if (bias.has_value()) {
-      b = bias->contiguous();
-      TORCH_CHECK(b.scalar_type() == x.scalar_type() && b.numel() == n, "int8_add_rms_norm: bias must be [n]");
-    }
+    b = checked_bias(bias, x.scalar_type(), n, "int8_add_rms_norm");
   }
   at::Tensor out, q, qs;
   if (quantize) {

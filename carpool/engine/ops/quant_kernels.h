@@ -60,18 +60,20 @@ void quantize_rows(const T* x, int8_t* q, float* qs, int64_t rows, int64_t n) {
   });
 }
 
+// One row: a [n] int32 scaled back into o [n] in T with row scale rs.
+template <typename T>
+inline void dequantize_row(const int32_t* a, float rs, const float* cs, const T* bias, T* o, int64_t n) {
+  const int64_t nv = n / W * W;
+  for (int64_t k = 0; k < nv; k += W) store(o + k, dequant(a, rs, cs, bias, k));
+  for (int64_t k = nv; k < n; ++k) o[k] = static_cast<T>(dequant_scalar(a, rs, cs, bias, k));
+}
+
 // acc [rows, n] int32 -> out [rows, n] in T (the fused q|k|v projection's output).
 template <typename T>
 void dequantize(const int32_t* acc, const float* rs, const float* cs, const T* bias, T* out, int64_t rows,
                 int64_t n) {
-  const int64_t nv = n / W * W;
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int32_t* a = acc + i * n;
-      T* o = out + i * n;
-      for (int64_t k = 0; k < nv; k += W) store(o + k, dequant(a, rs[i], cs, bias, k));
-      for (int64_t k = nv; k < n; ++k) o[k] = static_cast<T>(dequant_scalar(a, rs[i], cs, bias, k));
-    }
+    for (int64_t i = begin; i < end; ++i) dequantize_row(acc + i * n, rs[i], cs, bias, out + i * n, n);
   });
 }
 
@@ -80,14 +82,11 @@ void dequantize(const int32_t* acc, const float* rs, const float* cs, const T* b
 template <typename T>
 void dequantize_rope(const int32_t* acc, const float* rs, const float* cs, const T* bias, T* out, int64_t rows,
                      int64_t n, const int64_t* pos, const T* cos, const T* sin, int64_t heads, int64_t d) {
-  const int64_t nv = n / W * W, half = d / 2;
+  const int64_t half = d / 2;
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int32_t* a = acc + i * n;
-      T* o = out + i * n;
-      for (int64_t k = 0; k < nv; k += W) store(o + k, dequant(a, rs[i], cs, bias, k));
-      for (int64_t k = nv; k < n; ++k) o[k] = static_cast<T>(dequant_scalar(a, rs[i], cs, bias, k));
-      rope_row(o, cos + pos[i] * half, sin + pos[i] * half, heads, d);
+      dequantize_row(acc + i * n, rs[i], cs, bias, out + i * n, n);
+      rope_row(out + i * n, cos + pos[i] * half, sin + pos[i] * half, heads, d);
     }
   });
 }
