@@ -3,8 +3,8 @@
 // attention() takes the fused q|k|v projection of every new token (RoPE already applied), writes
 // the new keys and values into the paged cache, and returns the attention output of every row:
 // - rows [0, num_kernel_rows) (decodes and prefill chunks) run the SIMD kernel of
-//   attention_kernels.h, straight from the paged cache through the block tables; bf16 blocks of
-//   prefill rows on a CPU with AVX-512 BF16 go to attention_bf16.cpp's dot-product kernel;
+//   attention_kernels.h, straight from the paged cache through the block tables; bf16 rows (decodes
+//   and prefill blocks) on a CPU with AVX-512 BF16 go to attention_bf16.cpp's dot-product kernels;
 // - each long prefill chunk (a row of flash_seqs) runs torch's CPU flash attention
 //   (at::_scaled_dot_product_flash_attention_for_cpu, blocked and AMX/AVX-512 GEMM based): once
 //   causally over the chunk's own keys, once over its cached prefix (gathered block by block), and

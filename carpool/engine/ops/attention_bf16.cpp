@@ -77,6 +77,19 @@ inline __m512i as_i(__m512bh v) {
   return r;
 }
 
+// Value rows a and b (D values each) interleaved: 32-bit lane d of out[d / 16] holds (a[d], b[d]),
+// the pairing vdpbf16ps multiplies with a probability pair (p_a, p_b).
+template <int D>
+inline void pair_rows(const c10::BFloat16* a, const c10::BFloat16* b, __m512i* out) {
+  const __m512i lo = _mm512_load_si512(kInterleave32);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int k = 0; k < D / 16; k += 2) {  // 32 head dims of each row at a time
+    const __m512i va = _mm512_loadu_si512(a + k * 16), vb = _mm512_loadu_si512(b + k * 16);
+    out[k] = _mm512_permutex2var_epi16(va, lo, vb);
+    out[k + 1] = _mm512_permutex2var_epi16(va, hi, vb);
+  }
+}
+
 struct Scratch {
   std::vector<int32_t> qp;  // [D/2 pairs][QW queries]: each query's bf16 pairs
   std::vector<float> s;     // [rows][QW] scores, then (in place) the bf16 probability pairs
@@ -197,18 +210,12 @@ void item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, con
   for (int z = 0; z < QZ; ++z) inv[z] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[z]);
 
   // Value rows 2m and 2m + 1 interleaved: 32-bit lane d holds (v[2m][d], v[2m+1][d]).
-  const __m512i lo = _mm512_load_si512(kInterleave32);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   sc.vp.resize(static_cast<size_t>(pairs * D));
   int32_t* vp = sc.vp.data();
   for (int64_t m = 0; m < pairs; ++m) {
-    const c10::BFloat16* a = vc + offs[2 * m];
-    const c10::BFloat16* b = vc + offs[2 * m + 1];
-    for (int k = 0; k < NV; k += 2) {  // 32 head dims of each row at a time
-      const __m512i va = _mm512_loadu_si512(a + k * 16), vb = _mm512_loadu_si512(b + k * 16);
-      _mm512_storeu_si512(vp + m * D + k * 16, _mm512_permutex2var_epi16(va, lo, vb));
-      _mm512_storeu_si512(vp + m * D + (k + 1) * 16, _mm512_permutex2var_epi16(va, hi, vb));
-    }
+    __m512i vz[NV];
+    pair_rows<D>(vc + offs[2 * m], vc + offs[2 * m + 1], vz);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_si512(vp + m * D + i * 16, vz[i]);
   }
 
   sc.o.resize(static_cast<size_t>(D * QW));
@@ -301,14 +308,10 @@ void decode_item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* 
                           as_i(_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + j * rows + l + 16), inv),
                                                    _mm512_mul_ps(_mm512_loadu_ps(s + j * rows + l), inv))));
   }
-  const __m512i lo = _mm512_load_si512(kInterleave32);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   __m512 acc[G][NV];
   for (int j = 0; j < G; ++j)
     for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t m = 0; m < pairs; ++m) {
-    const c10::BFloat16* a = vc + offs[2 * m];
-    const c10::BFloat16* b = vc + offs[2 * m + 1];
     for (int line = 0; line < D * 2; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 16]) + line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 17]) + line, _MM_HINT_T0);
@@ -317,15 +320,11 @@ void decode_item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* 
       _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 16]) + line, _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 17]) + line, _MM_HINT_T1);
     }
-    __m512bh vz[NV];
-    for (int k = 0; k < NV; k += 2) {
-      const __m512i va = _mm512_loadu_si512(a + k * 16), vb = _mm512_loadu_si512(b + k * 16);
-      vz[k] = as_bh(_mm512_permutex2var_epi16(va, lo, vb));
-      vz[k + 1] = as_bh(_mm512_permutex2var_epi16(va, hi, vb));
-    }
+    __m512i vz[NV];
+    pair_rows<D>(vc + offs[2 * m], vc + offs[2 * m + 1], vz);
     for (int j = 0; j < G; ++j) {
       const __m512bh pb = as_bh(_mm512_set1_epi32(pp[j * pairs + m]));
-      for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], vz[i], pb);
+      for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], as_bh(vz[i]), pb);
     }
   }
   for (int j = 0; j < G; ++j)
