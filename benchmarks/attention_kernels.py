@@ -4,11 +4,12 @@ head_dim 64, bf16, pages of 16 tokens scattered in the cache), per path:
     python benchmarks/attention_kernels.py [--reps 8]
 
 Cases: a whole 2000-token prompt, a 500-token chunk behind 1500 cached tokens, eight 200-token
-prompts, and a decode batch of 64 rows over 300 keys each.  Paths: "bf16-dot" (attention_bf16.cpp,
+prompts, and a decode batch of 64 rows over 300 keys each, once with one layer's cache (in L3 here)
+and once over 30 layers' caches in turn (444 MB: read from memory, as in a real decode step).  Paths: "bf16-dot" (attention_bf16.cpp,
 AVX-512 BF16; skipped where the CPU lacks it), "fp32" (the SIMD kernel of attention_kernels.h) and,
 for prefill chunks, "flash" (torch's CPU flash attention, the AMX route).  Prints one JSON object:
-best-of-reps ms a layer and GFLOP/s (4 x keys x head_dim x query heads per row).  The decode case's
-cache fits in L3 here; in a real batch it streams from memory (engine_profile.py shows that).
+best-of-reps ms a layer and GFLOP/s (4 x keys x head_dim x query heads per row); the 30-layer case
+also the cache bytes read a second (GB/s).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from carpool.engine.ops import Kernels
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 CASES = {"prefill-2000": [(0, 2000)], "chunk-500-after-1500": [(1500, 500)], "prefill-8x200": [(0, 200)] * 8,
-         "decode-64x300": [(300, 1)] * 64}
+         "decode-64x300": [(300, 1)] * 64, "decode-64x300-30-layers": [(300, 1)] * 64}
+LAYERS = {"decode-64x300-30-layers": 30}
 
 
 def batch(seqs: list[tuple[int, int]], route: str):
@@ -78,14 +80,21 @@ def main() -> int:
             out = {}
             for path in paths:
                 k.module.set_attention_bf16_enabled(path == "bf16-dot")
-                call, flops = batch(seqs, "flash" if path == "flash" else "kernel")
-                k.attention(*call)
+                layers = LAYERS.get(name, 1)
+                calls = [batch(seqs, "flash" if path == "flash" else "kernel") for _ in range(layers)]
+                flops = calls[0][1]
+                for call, _ in calls:
+                    k.attention(*call)
                 best = float("inf")
                 for _ in range(args.reps):
                     t = time.perf_counter()
-                    k.attention(*call)
-                    best = min(best, time.perf_counter() - t)
+                    for call, _ in calls:
+                        k.attention(*call)
+                    best = min(best, (time.perf_counter() - t) / layers)
                 out[path] = {"ms": round(best * 1e3, 3), "gflops": round(flops / best / 1e9, 1)}
+                if layers > 1:  # keys and values of every cached token, all KV heads
+                    cached = sum(c + n for c, n in seqs) * 2 * HKV * D * 2
+                    out[path]["gb_s"] = round(cached / best / 1e9, 1)
             result["cases"][name] = out
     finally:
         k.module.set_attention_bf16_enabled(True)

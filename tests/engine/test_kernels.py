@@ -117,14 +117,15 @@ def test_attention_matches_reference(best_isa, isa, dtype, shape, route):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
 def test_bf16_attention_on_bf16_dot_products_and_without(best_isa, shape):
-    """The AVX-512 BF16 kernels (attention_bf16.cpp, default where the CPU has them: decode rows and
-    prefill chunks) and the fp32 path they replace both match the fp64 reference; and the switch
-    really switches."""
+    """The AVX-512 BF16 kernels (attention_bf16.cpp, default where the CPU has them: decode rows, one
+    item over all KV heads each, and prefill chunks) and the fp32 path they replace both match the
+    fp64 reference; and the switch really switches.  Decode rows sit before, between and after
+    prefill chunks (each decode item prefetches into the next item's cache rows)."""
     k = kernels_at(2, best_isa)
     if not k.module.cpu_has_avx512_bf16():
         pytest.skip("this CPU has no AVX-512 BF16")
     hq, hkv, d, bs = shape
-    seqs = [(300, 1), (37, 1), (0, 70), (130, 45), (16, 200), (5, 3)]
+    seqs = [(300, 1), (37, 1), (0, 70), (130, 45), (64, 1), (16, 200), (5, 3), (0, 1), (511, 1)]
     qkv, kc, vc, slots, block_tables, tables = make_batch(seqs, hq, hkv, d, bs, torch.bfloat16, seed=7)
     ref = reference(qkv, kc, vc, tables, seqs, hq, hkv, d, bs)
     rows_seq = [i for i, (_, n) in enumerate(seqs) for _ in range(n)]
@@ -140,8 +141,8 @@ def test_bf16_attention_on_bf16_dot_products_and_without(best_isa, shape):
             torch.testing.assert_close(outs[on].double(), ref, atol=2e-2, rtol=2e-2)
     finally:
         k.module.set_attention_bf16_enabled(True)
-    decode, prefill = slice(0, 2), slice(2, None)
-    for rows in (decode, prefill):
+    decode = torch.tensor([n == 1 for _, n in seqs for _ in range(n)])
+    for rows in (decode, ~decode):
         if d != 16:  # head dims the bf16 kernels cover: their rounding differs from the fp32 path's
             assert not torch.equal(outs[True][rows], outs[False][rows])
         else:

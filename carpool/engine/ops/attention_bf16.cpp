@@ -1,4 +1,4 @@
-// Prefill attention with AVX-512 BF16 dot products, for bf16 models on CPUs that have them
+// Prefill and decode attention with AVX-512 BF16 dot products, for bf16 models on CPUs that have them
 // (Zen 4, Cooper Lake, Sapphire Rapids and later).
 //
 // Why its own kernel: on the long mixed workload (prompts of 20-2000 tokens) attention was a third
@@ -92,11 +92,16 @@ inline void pair_rows(const c10::BFloat16* a, const c10::BFloat16* b, __m512i* o
 
 struct Scratch {
   std::vector<int32_t> qp;  // [D/2 pairs][QW queries]: each query's bf16 pairs
-  std::vector<float> s;     // [rows][QW] scores, then (in place) the bf16 probability pairs
+  std::vector<float> s;     // [rows][QW] scores (a decode row: [query][rows]), then in place the bf16 pairs
   std::vector<int32_t> vp;  // [rows/2][D]: value rows 2m and 2m+1 interleaved in pairs
-  std::vector<float> o;     // [D][QW] outputs, transposed
+  std::vector<float> o;     // [D][QW] outputs, transposed (a decode row: [query][D] sums between chunks)
   std::vector<int64_t> offs;
 };
+
+Scratch& scratch() {  // one a thread, grown to the largest item it has run
+  thread_local Scratch sc;
+  return sc;
+}
 
 // S[l0 + b][:] = scale * (q . k_{l0+b}) for LB keys, QZ vectors of queries; from key minlen on,
 // -inf where a query's context cv ends; mx keeps each query's running maximum.
@@ -243,107 +248,140 @@ inline __m512 reduce16(__m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// A decode row (one query row, G query heads of KV head h): scores 16 keys at a time as bf16 dot
-// products (q and k as they are in memory, 32 pairs an instruction) summed by reduce16; softmax
-// along the keys; values two keys at a time, interleaved in pairs, into accumulators that stay in
-// registers.  Memory bound on a real batch (the whole cache streams once a step): ~2.5x fewer
-// instructions a key than the fp32 path, whose loads then have room to overlap.
+// A decode row (one query row) against every KV head at once, G query heads each.  A real decode
+// batch reads its whole cache from memory every step, so this item is built around the stream:
+// each key's whole cache row (hkv * D values) is read once, in key order, prefetched kAheadBytes
+// ahead, and the prefetches run on into the next item's first keys.  (An item per KV head read a
+// third of each row and left the memory idle while later heads' items ran from L2: 14 GB/s of the
+// ~26 this VM reads.)
+// Scores: 16 keys at a time as bf16 dot products (q and k as they are in memory, 32 pairs an
+// instruction) summed by reduce16; softmax along the keys; values in chunks of kChunk keys, two
+// keys at a time interleaved in pairs, into register accumulators saved between chunks.
+// The same products summed in the same order as the per-head item it replaced.
+//
+// How far ahead, in bytes of cache rows, into L2 (T1: 1 MB a core here; T0, into L1, evicted the
+// rows being read).  64 decode rows x 300 keys over 30 layers' caches (444 MB, SmolLM2's shape),
+// ms a step: an item per KV head, T0 16 keys ahead 30.7; this item, T0 24 KB ahead 34-36, T1
+// 48 KB 26.1; with the run-on into the next item, T1 48 KB 23.0, 72 KB 23.6, 96 KB 19.1-21.9,
+// 192 KB 26.7.
+constexpr int64_t kAheadBytes = 96 * 1024;
+constexpr int kChunk = 32;  // keys of the value pass a head takes before the next head
+
 template <int D, int G>
-void decode_item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
-                 const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row,
-                 int64_t h, int64_t hkv, int64_t bs, float scale, Scratch& sc) {
+void decode_row(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row,
+                int64_t hkv, int64_t bs, float scale, const int64_t* next_table, int64_t next_len, Scratch& sc) {
   constexpr int NZ = D / 32, NV = D / 16;
-  const int64_t len = ctx_len[row];
+  const int64_t len = ctx_len[row], nq = hkv * G;
   const int64_t rows = (len + 31) / 32 * 32, pairs = rows / 2;
-  key_offsets(table, len, rows + 16, bs, hkv * D, h * D, sc.offs);
+  const int64_t line_end = hkv * D * 2;  // bytes of a cache row
+  const int64_t ahead = std::max<int64_t>(16, kAheadBytes / line_end / 16 * 16);  // keys
+  key_offsets(table, len, rows + ahead, bs, hkv * D, 0, sc.offs);
+  for (int64_t l = 0; l < std::min(next_len, ahead); ++l)  // prefetched only, never read
+    sc.offs[rows + l] = (next_table[l / bs] * bs + l % bs) * hkv * D;
   const int64_t* offs = sc.offs.data();
-  // The item of head 0 also pulls the rest of each key's cache row (the other heads, hkv * D
-  // values in all) into L2: the items of this row's other heads usually follow on the same thread.
-  const int64_t other = h == 0 ? hkv * D * 2 : 0;
-  __m512bh qv[G][NZ];
-  for (int j = 0; j < G; ++j)
-    for (int z = 0; z < NZ; ++z) qv[j][z] = as_bh(_mm512_loadu_si512(q + row * q_stride + (h * G + j) * D + z * 32));
-  sc.s.resize(static_cast<size_t>(G * rows));
+  sc.s.resize(static_cast<size_t>(nq * rows));
   float* s = sc.s.data();
+  const c10::BFloat16* qrow = q + row * q_stride;
+  for (int64_t k = 0; k < std::min(len, ahead); ++k)
+    for (int64_t line = 0; line < line_end; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(kc + offs[k]) + line, _MM_HINT_T1);
   const __m512 sc_v = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 mx[G];
-  for (int j = 0; j < G; ++j) mx[j] = ninf;
   for (int64_t l0 = 0; l0 < rows; l0 += 16) {
-    for (int b = 0; b < 16; ++b)
-      for (int line = 0; line < D * 2; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(kc + offs[l0 + 16 + b]) + line, _MM_HINT_T0);
-    for (int b = 0; b < 16; ++b)  // the other heads' part of each cache row, for their items next
-      for (int64_t line = D * 2; line < other; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(kc + offs[l0 + 16 + b]) + line, _MM_HINT_T1);
     const __mmask16 valid = _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(l0)), lane),
                                                     _mm512_set1_epi32(static_cast<int32_t>(len)));
-    for (int j = 0; j < G; ++j) {
-      __m512 part[16];
-      for (int b = 0; b < 16; ++b) {
-        const c10::BFloat16* kp = kc + offs[l0 + b];
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[j][0], as_bh(_mm512_loadu_si512(kp)));
-        for (int z = 1; z < NZ; ++z) a = _mm512_dpbf16_ps(a, qv[j][z], as_bh(_mm512_loadu_si512(kp + z * 32)));
-        part[b] = a;
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int j = 0; j < G; ++j) {
+        // This query's share of the 16 keys `ahead` on: prefetches spread over the block's work.
+        const int64_t r = h * G + j;
+        for (int64_t b = r * 16 / nq; b < (r + 1) * 16 / nq; ++b)
+          for (int64_t line = 0; line < line_end; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(kc + offs[l0 + ahead + b]) + line, _MM_HINT_T1);
+        __m512bh qv[NZ];
+        for (int z = 0; z < NZ; ++z) qv[z] = as_bh(_mm512_loadu_si512(qrow + (h * G + j) * D + z * 32));
+        __m512 part[16];
+        for (int b = 0; b < 16; ++b) {
+          const c10::BFloat16* kp = kc + offs[l0 + b] + h * D;
+          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], as_bh(_mm512_loadu_si512(kp)));
+          for (int z = 1; z < NZ; ++z) a = _mm512_dpbf16_ps(a, qv[z], as_bh(_mm512_loadu_si512(kp + z * 32)));
+          part[b] = a;
+        }
+        _mm512_storeu_ps(s + (h * G + j) * rows + l0,
+                         _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(reduce16(part), sc_v)));
       }
-      const __m512 r = _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(reduce16(part), sc_v));
-      _mm512_storeu_ps(s + j * rows + l0, r);
-      mx[j] = _mm512_max_ps(mx[j], r);
-    }
   }
+  for (int64_t k = 0; k < std::min(len, ahead); ++k)  // the value pass's first keys
+    for (int64_t line = 0; line < line_end; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[k]) + line, _MM_HINT_T1);
   // Softmax along each query's keys; probabilities normalised, then rounded to bf16 in key order,
   // which is already the (key 2m, key 2m+1) pairing the value pass wants.
-  int32_t* pp = reinterpret_cast<int32_t*>(s);  // [G][pairs], over the scores (row j at j * pairs)
-  for (int j = 0; j < G; ++j) {
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[j]));
+  int32_t* pp = reinterpret_cast<int32_t*>(s);  // [nq][pairs], over the scores (query r at r * pairs)
+  for (int64_t r = 0; r < nq; ++r) {
+    float* sr = s + r * rows;
+    __m512 mx = ninf;
+    for (int64_t l = 0; l < rows; l += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + l));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t l = 0; l < rows; l += 16) {
-      const __m512 e = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(s + j * rows + l), m)}).v;
-      _mm512_storeu_ps(s + j * rows + l, e);
+      const __m512 e = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(sr + l), m)}).v;
+      _mm512_storeu_ps(sr + l, e);
       sum = _mm512_add_ps(sum, e);
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-    for (int64_t l = 0; l < rows; l += 32)  // row j's pairs land at j * pairs <= j * rows: read before written
-      _mm512_storeu_si512(pp + j * pairs + l / 2,
-                          as_i(_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + j * rows + l + 16), inv),
-                                                   _mm512_mul_ps(_mm512_loadu_ps(s + j * rows + l), inv))));
+    // Query r's pairs land at r * pairs <= r * rows: each read before it is overwritten, and
+    // earlier queries' scores are no longer needed.
+    for (int64_t l = 0; l < rows; l += 32)
+      _mm512_storeu_si512(pp + r * pairs + l / 2, as_i(_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sr + l + 16), inv),
+                                                                          _mm512_mul_ps(_mm512_loadu_ps(sr + l), inv))));
   }
-  __m512 acc[G][NV];
-  for (int j = 0; j < G; ++j)
-    for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
-  for (int64_t m = 0; m < pairs; ++m) {
-    for (int line = 0; line < D * 2; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 16]) + line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 17]) + line, _MM_HINT_T0);
-    }
-    for (int64_t line = D * 2; line < other; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 16]) + line, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[2 * m + 17]) + line, _MM_HINT_T1);
-    }
-    __m512i vz[NV];
-    pair_rows<D>(vc + offs[2 * m], vc + offs[2 * m + 1], vz);
-    for (int j = 0; j < G; ++j) {
-      const __m512bh pb = as_bh(_mm512_set1_epi32(pp[j * pairs + m]));
-      for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], as_bh(vz[i]), pb);
+  sc.o.assign(static_cast<size_t>(nq * D), 0.f);  // [nq][D] value sums between chunks
+  float* acc_mem = sc.o.data();
+  for (int64_t c0 = 0; c0 < pairs; c0 += kChunk / 2) {
+    const int64_t c1 = std::min<int64_t>(pairs, c0 + kChunk / 2);
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int64_t k = 2 * c0 + h * kChunk / hkv; k < 2 * c0 + (h + 1) * kChunk / hkv; ++k)  // head h's share
+        for (int64_t line = 0; line < line_end; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(vc + offs[k + ahead]) + line, _MM_HINT_T1);
+      __m512 acc[G][NV];
+      for (int j = 0; j < G; ++j)
+        for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_loadu_ps(acc_mem + (h * G + j) * D + i * 16);
+      for (int64_t m = c0; m < c1; ++m) {
+        __m512i vz[NV];
+        pair_rows<D>(vc + offs[2 * m] + h * D, vc + offs[2 * m + 1] + h * D, vz);
+        for (int j = 0; j < G; ++j) {
+          const __m512bh pb = as_bh(_mm512_set1_epi32(pp[(h * G + j) * pairs + m]));
+          for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], as_bh(vz[i]), pb);
+        }
+      }
+      for (int j = 0; j < G; ++j)
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_mem + (h * G + j) * D + i * 16, acc[j][i]);
     }
   }
-  for (int j = 0; j < G; ++j)
-    for (int i = 0; i < NV; ++i) avx512::store(out + row * out_stride + (h * G + j) * D + i * 16, avx512::Vf{acc[j][i]});
+  for (int64_t r = 0; r < nq; ++r)
+    for (int i = 0; i < NV; ++i)
+      avx512::store(out + row * out_stride + r * D + i * 16, avx512::Vf{_mm512_loadu_ps(acc_mem + r * D + i * 16)});
+}
+
+template <int D>
+bool row_d(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
+           const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row,
+           int64_t g, int64_t hkv, int64_t bs, float scale, const int64_t* next_table, int64_t next_len) {
+  Scratch& sc = scratch();
+  switch (g) {  // more query heads would not keep their sums in registers
+    case 1: decode_row<D, 1>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row, hkv, bs, scale, next_table, next_len, sc); return true;
+    case 2: decode_row<D, 2>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row, hkv, bs, scale, next_table, next_len, sc); return true;
+    case 3: decode_row<D, 3>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row, hkv, bs, scale, next_table, next_len, sc); return true;
+    case 4: decode_row<D, 4>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row, hkv, bs, scale, next_table, next_len, sc); return true;
+    default: return false;
+  }
 }
 
 template <int D>
 bool item_d(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
             const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row0,
             int64_t nr, int64_t h, int64_t g, int64_t hkv, int64_t bs, float scale) {
-  thread_local Scratch sc;
-  if (nr == 1 && g <= 4) {  // a decode row (more query heads would not keep their sums in registers)
-    switch (g) {
-      case 1: decode_item<D, 1>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, h, hkv, bs, scale, sc); return true;
-      case 2: decode_item<D, 2>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, h, hkv, bs, scale, sc); return true;
-      case 3: decode_item<D, 3>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, h, hkv, bs, scale, sc); return true;
-      default: decode_item<D, 4>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, h, hkv, bs, scale, sc); return true;
-    }
-  }
+  Scratch& sc = scratch();
   const int64_t qz = (nr * g + 15) / 16;
 #define CARPOOL_ITEM(QZ) \
   case QZ: item<D, QZ>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, nr, h, g, hkv, bs, scale, sc); return true
@@ -370,6 +408,18 @@ bool attend_item_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
     case 64: return item_d<64>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, nr, h, g, hkv, bs, scale);
     case 128: return item_d<128>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, nr, h, g, hkv, bs, scale);
     case 32: return item_d<32>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, nr, h, g, hkv, bs, scale);
+    default: return false;
+  }
+}
+
+bool attend_row_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                     const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
+                     int64_t row, int64_t g, int64_t hkv, int64_t bs, int64_t d, float scale,
+                     const int64_t* next_table, int64_t next_len) {
+  switch (d) {
+    case 64: return row_d<64>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row, g, hkv, bs, scale, next_table, next_len);
+    case 128: return row_d<128>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row, g, hkv, bs, scale, next_table, next_len);
+    case 32: return row_d<32>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row, g, hkv, bs, scale, next_table, next_len);
     default: return false;
   }
 }

@@ -1,4 +1,4 @@
-// Prefill attention on AVX-512 BF16 (attention_bf16.cpp): the tiled path of attention_kernels.h
+// Prefill and decode attention on AVX-512 BF16 (attention_bf16.cpp): the tiled path of attention_kernels.h
 // for bf16 models on CPUs that multiply bf16 pairs natively (vdpbf16ps).
 #pragma once
 
@@ -36,5 +36,14 @@ void set_attention_bf16_enabled(bool on);
 bool attend_item_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
                       const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
                       int64_t row0, int64_t nr, int64_t h, int64_t g, int64_t hkv, int64_t bs, int64_t d, float scale);
+
+// One decode row (a block of one query row) against all hkv KV heads, g query heads each, reading
+// each key's whole cache row once; its prefetches run on into the first keys of the next row the
+// thread takes (next_table, next_len keys; next_len 0: none).  Returns false, doing nothing, for
+// shapes it does not cover (head_dim other than 32, 64, 128; more than 4 query heads a KV head).
+bool attend_row_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                     const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
+                     int64_t row, int64_t g, int64_t hkv, int64_t bs, int64_t d, float scale,
+                     const int64_t* next_table, int64_t next_len);
 
 }  // namespace carpool

@@ -167,10 +167,11 @@ inline void attend_item(const T* q, int64_t q_stride, const T* kc, const T* vc, 
 }
 
 // Every row attends to the first ctx_len[row] keys of its sequence, read through its block table.
-// Work items (row block x KV head) are split between the threads by cost (rows x context), so a
-// few long contexts do not leave one thread idle while the other finishes them.
-// bf16_dot: bf16 items go to attend_item_bf16 (AVX-512 BF16 dot products, attention_bf16.cpp)
-// when it covers their shape.
+// Work items (row block x KV head; a one-row block on the bf16 path takes all heads) are split
+// between the threads by cost (rows x context), so a few long contexts do not leave one thread
+// idle while the other finishes them.
+// bf16_dot: bf16 items go to attend_row_bf16 / attend_item_bf16 (AVX-512 BF16 dot products,
+// attention_bf16.cpp) when they cover their shape.
 template <typename T, int D>
 void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const int64_t* tables, int64_t max_blocks,
                  const int64_t* seq_of_row, const int64_t* ctx_len, T* out, int64_t out_stride, int64_t rows,
@@ -183,13 +184,21 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
     if (t == 0 || seq_of_row[t] != seq_of_row[t - 1] || t - starts.back() == block_rows) starts.push_back(t);
   const int64_t nblk = static_cast<int64_t>(starts.size());
   starts.push_back(rows);
-  const int64_t items = nblk * hkv;
-  // cost[w] = cumulative cost before item w (item = block b, head h; w = b * hkv + h).
-  std::vector<double> cum(static_cast<size_t>(items + 1), 0.0);
-  for (int64_t w = 0; w < items; ++w) {
-    const int64_t b = w / hkv, last = starts[b + 1] - 1;
-    cum[w + 1] = cum[w] + static_cast<double>((starts[b + 1] - starts[b]) * g) * (ctx_len[last] + 16);
+  // Items: (block, KV head), or (block, -1) for a one-row block on the bf16 path: that item takes
+  // every head at once (attend_row_bf16 reads each key's whole cache row in one stream).
+  std::vector<int64_t> item_b, item_h;
+  std::vector<double> cum(1, 0.0);  // cum[w] = cost of the items before item w
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t nr = starts[b + 1] - starts[b];
+    const double cost = static_cast<double>(nr * g) * (ctx_len[starts[b + 1] - 1] + 16);
+    const bool whole = bf16_dot && nr == 1;
+    for (int64_t h = whole ? -1 : 0; h < (whole ? 0 : hkv); ++h) {
+      item_b.push_back(b);
+      item_h.push_back(h);
+      cum.push_back(cum.back() + (whole ? cost * hkv : cost));
+    }
   }
+  const int64_t items = static_cast<int64_t>(item_b.size());
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> buf;
@@ -197,18 +206,31 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
     for (int64_t t = tb; t < te; ++t) {
       // Items whose cost midpoint falls in this thread's share of the total.
       const double lo = cum[items] * t / nthreads, hi = cum[items] * (t + 1) / nthreads;
+      std::vector<int64_t> mine;
       for (int64_t w = 0; w < items; ++w) {
         const double mid = 0.5 * (cum[w] + cum[w + 1]);
-        if (mid < lo || mid >= hi) continue;
-        const int64_t b = w / hkv, h = w % hkv;
+        if (mid >= lo && mid < hi) mine.push_back(w);
+      }
+      for (size_t i = 0; i < mine.size(); ++i) {
+        const int64_t w = mine[i], b = item_b[w], r0 = starts[b], nr = starts[b + 1] - r0;
+        const int64_t* table = tables + seq_of_row[r0] * max_blocks;
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (bf16_dot &&
-              attend_item_bf16(q, q_stride, kc, vc, tables + seq_of_row[starts[b]] * max_blocks, ctx_len, out,
-                               out_stride, starts[b], starts[b + 1] - starts[b], h, g, hkv, bs, D, scale))
+          // A whole-row item streams on into the next one's first keys (this thread's next item).
+          const bool next = i + 1 < mine.size() && item_h[mine[i + 1]] < 0;
+          const int64_t nrow = next ? starts[item_b[mine[i + 1]]] : 0;
+          if (item_h[w] < 0 && attend_row_bf16(q, q_stride, kc, vc, table, ctx_len, out, out_stride, r0, g, hkv, bs, D,
+                                               scale, tables + seq_of_row[nrow] * max_blocks, next ? ctx_len[nrow] : 0))
             continue;
         }
-        attend_item<T, D>(q, q_stride, kc, vc, tables + seq_of_row[starts[b]] * max_blocks, ctx_len, out, out_stride,
-                          starts[b], starts[b + 1] - starts[b], h, g, hkv, bs, scale, buf, offs);
+        for (int64_t h = std::max<int64_t>(item_h[w], 0); h < (item_h[w] < 0 ? hkv : item_h[w] + 1); ++h) {
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            if (bf16_dot && attend_item_bf16(q, q_stride, kc, vc, table, ctx_len, out, out_stride, r0, nr, h, g, hkv,
+                                             bs, D, scale))
+              continue;
+          }
+          attend_item<T, D>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, r0, nr, h, g, hkv, bs, scale, buf,
+                            offs);
+        }
       }
     }
   });
