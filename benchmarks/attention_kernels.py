@@ -5,9 +5,10 @@ head_dim 64, bf16, pages of 16 tokens scattered in the cache), per path:
 
 Cases: a whole 2000-token prompt, a 500-token chunk behind 1500 cached tokens, eight 200-token
 prompts, and a decode batch of 64 rows over 300 keys each, once with one layer's cache (in L3 here)
-and once over 30 layers' caches in turn (444 MB: read from memory, as in a real decode step).  Paths: "bf16-dot" (attention_bf16.cpp,
-AVX-512 BF16; skipped where the CPU lacks it), "fp32" (the SIMD kernel of attention_kernels.h) and,
-for prefill chunks, "flash" (torch's CPU flash attention, the AMX route).  Prints one JSON object:
+and once over 30 layers' caches in turn (444 MB: read from memory, as in a real decode step).
+Paths: "bf16-dot" (attention_bf16.cpp, AVX-512 BF16; skipped where the CPU lacks it), "fp32" (the
+SIMD kernel of attention_kernels.h) and, for prefill chunks, "flash" (torch's CPU flash attention,
+the AMX route).  Prints one JSON object:
 best-of-reps ms a layer and GFLOP/s (4 x keys x head_dim x query heads per row); the 30-layer case
 also the cache bytes read a second (GB/s).
 """
