@@ -267,6 +267,10 @@ inline __m512 reduce16(__m512* v) {
 constexpr int64_t kAheadBytes = 96 * 1024;
 constexpr int kChunk = 32;  // keys of the value pass a head takes before the next head
 
+inline void prefetch_l2(const c10::BFloat16* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + line, _MM_HINT_T1);
+}
+
 template <int D, int G>
 void decode_row(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
                 const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row,
@@ -274,18 +278,16 @@ void decode_row(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k
   constexpr int NZ = D / 32, NV = D / 16;
   const int64_t len = ctx_len[row], nq = hkv * G;
   const int64_t rows = (len + 31) / 32 * 32, pairs = rows / 2;
-  const int64_t line_end = hkv * D * 2;  // bytes of a cache row
-  const int64_t ahead = std::max<int64_t>(16, kAheadBytes / line_end / 16 * 16);  // keys
+  const int64_t row_bytes = hkv * D * 2;  // a key's cache row, all heads
+  const int64_t ahead = std::max<int64_t>(16, kAheadBytes / row_bytes / 16 * 16);  // keys
   key_offsets(table, len, rows + ahead, bs, hkv * D, 0, sc.offs);
-  for (int64_t l = 0; l < std::min(next_len, ahead); ++l)  // prefetched only, never read
-    sc.offs[rows + l] = (next_table[l / bs] * bs + l % bs) * hkv * D;
+  if (next_len > 0)  // the next row's first keys after this row's: prefetched only, never read
+    key_offsets(next_table, std::min(next_len, ahead), ahead, bs, hkv * D, 0, sc.offs.data() + rows);
   const int64_t* offs = sc.offs.data();
   sc.s.resize(static_cast<size_t>(nq * rows));
   float* s = sc.s.data();
   const c10::BFloat16* qrow = q + row * q_stride;
-  for (int64_t k = 0; k < std::min(len, ahead); ++k)
-    for (int64_t line = 0; line < line_end; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(kc + offs[k]) + line, _MM_HINT_T1);
+  for (int64_t k = 0; k < std::min(len, ahead); ++k) prefetch_l2(kc + offs[k], row_bytes);
   const __m512 sc_v = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t l0 = 0; l0 < rows; l0 += 16) {
@@ -296,8 +298,7 @@ void decode_row(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k
         // This query's share of the 16 keys `ahead` on: prefetches spread over the block's work.
         const int64_t r = h * G + j;
         for (int64_t b = r * 16 / nq; b < (r + 1) * 16 / nq; ++b)
-          for (int64_t line = 0; line < line_end; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(kc + offs[l0 + ahead + b]) + line, _MM_HINT_T1);
+          prefetch_l2(kc + offs[l0 + ahead + b], row_bytes);
         __m512bh qv[NZ];
         for (int z = 0; z < NZ; ++z) qv[z] = as_bh(_mm512_loadu_si512(qrow + (h * G + j) * D + z * 32));
         __m512 part[16];
@@ -311,9 +312,7 @@ void decode_row(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k
                          _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(reduce16(part), sc_v)));
       }
   }
-  for (int64_t k = 0; k < std::min(len, ahead); ++k)  // the value pass's first keys
-    for (int64_t line = 0; line < line_end; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[k]) + line, _MM_HINT_T1);
+  for (int64_t k = 0; k < std::min(len, ahead); ++k) prefetch_l2(vc + offs[k], row_bytes);  // values' first keys
   // Softmax along each query's keys; probabilities normalised, then rounded to bf16 in key order,
   // which is already the (key 2m, key 2m+1) pairing the value pass wants.
   int32_t* pp = reinterpret_cast<int32_t*>(s);  // [nq][pairs], over the scores (query r at r * pairs)
@@ -341,8 +340,7 @@ void decode_row(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k
     const int64_t c1 = std::min<int64_t>(pairs, c0 + kChunk / 2);
     for (int64_t h = 0; h < hkv; ++h) {
       for (int64_t k = 2 * c0 + h * kChunk / hkv; k < 2 * c0 + (h + 1) * kChunk / hkv; ++k)  // head h's share
-        for (int64_t line = 0; line < line_end; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(vc + offs[k + ahead]) + line, _MM_HINT_T1);
+        prefetch_l2(vc + offs[k + ahead], row_bytes);
       __m512 acc[G][NV];
       for (int j = 0; j < G; ++j)
         for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_loadu_ps(acc_mem + (h * G + j) * D + i * 16);

@@ -13,12 +13,18 @@ namespace carpool {
 // (h * D), for the first len keys of a sequence through its block table; offs[len .. total) repeat
 // key 0 (padding and prefetch distance: read, weighted 0; the cache holds finite values).  Shared
 // by both attention paths (attention_kernels.h, attention_bf16.cpp).
+// The pointer form writes total entries at offs (len >= 1).
 inline void key_offsets(const int64_t* table, int64_t len, int64_t total, int64_t bs, int64_t kstride,
-                        int64_t head_off, std::vector<int64_t>& offs) {
-  offs.resize(static_cast<size_t>(total));
+                        int64_t head_off, int64_t* offs) {
   for (int64_t l = 0, blk = 0; l < len; ++blk)
     for (int64_t o = 0; o < bs && l < len; ++o, ++l) offs[l] = (table[blk] * bs + o) * kstride + head_off;
   for (int64_t l = len; l < total; ++l) offs[l] = offs[0];
+}
+
+inline void key_offsets(const int64_t* table, int64_t len, int64_t total, int64_t bs, int64_t kstride,
+                        int64_t head_off, std::vector<int64_t>& offs) {
+  offs.resize(static_cast<size_t>(total));
+  key_offsets(table, len, total, bs, kstride, head_off, offs.data());
 }
 
 // Whether this CPU and OS run AVX-512 BF16 (with AVX-512 F/BW/DQ/VL).

@@ -222,7 +222,8 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
                                                scale, tables + seq_of_row[nrow] * max_blocks, next ? ctx_len[nrow] : 0))
             continue;
         }
-        for (int64_t h = std::max<int64_t>(item_h[w], 0); h < (item_h[w] < 0 ? hkv : item_h[w] + 1); ++h) {
+        const int64_t h0 = item_h[w] < 0 ? 0 : item_h[w], h1 = item_h[w] < 0 ? hkv : h0 + 1;  // heads it covers
+        for (int64_t h = h0; h < h1; ++h) {
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (bf16_dot && attend_item_bf16(q, q_stride, kc, vc, table, ctx_len, out, out_stride, r0, nr, h, g, hkv,
                                              bs, D, scale))
