@@ -332,13 +332,18 @@ class LlamaModel:
                                          True)
             mq, m_s = k.int8_silu_mul(gate_up_w.int_mm(hq), hs, gate_up_w.scale_f32, dt)
             last = i + 1 == len(self.layers)
+            int8_head = isinstance(self.head, Int8Linear)
             out = k.int8_add_rms_norm(x, down_w.int_mm(mq), m_s, down_w.scale_f32, None,
-                                      self.norm if last else self.layers[i + 1]["ln1"], eps, not last)
-            if last:
+                                      self.norm if last else self.layers[i + 1]["ln1"], eps, int8_head or not last)
+            if last and not int8_head:
                 h = out[0]
             else:
                 hq, hs = out
-        # h is the final norm of every row (model dtype); the head runs only on the rows that sample.
+        # The final norm of every row; the head runs only on the rows that sample.
+        if isinstance(self.head, Int8Linear):
+            sel = meta.logits_index
+            return k.int8_dequantize(self.head.int_mm(hq.index_select(0, sel)), hs.index_select(0, sel),
+                                     self.head.scale_f32, None, dt)
         return self.head_linear(h.index_select(0, meta.logits_index))
 
     def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

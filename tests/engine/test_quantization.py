@@ -130,3 +130,39 @@ def test_cli_flags_reach_the_engine_config_and_keep_int8_answers_apart():
     assert q8.engine_config["quantization"] == "int8" and "quantization" not in plain.engine_config
     # The cache keys and the resume fingerprint name the engine's model with its weights' format.
     assert job_identity(q8).name == "smollm2+int8" and job_identity(plain).name == "smollm2"
+
+
+def _all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prefill of ``ids`` (fp32)."""
+    from carpool.engine.sequence import Sequence
+
+    eng = llm.engine
+    seq = Sequence("all", ids, SamplingParams(temperature=0, max_tokens=1), eng.block_size)
+    seq.block_table = list(range(-(-len(ids) // eng.block_size)))
+    input_ids, positions, meta, _ = eng.runner.prepare([(seq, len(ids))])
+    meta.logits_index = torch.arange(len(ids))
+    return eng.model.forward(input_ids, positions, meta, eng.runner.kv_caches).float()
+
+
+def test_quantized_head_runs_through_the_kernels_as_the_torch_int8_head(h, tiny, monkeypatch):
+    """quant.QUANTIZE_LM_HEAD (off by default: it costs agreement) on the kernel path: the final
+    norm's rows are quantized in the norm kernel and the head's int32 products scaled back by the
+    kernel; the logits equal the torch path's Int8Linear head up to an activation's rounding step."""
+    from carpool.engine import quant
+
+    _, loaded = tiny
+    monkeypatch.setattr(quant, "QUANTIZE_LM_HEAD", True)
+    ids = h.prompts(5, [40])[0]
+    kern = LLM(h.engine_config(quantization="int8", extra={"attention": "kernel"}), loaded=loaded)
+    if kern.engine.runner.kernels is None or not quant.has_int_mm():
+        pytest.skip("no C++ kernels or no torch._int_mm here")
+    torch_path = LLM(h.engine_config(quantization="int8", extra={"attention": "torch"}), loaded=loaded)
+    assert isinstance(kern.engine.model.head, Int8Linear) and isinstance(torch_path.engine.model.head, Int8Linear)
+    got, ref = _all_logits(kern, ids), _all_logits(torch_path, ids)
+    assert got.shape == ref.shape == (40, loaded.config.vocab_size)
+    assert ((got - ref).norm() / ref.norm()) < 2e-3
+    assert torch.equal(got.argmax(1), ref.argmax(1))
+    monkeypatch.setattr(quant, "QUANTIZE_LM_HEAD", False)
+    float_head = _all_logits(LLM(h.engine_config(quantization="int8", extra={"attention": "kernel"}),
+                                 loaded=loaded), ids)
+    assert not torch.allclose(got, float_head, atol=1e-6)  # the head really is int8
