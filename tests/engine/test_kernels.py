@@ -321,3 +321,28 @@ def test_int8_linear_through_the_kernels_is_close_to_fp32(best_isa, rows):
     assert y.dtype == torch.bfloat16
     assert (y.float() - ref).norm() / ref.norm() < 0.02
     assert torch.equal(y, layer(x))  # the torch path's Int8Linear computes the same values
+
+
+@pytest.mark.parametrize("isa", [2, 1, 0], ids=lambda i: ISA[i])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_top_k_rows_equals_torch_topk(best_isa, isa, dtype):
+    k = kernels_at(isa, best_isa)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randperm(64 * 1003, generator=g).view(64, 1003).to(torch.float32)  # distinct values, a tail
+    x = (x - 30000).to(dtype) if dtype == torch.float32 else (x / 64).round().to(dtype)
+    for n in (1, 8, 20):
+        got = k.top_k_rows(x, n)
+        assert got.dtype == torch.int64 and got.shape == (64, n)
+        # The same values in the same order as torch.topk (ties of the rounded bf16 values may
+        # pick other columns of the same value).
+        assert torch.equal(x.gather(1, got), torch.topk(x, n, dim=1).values)
+    ties = torch.zeros(3, 40, dtype=dtype)
+    ties[1, 5] = float("nan")
+    ties[2] = float("-inf")
+    ties[2, 33], ties[2, 7] = 2.0, 1.0
+    got = k.top_k_rows(ties, 4).tolist()
+    assert got[0] == [0, 1, 2, 3]  # equal values: the lower column first
+    assert got[1] == [0, 1, 2, 3]  # NaN never ranks
+    assert got[2] == [33, 7, 33, 33]  # fewer finite values than k: the best repeats
+    with pytest.raises(RuntimeError, match="k must be in"):
+        k.top_k_rows(ties, 41)

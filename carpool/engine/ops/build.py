@@ -186,6 +186,11 @@ class Kernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.module.silu_mul(gate_up, self.isa)
 
+    def top_k_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """x [rows, n] -> int64 [rows, k]: each row's k largest columns, largest first (ties: lower
+        column first; NaN and -inf never rank)."""
+        return self.module.top_k_rows(x, k, self.isa)
+
     # The int8 x int8 linear's ends (quant_kernels.h; the GEMM between them is torch._int_mm).
 
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,16 @@ namespace {
 
 }  // namespace
 
+// x [rows, n] -> int64 [rows, k]: each row's k largest columns, largest first (top_k_rows).
+at::Tensor top_k_rows(at::Tensor x, int64_t k, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "top_k_rows: x must be a contiguous [rows, n] tensor");
+  TORCH_CHECK(k >= 1 && k <= x.size(1), "top_k_rows: k must be in [1, ", x.size(1), "], got ", k);
+  auto out = at::empty({x.size(0), k}, x.options().dtype(at::kLong));
+  CARPOOL_DISPATCH(isa, x.scalar_type(), "top_k_rows",
+                   (ns::top_k_rows<T>(x.data_ptr<T>(), out.data_ptr<int64_t>(), x.size(0), x.size(1), k)));
+  return out;
+}
+
 // x [T, H] (x += residual in place when given); returns rms_norm(x) * w.
 at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w, double eps, int64_t isa) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "add_rms_norm: contiguous inputs expected");

@@ -12,6 +12,7 @@ at::Tensor attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at:
                      at::Tensor flash_seqs, int64_t num_heads, double scale, int64_t isa);
 at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w, double eps, int64_t isa);
 at::Tensor silu_mul(at::Tensor gu, int64_t isa);
+at::Tensor top_k_rows(at::Tensor x, int64_t k, int64_t isa);
 void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t head_dim,
            int64_t isa);
 std::tuple<at::Tensor, at::Tensor> quantize_rows(at::Tensor x, int64_t isa);
@@ -37,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "turn the AVX-512 BF16 prefill path on (where the CPU has it) or off (the fp32 path)");
   m.def("add_rms_norm", &carpool::add_rms_norm, "x += residual (in place, optional); returns rms_norm(x) * w");
   m.def("silu_mul", &carpool::silu_mul, "[gate | up] -> silu(gate) * up");
+  m.def("top_k_rows", &carpool::top_k_rows, "each row's k largest columns, largest first");
   m.def("rope_", &carpool::rope_, "rotate-half RoPE in place on the q and k heads of qkv");
   m.def("quantize_rows", &carpool::quantize_rows, "each row to int8 with its own fp32 scale (amax / 127)");
   m.def("int8_dequantize", &carpool::int8_dequantize, "int32 acc * row scale * column scale (+ bias) -> dtype");

@@ -74,6 +74,8 @@ inline float reduce_max(Vf a) { return a.v; }
 inline Vf exp(Vf x) { return {x.v < kExpLo ? 0.f : std::exp(x.v)}; }
 inline Vf load(const int32_t* p) { return {static_cast<float>(*p)}; }
 inline Vf vabs(Vf a) { return {std::fabs(a.v)}; }
+// Bit i set where a[i] > b[i] (false for NaN).
+inline unsigned gt_mask(Vf a, Vf b) { return a.v > b.v ? 1u : 0u; }
 // Rounds to nearest (ties to even, as torch.round) and saturates to [-128, 127].
 inline void store_i8(int8_t* p, Vf x) {
   const float r = std::nearbyint(x.v);
@@ -162,6 +164,7 @@ inline Vf exp(Vf x) {
 }
 inline Vf load(const int32_t* p) { return {_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline Vf vabs(Vf a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.f), a.v)}; }
+inline unsigned gt_mask(Vf a, Vf b) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))); }
 // Rounds to nearest even (the default MXCSR mode, as torch.round) and saturates to [-128, 127].
 inline void store_i8(int8_t* p, Vf x) {
   const __m256i i = _mm256_cvtps_epi32(x.v);
@@ -239,6 +242,7 @@ inline Vf exp(Vf x) {
 }
 inline Vf load(const int32_t* p) { return {_mm512_cvtepi32_ps(_mm512_loadu_si512(p))}; }
 inline Vf vabs(Vf a) { return {_mm512_abs_ps(a.v)}; }
+inline unsigned gt_mask(Vf a, Vf b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
 // Rounds to nearest even (the default MXCSR mode, as torch.round) and saturates to [-128, 127].
 inline void store_i8(int8_t* p, Vf x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x.v)));
