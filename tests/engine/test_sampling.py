@@ -106,3 +106,31 @@ def h_config():
     from carpool.engine import EngineConfig
 
     return EngineConfig(model="tiny-random", dtype="float32", num_kv_blocks=128, num_threads=1)
+
+
+def test_plain_greedy_batch_on_the_kernels_picks_torchs_tokens():
+    """An all-greedy batch without processing takes the kernels' row maximum on the logits as
+    they are; the tokens are torch's argmax (the first column of the maximum), ties included.
+    A batch that also wants logprobs goes the fp32 way and keeps them."""
+    import pytest
+    import torch
+
+    from carpool.engine.ops import Kernels
+    from carpool.engine.sampler import Sampler
+    from carpool.engine.sequence import Sequence
+
+    k = Kernels()
+    if not k.wait():
+        pytest.skip(f"no C++ kernels here: {k.error}")
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = (torch.randn(6, 1000, generator=g) * 4).round().to(dtype)  # rounded: many ties
+        logits[2, 17] = logits[2, 900] = logits[2].max() + 1  # a tie for the maximum
+        seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0, max_tokens=4), block_size=16)
+                for i in range(6)]
+        want = logits.float().argmax(-1).tolist()
+        assert want[2] == 17
+        assert Sampler()(logits, seqs, k).tokens == want == Sampler()(logits, seqs).tokens
+        seqs[3].params = SamplingParams(temperature=0, max_tokens=4, logprobs=2)
+        res = Sampler()(logits, seqs, k)
+        assert res.tokens == want and res.logprobs[3] is not None and res.logprobs[0] is None
