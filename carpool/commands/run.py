@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, help="embedded engine: requests batched per step")
     g.add_argument("--quantization", choices=["int8"],
                    help="embedded engine: int8 linear weights, per-output-channel scales; "
-                        "measured 1.23-1.24x bf16's decode tok/s on a 2-core Zen 4 (docs/engine.md)")
+                        "measured 1.24-1.29x bf16's decode tok/s on a 2-core Zen 4 (docs/engine.md)")
     g.add_argument("--no-stream", action="store_true", help="HTTP: do not stream (no TTFT/TPOT)")
     g = p.add_argument_group("throughput")
     g.add_argument("--concurrency", type=int, help="fixed number of requests in flight (default: adaptive)")

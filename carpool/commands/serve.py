@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="name(s) clients use in 'model' (default: the --model value)")
     g.add_argument("--dtype", default=d_engine.dtype, help="auto (bf16 where the CPU has it), bfloat16, float32")
     g.add_argument("--quantization", default=d_engine.quantization, choices=["int8"],
-                   help="int8: int8 linear weights, per-output-channel scales; measured 1.23-1.24x "
+                   help="int8: int8 linear weights, per-output-channel scales; measured 1.24-1.29x "
                         "bf16's decode tok/s on a 2-core Zen 4 (docs/engine.md); default: none")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d_engine.max_num_seqs)
