@@ -177,4 +177,5 @@ class ModelRunner:
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if not sample_seqs:
             return [], None
-        return sample_seqs, self.sampler(logits, sample_seqs, meta.kernels)
+        self.sampler.kernels = meta.kernels
+        return sample_seqs, self.sampler(logits, sample_seqs)

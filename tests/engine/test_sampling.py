@@ -130,7 +130,9 @@ def test_plain_greedy_batch_on_the_kernels_picks_torchs_tokens():
                 for i in range(6)]
         want = logits.float().argmax(-1).tolist()
         assert want[2] == 17
-        assert Sampler()(logits, seqs, k).tokens == want == Sampler()(logits, seqs).tokens
+        fast = Sampler()
+        fast.kernels = k
+        assert fast(logits, seqs).tokens == want == Sampler()(logits, seqs).tokens
         seqs[3].params = SamplingParams(temperature=0, max_tokens=4, logprobs=2)
-        res = Sampler()(logits, seqs, k)
+        res = fast(logits, seqs)
         assert res.tokens == want and res.logprobs[3] is not None and res.logprobs[0] is None

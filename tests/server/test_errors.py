@@ -163,11 +163,11 @@ def failing_sampler(monkeypatch):
 
     real = Sampler.__call__
 
-    def call(self, logits, seqs, *args, **kwargs):
+    def call(self, logits, seqs):
         for s in seqs:
             if s.params.seed == FAIL_AT_ONCE or (s.params.seed == FAIL_LATER and s.num_output_tokens >= 2):
                 raise RuntimeError("injected sampler fault")
-        return real(self, logits, seqs, *args, **kwargs)
+        return real(self, logits, seqs)
 
     monkeypatch.setattr(Sampler, "__call__", call)
 
