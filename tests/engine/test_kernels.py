@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
+import time
 
 import pytest
 import torch
@@ -208,6 +210,28 @@ def test_build_key_covers_the_cpu_and_flags(monkeypatch):
         assert build.build_key() != key
     finally:
         build.build_key.cache_clear()
+
+
+def test_runners_starting_together_on_a_fresh_cache_compile_once(best_isa, tmp_path, monkeypatch):
+    """Every runner owns a Kernels and starts its build in the background; on a fresh cache the
+    ones of one process wait for the first build instead of each compiling the same sources."""
+    so = next((Kernels().cache_dir / f"ops-{build.build_key()}").glob("carpool_ops*.so"))
+    builds = []
+
+    def slow_build(self, final):  # stands in for the ~minute of compiling: copies the real build
+        builds.append(final)
+        time.sleep(0.5)
+        final.mkdir(parents=True, exist_ok=True)
+        shutil.copy(so, final / so.name)
+        return final / so.name
+
+    monkeypatch.setattr(Kernels, "_build", slow_build)
+    runners = [Kernels(cache_dir=tmp_path) for _ in range(4)]
+    for k in runners:
+        k.start()
+    assert all(k.wait() for k in runners), [k.error for k in runners]
+    assert len(builds) == 1
+    assert {k.isa for k in runners} == {best_isa}
 
 
 def test_a_wider_isa_than_the_cpu_runs_is_refused(best_isa):

@@ -45,6 +45,12 @@ CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _NAME = "carpool_ops"
+# One build at a time in a process: every runner (and every ISA a test asks for) owns a Kernels,
+# and on a fresh cache each started its own compile of the same sources -- five at once in the
+# engine tests, ~15 compilers on 2 cores, past the tests' 10-minute timeout.  Waiting here, the
+# later ones find the first one's .so.  Across processes builds still run side by side (no lock
+# file that a dead builder could leave behind).
+_BUILD_LOCK = threading.Lock()
 
 
 def cpu_flags() -> str:
@@ -135,8 +141,9 @@ class Kernels:
             if self.module is None and self.error is None:
                 try:
                     final = self.cache_dir / f"ops-{build_key()}"
-                    built = sorted(final.glob(f"{_NAME}*.so")) if final.exists() else []
-                    module = _import_so(built[0] if built else self._build(final))
+                    with _BUILD_LOCK:
+                        built = sorted(final.glob(f"{_NAME}*.so")) if final.exists() else []
+                        module = _import_so(built[0] if built else self._build(final))
                     best = int(module.best_isa())
                     isa = best if self.requested_isa is None else int(self.requested_isa)
                     if isa > best:
