@@ -352,13 +352,13 @@ class LlamaModel:
         """
         if not isinstance(self.head, Int8Linear):
             return self.head_linear(h) if k is not None else linear(h, self.head)
-        if k is not None and h.shape[0] > 0 and quant.has_int_mm():
+        if h.shape[0] == 0:
+            return linear(h, self.head)
+        if k is not None and quant.has_int_mm():
             hq, hs = k.quantize_rows(h)
             logits = k.int8_dequantize(self.head.int_mm(hq), hs, self.head.scale_f32, None, self.dtype)
         else:
             logits = linear(h, self.head)
-        if h.shape[0] == 0:
-            return logits
         n = min(quant.RESCORE_TOP_K, logits.shape[1])
         top = k.top_k_rows(logits, n) if k is not None else torch.topk(logits, n, dim=1).indices
         w = self.lm_head.index_select(0, top.reshape(-1)).view(*top.shape, -1)

@@ -103,14 +103,7 @@ def test_smollm2_int8_agrees_with_bf16():
 
 
 def _perplexity(llm: LLM, ids: list[int]) -> float:
-    from carpool.engine.sequence import Sequence
-
-    eng = llm.engine
-    seq = Sequence("ppl", ids, SamplingParams(temperature=0, max_tokens=1), eng.block_size)
-    seq.block_table = list(range(-(-len(ids) // eng.block_size)))
-    input_ids, positions, meta, _ = eng.runner.prepare([(seq, len(ids))])
-    meta.logits_index = torch.arange(len(ids))
-    logits = eng.model.forward(input_ids, positions, meta, eng.runner.kv_caches).float()
+    logits = _all_logits(llm, ids)
     return math.exp(float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))))
 
 
@@ -138,7 +131,7 @@ def _all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     from carpool.engine.sequence import Sequence
 
     eng = llm.engine
-    seq = Sequence("all", ids, SamplingParams(temperature=0, max_tokens=1), eng.block_size)
+    seq = Sequence("ppl", ids, SamplingParams(temperature=0, max_tokens=1), eng.block_size)
     seq.block_table = list(range(-(-len(ids) // eng.block_size)))
     input_ids, positions, meta, _ = eng.runner.prepare([(seq, len(ids))])
     meta.logits_index = torch.arange(len(ids))

@@ -100,20 +100,8 @@ inline Vf load(const c10::BFloat16* p) {
 }
 inline Vf load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
 inline void store(float* p, Vf x) { _mm256_storeu_ps(p, x.v); }
-inline void store(c10::BFloat16* p, Vf x) {
-  __m256i u = _mm256_castps_si256(x.v);
-  __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                  _mm256_set1_epi32(0x7fff));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-inline void store(c10::Half* p, Vf x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-// x rounded to bf16 / fp16 and widened back, in registers (as store then load would give).
+// x rounded to bf16 (nearest even, NaN -> 0x7fc0) and widened back, in registers (round_half: to
+// fp16); store(BFloat16*) keeps the high half of each of its values.
 inline Vf round_bf16(Vf x) {
   __m256i u = _mm256_castps_si256(x.v);
   __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
@@ -121,6 +109,14 @@ inline Vf round_bf16(Vf x) {
   __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
   return {_mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan))};
+}
+inline void store(c10::BFloat16* p, Vf x) {
+  __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(x).v), 16);
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store(c10::Half* p, Vf x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline Vf round_half(Vf x) { return {_mm256_cvtph_ps(_mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))}; }
 inline Vf add(Vf a, Vf b) { return {_mm256_add_ps(a.v, b.v)}; }
@@ -191,18 +187,6 @@ inline Vf load(const c10::BFloat16* p) {
 }
 inline Vf load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline void store(float* p, Vf x) { _mm512_storeu_ps(p, x.v); }
-inline void store(c10::BFloat16* p, Vf x) {
-  __m512i u = _mm512_castps_si512(x.v);
-  __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
-                                  _mm512_set1_epi32(0x7fff));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  __mmask16 nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
-inline void store(c10::Half* p, Vf x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
 inline Vf round_bf16(Vf x) {
   __m512i u = _mm512_castps_si512(x.v);
   __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
@@ -210,6 +194,13 @@ inline Vf round_bf16(Vf x) {
   __m512i r = _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
   __mmask16 nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
   return {_mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)))};
+}
+inline void store(c10::BFloat16* p, Vf x) {
+  __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(x).v), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline void store(c10::Half* p, Vf x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 inline Vf round_half(Vf x) { return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))}; }
 inline Vf add(Vf a, Vf b) { return {_mm512_add_ps(a.v, b.v)}; }
