@@ -1,5 +1,8 @@
 """Sampling, detokenization and stop conditions."""
 
+import pytest
+import torch
+
 from carpool.engine import LLM, GenerateRequest, SamplingParams
 from carpool.engine.detokenizer import IncrementalDetokenizer
 
@@ -112,8 +115,6 @@ def test_plain_greedy_batch_on_the_kernels_picks_torchs_tokens():
     """An all-greedy batch without processing takes the kernels' row maximum on the logits as
     they are; the tokens are torch's argmax (the first column of the maximum), ties included.
     A batch that also wants logprobs goes the fp32 way and keeps them."""
-    import pytest
-    import torch
 
     from carpool.engine.ops import Kernels
     from carpool.engine.sampler import Sampler
@@ -136,3 +137,29 @@ def test_plain_greedy_batch_on_the_kernels_picks_torchs_tokens():
         seqs[3].params = SamplingParams(temperature=0, max_tokens=4, logprobs=2)
         res = fast(logits, seqs)
         assert res.tokens == want and res.logprobs[3] is not None and res.logprobs[0] is None
+
+
+def test_inverse_cdf_draw_follows_the_distribution_and_skips_zero_tokens():
+    from carpool.engine.sampler import draw_inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [2.0, 0.0, 0.0, 0.0, 6.0]])  # row 2: unnormalised
+    u = torch.tensor([[0.0], [0.0]], dtype=torch.float64)
+    assert draw_inverse_cdf(probs, u).tolist() == [1, 0]
+    assert draw_inverse_cdf(probs, torch.tensor([[0.2499], [0.2501]], dtype=torch.float64)).tolist() == [1, 4]
+    assert draw_inverse_cdf(probs, torch.tensor([[0.25], [0.25]], dtype=torch.float64)).tolist() == [3, 4]
+    # u x total rounding up to the total picks the last token that can be drawn, never a zero one.
+    assert draw_inverse_cdf(probs, torch.ones(2, 1, dtype=torch.float64)).tolist() == [3, 4]
+
+    g = torch.Generator().manual_seed(5)
+    want = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.0, 0.4, 1e-9])
+    n = 40000
+    drawn = draw_inverse_cdf(want.expand(n, -1), torch.rand(n, 1, dtype=torch.float64, generator=g))
+    freq = torch.bincount(drawn, minlength=want.numel()).double() / n
+    assert freq[1] == freq[4] == 0
+    assert torch.allclose(freq[:6], want[:6].double() / want.sum(), atol=0.01)
+
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="probability"):
+            draw_inverse_cdf(torch.tensor([[0.5, bad]]), torch.zeros(1, 1, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="probability"):
+        draw_inverse_cdf(torch.zeros(1, 3), torch.zeros(1, 1, dtype=torch.float64))
