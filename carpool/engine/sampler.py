@@ -34,6 +34,7 @@ GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon: below it, sampling is argmax
 MAX_TEMPERATURE = 1e4  # logits / 1e4 are already uniform to float32 precision
 PENALTY_RANGE = (1e-6, 1e6)  # repetition penalty: beyond it float32 logits overflow
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps logit_bias to [-100, 100]
+FILTER_HEAD = 1024  # tokens of a row top-k / top-p sort before falling back to the whole row
 
 
 def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -212,6 +213,64 @@ class Sampler:
     @staticmethod
     def _filter(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
         """Mask (to -inf) everything outside each row's top-k and top-p nucleus; the top token stays."""
+        head = Sampler._filter_head(x, top_ks, top_ps)
+        return head if head is not None else Sampler._filter_sorted(x, top_ks, top_ps)
+
+    @staticmethod
+    def _filter_head(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor | None:
+        """``_filter_sorted``'s answer from each row's head instead of its whole sorted row, or None
+        when a row's top-k / nucleus reaches past the head.
+
+        Why: the stable sort of the whole vocabulary took 123 ms for 64 x 49152 here, longer than a
+        decode step, for any batch with a top_p or top_k; this takes 28 ms (most of it torch.topk)
+        when every row's choice lies in its head, and costs that much more when one does not.  The
+        head is every token >= the FILTER_HEAD-th largest value, ties included, so its stable sort
+        (by index, then by value) is exactly the first tokens of the whole row's stable sort.  The
+        nucleus normaliser is the whole row's (top-k kept) logsumexp, so its probabilities equal the
+        full path's up to float rounding.
+        """
+        vocab = x.shape[-1]
+        k = max([FILTER_HEAD] + [t for t in top_ks if t < vocab])
+        if 4 * k > vocab:
+            return None
+        # k + k/8 largest in one call: a run of tokens tied at the k-th value (bf16 logits tie in
+        # runs of tens) is then inside it, and a second call is needed only past that.
+        vals, idx = torch.topk(x, k + k // 8, dim=-1)
+        thr = vals[:, k - 1 : k]
+        if not bool(torch.isfinite(thr).all()) or bool(torch.isnan(x).any()):  # the whole-row path decides
+            return None
+        n_head = (x >= thr).sum(dim=-1, keepdim=True)
+        c = int(n_head.max())
+        if 4 * c > vocab:
+            return None
+        if c > vals.shape[1]:  # a longer tie at some row's k-th value: take it all
+            vals, idx = torch.topk(x, c, dim=-1)
+        # Past a row's n_head the values are smaller than its head's and in no trusted order.
+        c = vals.shape[1]
+        idx, by_index = idx.sort(dim=-1)
+        sorted_x, o = vals.gather(1, by_index).sort(dim=-1, descending=True, stable=True)
+        order = idx.gather(1, o)
+        ranks = torch.arange(c).unsqueeze(0)
+        tk = torch.tensor(top_ks).unsqueeze(1)
+        drop = ranks >= tk
+        closed = tk <= n_head
+        ps = torch.tensor(top_ps, dtype=x.dtype).unsqueeze(1)
+        if (ps < 1.0).any():
+            kept = sorted_x.masked_fill(drop, float("-inf"))
+            lse = torch.where(tk < vocab, torch.logsumexp(kept, dim=-1, keepdim=True),
+                              torch.logsumexp(x, dim=-1, keepdim=True))
+            probs = torch.exp(kept - lse)
+            cum = probs.cumsum(dim=-1)
+            drop |= (cum - probs >= ps) & (ranks > 0)
+            closed |= (ps < 1.0) & (cum.gather(1, n_head - 1) >= ps)
+        need = (tk < vocab) | (ps < 1.0)
+        if not bool((closed | ~need).all()):
+            return None
+        out = torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
+        return torch.where(need, out, x)
+
+    @staticmethod
+    def _filter_sorted(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
         vocab = x.shape[-1]
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
         ranks = torch.arange(vocab).unsqueeze(0)

@@ -163,3 +163,32 @@ def test_inverse_cdf_draw_follows_the_distribution_and_skips_zero_tokens():
             draw_inverse_cdf(torch.tensor([[0.5, bad]]), torch.zeros(1, 1, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="probability"):
         draw_inverse_cdf(torch.zeros(1, 3), torch.zeros(1, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_k_top_p_from_the_head_equals_the_whole_sorted_row(seed):
+    """The filter sorts each row's head (every token >= its 1024th value, ties included) instead
+    of the whole vocabulary; kept tokens and values must be the whole-row sort's, ties included
+    (bf16 logits tie often), and a nucleus reaching past the head falls back to the whole row."""
+    from carpool.engine.sampler import FILTER_HEAD, Sampler
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 32768
+    x = (torch.randn(12, vocab, generator=g) * 4).bfloat16().float()  # bf16 values: many ties
+    x[1, :600] = 7.5  # a tie running across the head's boundary (~the 1024th value of a row)
+    top_ks = [vocab, 1, 50, vocab, 1024, 1500, vocab, vocab, 7, vocab, vocab, 300]
+    top_ps = [0.9, 1.0, 0.8, 1.0, 0.95, 1.0, 0.5, 0.85, 0.3, 1.0e-9, 0.7, 0.9]
+    head = Sampler._filter_head(x, top_ks, top_ps)
+    whole = Sampler._filter_sorted(x, top_ks, top_ps)
+    assert head is not None
+    asks = [r for r in range(12) if r != 3]
+    assert torch.equal(torch.isfinite(head[asks]), torch.isfinite(whole[asks]))
+    assert torch.equal(head[asks][torch.isfinite(head[asks])], whole[asks][torch.isfinite(whole[asks])])
+    # A row that asks for nothing keeps everything (the whole-row path's float32 cumulative sum
+    # reaches 1.0 early and dropped its last ~1e-7 of mass).
+    assert torch.equal(head[3], x[3])
+
+    flat = torch.zeros(2, vocab)  # the nucleus of 0.5 of a flat row is 16384 tokens: past any head
+    assert Sampler._filter_head(flat, [vocab, vocab], [0.5, 0.5]) is None
+    kept = torch.isfinite(Sampler._filter(flat, [vocab, vocab], [0.5, 0.5])).sum(dim=-1)
+    assert kept.tolist() == [16384, 16384] and FILTER_HEAD < 16384
