@@ -121,6 +121,20 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached content of every free block (as vLLM's ``reset_prefix_cache``), so the
+        next requests compute their prompts again; blocks in use keep theirs.  Returns how many
+        blocks were forgotten."""
+        dropped = 0
+        for block_id in self.free:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash = None
+                dropped += 1
+        return dropped
+
     def free_seq(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; the tail is freed first so it is evicted first."""
         for block_id in reversed(seq.block_table):

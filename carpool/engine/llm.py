@@ -19,6 +19,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt blocks (as vLLM's ``LLM.reset_prefix_cache``)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, requests: Sequence[GenerateRequest | str] | str,
                  params: SamplingParams | None = None) -> list[RequestOutput]:
         """Requests (or plain prompt strings sharing ``params``) -> outputs in input order."""

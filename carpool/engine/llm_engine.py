@@ -224,6 +224,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt block not in use (benchmarks that run the same prompts
+        again; ``BlockManager.reset_prefix_cache``).  Returns how many blocks were forgotten."""
+        return self.block_manager.reset_prefix_cache()
+
     # ----------------------------------------------------------------- step
 
     def _finish(self, seq: Sequence, reason: str, token_ids: list[int], text: str,

@@ -66,6 +66,21 @@ def test_prefix_cache_hits_on_shared_system_prompt(tiny, h):
     assert outs[True] == outs[False]
 
 
+def test_reset_prefix_cache_makes_the_same_prompts_compute_again(tiny, h):
+    _, loaded = tiny
+    llm = LLM(h.engine_config(), loaded=loaded)
+    ps = h.prompts(10, [40, 37])
+    first = llm.generate(reqs_for(ps))
+    again = llm.generate(reqs_for(ps))
+    assert [o.usage.cached_tokens for o in again] == [32, 32]  # whole blocks before the last token
+    assert llm.reset_prefix_cache() >= 4
+    assert llm.engine.block_manager.hash_to_block == {}
+    fresh = llm.generate(reqs_for(ps))
+    assert [o.usage.cached_tokens for o in fresh] == [0, 0]
+    assert [o.token_ids for o in fresh] == [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_abort_frees_every_block(tiny, h):
     _, loaded = tiny
     eng = LLMEngine(h.engine_config(), loaded=loaded)
