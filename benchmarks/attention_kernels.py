@@ -8,7 +8,9 @@ prompts, and a decode batch of 64 rows over 300 keys each, once with one layer's
 and once over 30 layers' caches in turn (444 MB: read from memory, as in a real decode step).
 Paths: "bf16-dot" (attention_bf16.cpp, AVX-512 BF16; skipped where the CPU lacks it), "fp32" (the
 SIMD kernel of attention_kernels.h) and, for prefill chunks, "flash" (torch's CPU flash attention,
-the AMX route).  Prints one JSON object:
+the AMX route).  Decode cases also run on an int8 KV cache (kv_cache_dtype "int8"): "int8-vnni"
+(decode_row_i8, AVX-512 VNNI; skipped where the CPU lacks it) and "int8-staged" (dequantized into
+bf16 buffers, then the bf16 kernels).  Prints one JSON object:
 best-of-reps ms a layer and GFLOP/s (4 x keys x head_dim x query heads per row); the 30-layer case
 also the cache bytes read a second (GB/s).
 """
@@ -27,6 +29,7 @@ configure_process()
 
 import torch
 
+from carpool.engine import kv_quant
 from carpool.engine.ops import Kernels
 
 HQ, HKV, D, BS = 9, 3, 64, 16
@@ -35,7 +38,7 @@ CASES = {"prefill-2000": [(0, 2000)], "chunk-500-after-1500": [(1500, 500)], "pr
 LAYERS = {"decode-64x300-30-layers": 30}
 
 
-def batch(seqs: list[tuple[int, int]], route: str):
+def batch(seqs: list[tuple[int, int]], route: str, int8_cache: bool = False):
     """Arguments of Kernels.attention for sequences (cached tokens, new tokens); FLOPs of the batch."""
     g = torch.Generator().manual_seed(0)
     rng = random.Random(0)
@@ -59,6 +62,8 @@ def batch(seqs: list[tuple[int, int]], route: str):
         row += n
     width = max(len(t) for t in tables)
     qkv = torch.randn(row, (HQ + 2 * HKV) * D, generator=g).bfloat16()
+    if int8_cache:
+        kc, vc = kv_quant.pack(kc), kv_quant.pack(vc)
     args = (qkv, kc, vc, torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
             torch.tensor(rows_seq, dtype=torch.long), torch.tensor(rows_ctx, dtype=torch.long), len(rows_seq),
             torch.tensor(flash, dtype=torch.long).view(-1, 4), HQ, 1 / math.sqrt(D))
@@ -73,16 +78,21 @@ def main() -> int:
     if not k.wait():
         raise SystemExit(f"the kernels do not build: {k.error}")
     has_bf16 = bool(k.module.cpu_has_avx512_bf16())
+    has_vnni = bool(k.module.cpu_has_avx512_vnni())
     result: dict = {"benchmark": "attention_kernels", "threads": torch.get_num_threads(), "avx512_bf16": has_bf16,
                     "cases": {}}
     try:
         for name, seqs in CASES.items():
-            paths = (["bf16-dot"] if has_bf16 else []) + ["fp32"] + (["flash"] if seqs[0][1] > 1 else [])
+            decode = seqs[0][1] == 1
+            paths = (["bf16-dot"] if has_bf16 else []) + ["fp32"] + (["flash"] if not decode else [])
+            paths += (["int8-vnni"] if decode and has_vnni else []) + (["int8-staged"] if decode else [])
             out = {}
             for path in paths:
-                k.module.set_attention_bf16_enabled(path == "bf16-dot")
+                k.module.set_attention_bf16_enabled(path != "fp32")
+                k.module.set_attention_int8_enabled(path == "int8-vnni")
                 layers = LAYERS.get(name, 1)
-                calls = [batch(seqs, "flash" if path == "flash" else "kernel") for _ in range(layers)]
+                calls = [batch(seqs, "flash" if path == "flash" else "kernel", path.startswith("int8"))
+                         for _ in range(layers)]
                 flops = calls[0][1]
                 for call, _ in calls:
                     k.attention(*call)
@@ -94,11 +104,13 @@ def main() -> int:
                     best = min(best, (time.perf_counter() - t) / layers)
                 out[path] = {"ms": round(best * 1e3, 3), "gflops": round(flops / best / 1e9, 1)}
                 if layers > 1:  # keys and values of every cached token, all KV heads
-                    cached = sum(c + n for c, n in seqs) * 2 * HKV * D * 2
+                    per_vector = D + kv_quant.SCALE_BYTES if path.startswith("int8") else D * 2
+                    cached = sum(c + n for c, n in seqs) * 2 * HKV * per_vector
                     out[path]["gb_s"] = round(cached / best / 1e9, 1)
             result["cases"][name] = out
     finally:
         k.module.set_attention_bf16_enabled(True)
+        k.module.set_attention_int8_enabled(True)
     print(json.dumps(result))
     return 0
 

@@ -205,6 +205,7 @@ def main() -> int:
     ap.add_argument("--prefill-attention", default="auto", choices=["auto", "flash", "kernel"],
                     help="the engine's extra.prefill_attention (which kernel runs prefill chunks)")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--no-profile", action="store_true", help="only the plain timing pass")
@@ -214,6 +215,7 @@ def main() -> int:
         rows = rows[: args.limit]
     extra = {"attention": args.attention, "prefill_attention": args.prefill_attention}
     kw = {"quantization": args.quantization} if args.quantization else {}
+    kw["kv_cache_dtype"] = args.kv_cache_dtype
     cfg = EngineConfig(model="smollm2", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, extra=extra, **kw)
     llm = LLM(cfg)
@@ -229,6 +231,7 @@ def main() -> int:
     profiled = run(llm, rows, "b", profile=True)
     print(json.dumps({"workload": args.workload.name, "threads": torch.get_num_threads(),
                       "attention": args.attention, "quantization": args.quantization,
+                      "kv_cache_dtype": args.kv_cache_dtype,
                       **summarize(plain, profiled)}))
     return 0
 

@@ -1,7 +1,7 @@
 """int8 weights vs bf16 in one run: decode throughput, greedy agreement, perplexity.
 
     python benchmarks/quantization.py [--requests 64] [--max-tokens 256] [--rounds 3] [--agreement-prompts 256]
-        [--float-head] [--fp32-reference] [--skip throughput|agreement|perplexity]
+        [--kv-int8] [--float-head] [--fp32-reference] [--skip throughput|agreement|perplexity]
 
 - throughput: a decode-heavy workload (the first --requests prompts of reviews-128, cycled;
   --max-tokens output tokens each, EOS ignored, greedy, max_num_seqs 64), run on a bf16 engine
@@ -13,6 +13,8 @@
   for token, and the mean fraction of matching leading tokens (common prefix / longer output).
 - perplexity: of a fixed text (Python's own reference text for a few statements, from the
   stdlib's pydoc_data, first --ppl-tokens tokens) under each engine, teacher-forced in one pass.
+- --kv-int8: two more engines with an int8 KV cache (kv_cache_dtype="int8"), one with model-dtype
+  weights and one with int8 weights;
 - --float-head: a third engine, int8 with the lm_head left in the model dtype (the default
   quantizes it, with its top candidates rescored in the model dtype: quant.QUANTIZE_LM_HEAD);
   --fp32-reference: fp32 vs bf16 greedy agreement, the disagreement two float precisions already have.
@@ -114,6 +116,8 @@ def main() -> int:
     ap.add_argument("--skip", action="append", default=[], choices=["throughput", "agreement", "perplexity"])
     ap.add_argument("--float-head", action="store_true",
                     help="also int8 with the lm_head in the model dtype (what the rescored int8 head buys)")
+    ap.add_argument("--kv-int8", action="store_true",
+                    help="also the int8 KV cache (kv_cache_dtype=int8) with bf16 weights and with int8 weights")
     ap.add_argument("--fp32-reference", action="store_true",
                     help="also fp32 vs bf16 greedy agreement: how much two float precisions already disagree")
     args = ap.parse_args()
@@ -131,11 +135,15 @@ def main() -> int:
     result: dict = {"benchmark": "quantization", "model": "smollm2", "dtype": args.dtype,
                     "threads": torch.get_num_threads(), "max_num_seqs": 64,
                     "workload": f"reviews-128 x{args.requests}, {args.max_tokens} tokens out, EOS ignored"}
-    variants = [(args.dtype, None), ("int8", "int8")] + ([("int8-float-head", "int8")] if args.float_head else [])
+    variants = [(args.dtype, None, "auto"), ("int8", "int8", "auto")]
+    if args.float_head:
+        variants.append(("int8-float-head", "int8", "auto"))
+    if args.kv_int8:
+        variants += [(f"{args.dtype}+kv-int8", None, "int8"), ("int8+kv-int8", "int8", "int8")]
     engines: dict[str, dict] = {}
     llms: dict[str, LLM] = {}
-    for name, q in variants:
-        cfg = EngineConfig(model="smollm2", dtype=args.dtype, quantization=q, max_num_seqs=64,
+    for name, q, kv in variants:
+        cfg = EngineConfig(model="smollm2", dtype=args.dtype, quantization=q, kv_cache_dtype=kv, max_num_seqs=64,
                            max_num_batched_tokens=2048, num_threads=args.threads, extra={"attention": "kernel"})
         t = time.perf_counter()
         default_head = quant.QUANTIZE_LM_HEAD

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=d_engine.quantization, choices=["int8"],
                    help="int8: int8 linear weights, per-output-channel scales; measured 1.24-1.29x "
                         "bf16's decode tok/s on a 2-core Zen 4 (docs/engine.md); default: none")
+    g.add_argument("--kv-cache-dtype", default=d_engine.kv_cache_dtype, choices=["auto", "int8"],
+                   help="int8: keys and values stored in int8 with a scale per token and head (half the "
+                        "bytes a decode step reads, twice the tokens per GB); auto: the model dtype")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d_engine.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d_engine.max_num_batched_tokens)
@@ -81,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -48,6 +48,7 @@ class EngineConfig:
     model: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny-random", or a HF folder path
     dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16, else float32
     quantization: str | None = None  # None, or "int8": int8 linear weights (engine/quant.py)
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; "int8": int8 keys and values (engine/kv_quant.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192

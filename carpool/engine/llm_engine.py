@@ -20,6 +20,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .guided import GrammarCompiler, TokenVocabulary
+from .kv_quant import bytes_per_head_vector, check_kv_cache_dtype
 from .model import LlamaModel
 from .model_runner import PREFILL_MODES, ModelRunner
 from .ops.build import ISA_NAMES
@@ -78,6 +79,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype)
         try:  # before the weights load: a typo fails at once
             self.quantization = check_quantization(config.quantization)
+            self.kv_cache_dtype = check_kv_cache_dtype(config.kv_cache_dtype)
         except ValueError as e:
             raise EngineError(str(e)) from None
         if loaded is None:
@@ -119,7 +121,8 @@ class LLMEngine:
             raise EngineError(f"extra.isa must be one of {', '.join(isas)}, got {isa_name!r}")
         self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed,
                                   kernels={"auto": "auto", "kernel": "wait", "torch": "off"}[mode],
-                                  prefill=prefill_mode, isa=None if isa_name is None else isas[isa_name])
+                                  prefill=prefill_mode, isa=None if isa_name is None else isas[isa_name],
+                                  kv_cache_dtype=self.kv_cache_dtype)
         kernels = self.runner.kernels
         if mode == "kernel" and (kernels is None or not kernels.ready):
             why = kernels.error if kernels is not None else f"head_dim {mcfg.head_dim} has no kernel"
@@ -138,8 +141,8 @@ class LLMEngine:
         c, m = self.config, self.model_config
         if c.num_kv_blocks:
             return int(c.num_kv_blocks)
-        per_block = 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim
-        per_block *= torch.tensor([], dtype=self.dtype).element_size()
+        per_block = 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads
+        per_block *= bytes_per_head_vector(m.head_dim, self.kv_cache_dtype, self.dtype)
         by_memory = int(c.kv_cache_memory_gb * (1 << 30) // per_block)
         # More than every running sequence at full length can never be used.
         useful = c.max_num_seqs * -(-self.max_model_len // self.block_size)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from . import kv_quant, quant
 from .config import ModelConfig
 from .quant import Int8Linear, linear
 
@@ -270,11 +270,14 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ forward
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          kv_cache_dtype: str = "auto") -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer K and V caches [num_blocks, block_size, kv_heads, head_dim], zeroed
-        (masked-out keys must hold finite values: softmax weight 0 times NaN is NaN)."""
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return [(_zeroed(shape, self.dtype), _zeroed(shape, self.dtype)) for _ in range(self.config.num_hidden_layers)]
+        (masked-out keys must hold finite values: softmax weight 0 times NaN is NaN); "int8":
+        int8 [..., head_dim + 4], each head vector followed by its scale (kv_quant.py)."""
+        shape = kv_quant.cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim, kv_cache_dtype)
+        dtype = torch.int8 if kv_cache_dtype == "int8" else self.dtype
+        return [(_zeroed(shape, dtype), _zeroed(shape, dtype)) for _ in range(self.config.num_hidden_layers)]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -415,15 +418,19 @@ class LlamaModel:
         t = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         nb_total, bs = k_cache.shape[0], k_cache.shape[1]
-        k_flat = k_cache.view(nb_total * bs, hkv, d)
-        v_flat = v_cache.view(nb_total * bs, hkv, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        int8 = k_cache.dtype == torch.int8  # kv_cache_dtype "int8": rows stored by kv_quant.pack
+        k_flat = k_cache.view(nb_total * bs, hkv, k_cache.shape[3])
+        v_flat = v_cache.view(nb_total * bs, hkv, v_cache.shape[3])
+        k_flat.index_copy_(0, meta.slot_mapping, kv_quant.pack(k) if int8 else k)
+        v_flat.index_copy_(0, meta.slot_mapping, kv_quant.pack(v) if int8 else v)
 
         def gather(cache_flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
             """[B, L] slots -> [Hkv, B, L, d] (row gather, then a head-major view)."""
             b, length = slots.shape
-            return cache_flat.index_select(0, slots.reshape(-1)).view(b, length, hkv, d).permute(2, 0, 1, 3)
+            rows = cache_flat.index_select(0, slots.reshape(-1))
+            if int8:
+                rows = kv_quant.unpack(rows, q.dtype)
+            return rows.view(b, length, hkv, d).permute(2, 0, 1, 3)
 
         outs = []
         nd = meta.num_decode

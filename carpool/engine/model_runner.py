@@ -46,13 +46,14 @@ class ModelRunner:
     kernel below), "flash" or "kernel" (every prefill chunk through that one)."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
-                 kernels: str = "auto", prefill: str = "auto", isa: int | None = None):
+                 kernels: str = "auto", prefill: str = "auto", isa: int | None = None,
+                 kv_cache_dtype: str = "auto"):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill attention must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)
         self.sampler = Sampler(seed)
         self.prefill = prefill
         self.kernels: Kernels | None = None

@@ -52,11 +52,14 @@ def job_identity(opts: RunOptions) -> ModelIdentity:
 
 
 def engine_model_name(name: str, opts: RunOptions) -> str:
-    """The in-process engine's model as jobs name it: int8 weights answer differently from
-    bf16 ones, so "smollm2+int8" keeps their cache entries and resumes apart."""
-    quantization = (getattr(getattr(opts.engine, "config", None), "quantization", None)
-                    or opts.engine_config.get("quantization"))
-    return f"{name}+{quantization}" if quantization else name
+    """The in-process engine's model as jobs name it: int8 weights (or an int8 KV cache) answer
+    differently from bf16 ones, so "smollm2+int8" ("smollm2+kv-int8") keeps their cache entries
+    and resumes apart."""
+    config = getattr(opts.engine, "config", None)
+    quantization = getattr(config, "quantization", None) or opts.engine_config.get("quantization")
+    kv = getattr(config, "kv_cache_dtype", None) or opts.engine_config.get("kv_cache_dtype") or "auto"
+    name = f"{name}+{quantization}" if quantization else name
+    return f"{name}+kv-{kv}" if kv != "auto" else name
 
 
 def make_fingerprint(opts: RunOptions) -> dict:

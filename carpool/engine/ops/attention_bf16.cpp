@@ -40,16 +40,32 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 namespace {
 std::atomic<bool> g_enabled{cpu_has_avx512_bf16()};
+std::atomic<bool> g_int8_enabled{cpu_has_avx512_vnni()};
 }  // namespace
+
+bool attention_int8_enabled() { return g_int8_enabled.load(std::memory_order_relaxed); }
+
+void set_attention_int8_enabled(bool on) {
+  g_int8_enabled.store(on && cpu_has_avx512_vnni(), std::memory_order_relaxed);
+}
 
 bool attention_bf16_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 
 void set_attention_bf16_enabled(bool on) { g_enabled.store(on && cpu_has_avx512_bf16(), std::memory_order_relaxed); }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni,fma,f16c")
 
 namespace {
 
@@ -272,6 +288,23 @@ inline __m512 reduce16(__m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// reduce16 on int32 lanes (the vectors hold int32 bits): the same tree with integer adds.
+inline __m512i reduce16_i32(__m512* v) {
+  const auto add = [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  };
+  __m512 w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k) w[k] = add(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)
+    x[k] = add(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 2; ++k)
+    y[k] = add(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+               _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_castps_si512(add(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
 // A decode row (one query row) against every KV head at once, G query heads each.  A real decode
 // batch reads its whole cache from memory every step, so this item is built around the stream:
 // each key's whole cache row (hkv * D values) is read once, in key order, prefetched kAheadBytes
@@ -385,6 +418,195 @@ void decode_row(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k
       avx512::store(out + row * out_stride + r * D + i * 16, avx512::Vf{_mm512_loadu_ps(acc_mem + r * D + i * 16)});
 }
 
+// decode_row on an int8 cache (kv_cache_dtype "int8"; layout in attention_bf16.h): the same
+// stream (each key's whole cache row once, in key order, prefetched ahead), half the bytes.
+// Scores: the row's queries quantized to int8 (one scale a query head, as the keys have one a
+// token and head), 64 products a vpdpbusd with the keys read as k + 128 (xor 0x80, the unsigned
+// operand) and 128 * sum(q) taken off after; times the query's and the key's scales.  Values:
+// per chunk of 32 keys, each probability times its value's scale, quantized to int16 with one
+// scale per query and chunk (the largest product of the chunk -> 32767: an error of at most
+// 1/65534 of that product on each), 2 keys a vpdpwssd against the values widened to int16 in
+// (key 2m, key 2m+1) pairs; int32 sums flushed to fp32 after each chunk (32 x 32767 x 127 fits).
+// Compared to staging the dequantized rows for decode_row: no key is written and read twice.
+constexpr int64_t kMaxKvHeadsI8 = 32;  // decode_row_i8's stack arrays; more KV heads: staged
+// How far ahead decode_row_i8 prefetches, in bytes of cache rows.  Not decode_row's 96 KB: these
+// rows are half as long and cheaper to compute, and a longer distance left the prefetches queueing
+// (64 rows x 330 keys x 30 layers, SmolLM2's shape, ms: 8 KB 16.4-18.8, 16 KB 15.9-16.1, 48 KB
+// 16.3-16.5, 96 KB 19.4-19.8; bf16 cache with decode_row 19.2-22.5 in the same runs).
+constexpr int64_t kAheadBytesI8 = 16 * 1024;
+
+template <int D, int G>
+void decode_row_i8(const c10::BFloat16* q, int64_t q_stride, const int8_t* kq, const int8_t* vq,
+                   const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
+                   int64_t row, int64_t hkv, int64_t bs, float scale, const int64_t* next_table, int64_t next_len,
+                   Scratch& sc) {
+  static_assert(D % 64 == 0, "a key's head vector is read 64 int8 values at a time");
+  constexpr int NK = D / 64, NV = D / 16;
+  constexpr int64_t HR = D + kScaleBytes;  // bytes of one head vector and its scale
+  const int64_t len = ctx_len[row], nq = hkv * G;
+  const int64_t rows = (len + 31) / 32 * 32;
+  const int64_t row_bytes = hkv * HR;  // a key's cache row, all heads
+  const int64_t ahead = std::max<int64_t>(16, kAheadBytesI8 / row_bytes / 16 * 16);  // keys
+  key_offsets(table, len, rows + ahead, bs, row_bytes, 0, sc.offs);
+  if (next_len > 0) key_offsets(next_table, std::min(next_len, ahead), ahead, bs, row_bytes, 0, sc.offs.data() + rows);
+  const int64_t* offs = sc.offs.data();
+  // Keys [k0, k1) of base into L2, each cache line once: a block's rows are contiguous but not
+  // line-aligned (hkv * (D + 4) bytes), so a run of consecutive rows is prefetched as one range.
+  // (Inlined: a call would spill every live vector register, all caller-saved.)
+  const auto prefetch = [&](const int8_t* base, int64_t k0, int64_t k1) __attribute__((always_inline)) {
+    for (int64_t k = k0; k < k1;) {
+      int64_t e = k + 1;
+      while (e < k1 && offs[e] == offs[e - 1] + row_bytes) ++e;
+      const uintptr_t a = reinterpret_cast<uintptr_t>(base + offs[k]), end = a + (e - k) * row_bytes;
+      for (uintptr_t line = a & ~uintptr_t{63}; line < end; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+      k = e;
+    }
+  };
+  prefetch(kq, 0, std::min(len, ahead));
+
+  // The queries in int8: qi [nq][D], their scales and 128 * sum(qi) (the k + 128 correction).
+  sc.qp.resize(static_cast<size_t>(nq * D / 4 + 2 * nq));
+  int8_t* qi = reinterpret_cast<int8_t*>(sc.qp.data());
+  float* qscale = reinterpret_cast<float*>(sc.qp.data() + nq * D / 4);
+  int32_t* qcorr = sc.qp.data() + nq * D / 4 + nq;
+  const c10::BFloat16* qrow = q + row * q_stride;
+  for (int64_t r = 0; r < nq; ++r) {
+    __m512 x[NV];
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < NV; ++i) {
+      x[i] = avx512::load(qrow + r * D + i * 16).v;
+      m = _mm512_max_ps(m, _mm512_abs_ps(x[i]));
+    }
+    const float amax = std::max(_mm512_reduce_max_ps(m), 1e-30f);
+    const __m512 inv = _mm512_set1_ps(127.f / amax);
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < NV; ++i) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(x[i], inv));  // rounds to nearest even
+      sum = _mm512_add_epi32(sum, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qi + r * D + i * 16), _mm512_cvtsepi32_epi8(v));
+    }
+    qscale[r] = amax / 127.f * scale;
+    qcorr[r] = 128 * _mm512_reduce_add_epi32(sum);
+  }
+
+  sc.s.resize(static_cast<size_t>(nq * rows));
+  float* s = sc.s.data();
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float ks[16];
+  int64_t share[kMaxKvHeadsI8 * G + 1], vshare[kMaxKvHeadsI8 + 1];  // prefetches spread over the work
+  for (int64_t r = 0; r <= nq; ++r) share[r] = r * 16 / nq;
+  for (int64_t h = 0; h <= hkv; ++h) vshare[h] = h * 32 / hkv;
+  for (int64_t l0 = 0; l0 < rows; l0 += 16) {
+    const __mmask16 valid = _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(l0)), lane),
+                                                    _mm512_set1_epi32(static_cast<int32_t>(len)));
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int b = 0; b < 16; ++b) std::memcpy(ks + b, kq + offs[l0 + b] + h * HR + D, sizeof(float));
+      const __m512 kscale = _mm512_load_ps(ks);
+      for (int j = 0; j < G; ++j) {
+        const int64_t r = h * G + j;
+        prefetch(kq, l0 + ahead + share[r], l0 + ahead + share[r + 1]);  // this query's share of the next keys
+        __m512i qv[NK];
+        for (int z = 0; z < NK; ++z) qv[z] = _mm512_loadu_si512(qi + r * D + z * 64);
+        __m512 part[16];
+        for (int b = 0; b < 16; ++b) {
+          const int8_t* kp = kq + offs[l0 + b] + h * HR;
+          __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(kp), flip), qv[0]);
+          for (int z = 1; z < NK; ++z)
+            a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(_mm512_loadu_si512(kp + z * 64), flip), qv[z]);
+          part[b] = _mm512_castsi512_ps(a);
+        }
+        // The 16 keys' integer dot products (reduce16's tree on the integer lanes), corrected.
+        const __m512i dots = _mm512_sub_epi32(reduce16_i32(part), _mm512_set1_epi32(qcorr[r]));
+        const __m512 sv = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(qscale[r])), kscale);
+        _mm512_storeu_ps(s + r * rows + l0, _mm512_mask_mov_ps(ninf, valid, sv));
+      }
+    }
+  }
+  prefetch(vq, 0, std::min(len, ahead));  // values' first keys
+  // Softmax along each query's keys, normalised, in place (fp32).
+  for (int64_t r = 0; r < nq; ++r) {
+    float* sr = s + r * rows;
+    __m512 mx = ninf;
+    for (int64_t l = 0; l < rows; l += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + l));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < rows; l += 16) {
+      const __m512 e = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(sr + l), m)}).v;
+      _mm512_storeu_ps(sr + l, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t l = 0; l < rows; l += 16) _mm512_storeu_ps(sr + l, _mm512_mul_ps(_mm512_loadu_ps(sr + l), inv));
+  }
+  sc.o.assign(static_cast<size_t>(nq * D), 0.f);  // [nq][D] fp32 sums
+  float* acc_mem = sc.o.data();
+  const __m512i lo = _mm512_load_si512(kInterleave32);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  alignas(64) float vs[32];
+  alignas(64) int32_t pp[G][16];  // a query's 16 int16 probability pairs of the chunk
+  float ps[G];
+  for (int64_t c0 = 0; c0 < rows; c0 += 32) {
+    for (int64_t h = 0; h < hkv; ++h) {
+      prefetch(vq, c0 + ahead + vshare[h], c0 + ahead + vshare[h + 1]);  // head h's share
+      for (int b = 0; b < 32; ++b) std::memcpy(vs + b, vq + offs[c0 + b] + h * HR + D, sizeof(float));
+      const __m512 vs0 = _mm512_load_ps(vs), vs1 = _mm512_load_ps(vs + 16);
+      for (int j = 0; j < G; ++j) {
+        const float* pr = s + (h * G + j) * rows + c0;
+        const __m512 p0 = _mm512_mul_ps(_mm512_loadu_ps(pr), vs0), p1 = _mm512_mul_ps(_mm512_loadu_ps(pr + 16), vs1);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(p0, p1));
+        ps[j] = mx * (1.f / 32767.f);
+        const __m512 inv = _mm512_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+        const __m256i a = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(p0, inv)));
+        const __m256i b = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(p1, inv)));
+        _mm512_store_si512(pp[j], _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));  // keys in order = pairs
+      }
+      __m512i acc[G][NV];
+      for (int j = 0; j < G; ++j)
+        for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_si512();
+      for (int m = 0; m < 16; ++m) {
+        const int8_t *va = vq + offs[c0 + 2 * m] + h * HR, *vb = vq + offs[c0 + 2 * m + 1] + h * HR;
+        __m512i vz[NV];
+        for (int i = 0; i < NV; i += 2) {  // 32 head dims of both rows, widened, in (a, b) pairs
+          const __m512i wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + i * 16)));
+          const __m512i wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + i * 16)));
+          vz[i] = _mm512_permutex2var_epi16(wa, lo, wb);
+          vz[i + 1] = _mm512_permutex2var_epi16(wa, hi, wb);
+        }
+        for (int j = 0; j < G; ++j) {
+          const __m512i pb = _mm512_set1_epi32(pp[j][m]);
+          for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_dpwssd_epi32(acc[j][i], vz[i], pb);
+        }
+      }
+      for (int j = 0; j < G; ++j) {
+        const __m512 c = _mm512_set1_ps(ps[j]);
+        float* am = acc_mem + (h * G + j) * D;
+        for (int i = 0; i < NV; ++i)
+          _mm512_storeu_ps(am + i * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j][i]), c, _mm512_loadu_ps(am + i * 16)));
+      }
+    }
+  }
+  for (int64_t r = 0; r < nq; ++r)
+    for (int i = 0; i < NV; ++i)
+      avx512::store(out + row * out_stride + r * D + i * 16, avx512::Vf{_mm512_loadu_ps(acc_mem + r * D + i * 16)});
+}
+
+template <int D>
+bool row_i8_d(const c10::BFloat16* q, int64_t q_stride, const int8_t* kq, const int8_t* vq, const int64_t* table,
+              const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row, int64_t g, int64_t hkv,
+              int64_t bs, float scale, const int64_t* next_table, int64_t next_len) {
+  if (hkv > kMaxKvHeadsI8) return false;
+  Scratch& sc = scratch();
+  switch (g) {
+    case 1: decode_row_i8<D, 1>(q, q_stride, kq, vq, table, ctx_len, out, out_stride, row, hkv, bs, scale, next_table, next_len, sc); return true;
+    case 2: decode_row_i8<D, 2>(q, q_stride, kq, vq, table, ctx_len, out, out_stride, row, hkv, bs, scale, next_table, next_len, sc); return true;
+    case 3: decode_row_i8<D, 3>(q, q_stride, kq, vq, table, ctx_len, out, out_stride, row, hkv, bs, scale, next_table, next_len, sc); return true;
+    case 4: decode_row_i8<D, 4>(q, q_stride, kq, vq, table, ctx_len, out, out_stride, row, hkv, bs, scale, next_table, next_len, sc); return true;
+    default: return false;
+  }
+}
+
 template <int D>
 bool row_d(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
            const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride, int64_t row,
@@ -423,6 +645,38 @@ bool item_d(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, c
 
 }  // namespace
 
+bool stage_kv_bf16(const int8_t* kq, const int8_t* vq, const int64_t* table, int64_t keys, int64_t bs, int64_t hkv,
+                   int64_t d, int64_t h0, int64_t h1, c10::BFloat16* ks, c10::BFloat16* vs) {
+  if (d % 32 != 0) return false;
+  const int64_t row = d + kScaleBytes;
+  const auto dequant = [](const int8_t* src, __m512 c) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))), c);
+  };
+  for (int64_t l = 0; l < keys; ++l) {
+    const int64_t slot = table[l / bs] * bs + l % bs;
+    if (l % bs == 0 && l + 2 * bs < keys) {  // two pages ahead: pages are scattered, no hardware stream
+      const int64_t ahead = table[l / bs + 2] * bs * hkv * row;
+      for (int64_t x = 0; x < bs * hkv * row; x += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kq + ahead + x), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vq + ahead + x), _MM_HINT_T0);
+      }
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const int8_t *k = kq + (slot * hkv + h) * row, *v = vq + (slot * hkv + h) * row;
+      float sk, sv;
+      std::memcpy(&sk, k + d, sizeof sk);
+      std::memcpy(&sv, v + d, sizeof sv);
+      const __m512 ck = _mm512_set1_ps(sk), cv = _mm512_set1_ps(sv);
+      const int64_t dst = (l * hkv + h) * d;
+      for (int64_t i = 0; i < d; i += 32) {
+        _mm512_storeu_si512(ks + dst + i, as_i(_mm512_cvtne2ps_pbh(dequant(k + i + 16, ck), dequant(k + i, ck))));
+        _mm512_storeu_si512(vs + dst + i, as_i(_mm512_cvtne2ps_pbh(dequant(v + i + 16, cv), dequant(v + i, cv))));
+      }
+    }
+  }
+  return true;
+}
+
 bool attend_item_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
                       const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
                       int64_t row0, int64_t nr, int64_t h, int64_t g, int64_t hkv, int64_t bs, int64_t d, float scale) {
@@ -430,6 +684,17 @@ bool attend_item_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
     case 64: return item_d<64>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, nr, h, g, hkv, bs, scale);
     case 128: return item_d<128>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, nr, h, g, hkv, bs, scale);
     case 32: return item_d<32>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, row0, nr, h, g, hkv, bs, scale);
+    default: return false;
+  }
+}
+
+bool attend_row_int8(const c10::BFloat16* q, int64_t q_stride, const int8_t* kq, const int8_t* vq,
+                     const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
+                     int64_t row, int64_t g, int64_t hkv, int64_t bs, int64_t d, float scale,
+                     const int64_t* next_table, int64_t next_len) {
+  switch (d) {
+    case 64: return row_i8_d<64>(q, q_stride, kq, vq, table, ctx_len, out, out_stride, row, g, hkv, bs, scale, next_table, next_len);
+    case 128: return row_i8_d<128>(q, q_stride, kq, vq, table, ctx_len, out, out_stride, row, g, hkv, bs, scale, next_table, next_len);
     default: return false;
   }
 }

@@ -9,6 +9,10 @@
 
 namespace carpool {
 
+// Bytes after each head vector of an int8 KV cache [blocks, bs, hkv, D + kScaleBytes]: its fp32
+// scale (attention.cpp writes it, attention_kernels.h's stage_kv reads it).
+constexpr int64_t kScaleBytes = 4;
+
 // offs[l] = element offset in a paged cache [blocks, bs, hkv, D] of key l's vector at head_off
 // (h * D), for the first len keys of a sequence through its block table; offs[len .. total) repeat
 // key 0 (padding and prefetch distance: read, weighted 0; the cache holds finite values).  Shared
@@ -42,6 +46,27 @@ void set_attention_bf16_enabled(bool on);
 bool attend_item_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, const c10::BFloat16* vc,
                       const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
                       int64_t row0, int64_t nr, int64_t h, int64_t g, int64_t hkv, int64_t bs, int64_t d, float scale);
+
+// stage_kv of attention_kernels.h for bf16 with the CPU's own rounding (vcvtne2ps2bf16: the same
+// values, a third of the instructions of the emulated rounding).  False, doing nothing, for a head
+// dim that is not a multiple of 32.
+bool stage_kv_bf16(const int8_t* kq, const int8_t* vq, const int64_t* table, int64_t keys, int64_t bs, int64_t hkv,
+                   int64_t d, int64_t h0, int64_t h1, c10::BFloat16* ks, c10::BFloat16* vs);
+
+// Whether attend_rows sends decode rows of an int8 cache to attend_row_int8 (AVX-512 VNNI, on by
+// default where the CPU has it with AVX-512 BF16); off: they are staged (stage_kv) like every other
+// item.  Tests compare both.
+bool cpu_has_avx512_vnni();
+bool attention_int8_enabled();
+void set_attention_int8_enabled(bool on);
+
+// attend_row_bf16 on an int8 cache, reading it as int8 (queries quantized to int8, probabilities
+// to int16 per chunk of keys; attention_bf16.cpp says how).  False, doing nothing, for head dims
+// other than 64 and 128 or more than 4 query heads a KV head.
+bool attend_row_int8(const c10::BFloat16* q, int64_t q_stride, const int8_t* kq, const int8_t* vq,
+                     const int64_t* table, const int64_t* ctx_len, c10::BFloat16* out, int64_t out_stride,
+                     int64_t row, int64_t g, int64_t hkv, int64_t bs, int64_t d, float scale,
+                     const int64_t* next_table, int64_t next_len);
 
 // One decode row (a block of one query row) against all hkv KV heads, g query heads each, reading
 // each key's whole cache row once; its prefetches run on into the first keys of the next row the

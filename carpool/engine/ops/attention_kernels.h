@@ -166,16 +166,69 @@ inline void attend_item(const T* q, int64_t q_stride, const T* kc, const T* vc, 
         store(out + (row0 + r) * out_stride + (h * g + j) * D + i * W, load(acc + (r * g + j) * D + i * W));
 }
 
+// An int8 KV cache (EngineConfig.kv_cache_dtype="int8", engine/kv_quant.py): each token's head
+// vector is D int8 values then its fp32 scale, [blocks, bs, hkv, D + kScaleBytes].
+// An item first dequantizes the keys and values it will read (heads h0..h1 of the sequence's first
+// `keys` tokens) into per-thread buffers laid out as a model-dtype cache of consecutive blocks,
+// x * scale rounded to T as kv_quant.unpack does, and then runs the same kernels on them through
+// an identity block table.  Why stage instead of teaching every kernel int8: one dequantization
+// serves every path below (decode rows, prefill blocks, bf16 dot products, each ISA), the kernels
+// give the same results as on a model-dtype cache of those values (tests/engine/test_kv_int8.py),
+// and memory only carries the int8 bytes -- a decode batch reads its whole cache every step, and
+// the buffers (a few hundred KB a row) stay in L2 between the dequantization and the kernel.
+
+template <typename T, int D>
+void stage_kv(const int8_t* kq, const int8_t* vq, const int64_t* table, int64_t keys, int64_t bs, int64_t hkv,
+              int64_t h0, int64_t h1, std::vector<T>& ks, std::vector<T>& vs, std::vector<int64_t>& ident,
+              bool bf16_dot) {
+  const int64_t nb = (keys + bs - 1) / bs, row = D + kScaleBytes;
+  if (static_cast<int64_t>(ks.size()) < nb * bs * hkv * D) {
+    ks.resize(static_cast<size_t>(nb * bs * hkv * D));  // zeroed: keys past `keys` are read as padding
+    vs.resize(ks.size());
+  }
+  if (static_cast<int64_t>(ident.size()) < nb) {
+    const int64_t had = static_cast<int64_t>(ident.size());
+    ident.resize(static_cast<size_t>(nb));
+    for (int64_t b = had; b < nb; ++b) ident[b] = b;
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (bf16_dot && stage_kv_bf16(kq, vq, table, keys, bs, hkv, D, h0, h1, ks.data(), vs.data())) return;
+  }
+  for (int64_t l = 0; l < keys; ++l) {
+    const int64_t slot = table[l / bs] * bs + l % bs;
+    if (l % bs == 0 && l + 2 * bs < keys) {  // two pages ahead: pages are scattered, no hardware stream
+      const int64_t ahead = (table[l / bs + 2] * bs) * hkv * row;
+      for (int64_t x = 0; x < bs * hkv * row; x += 64) {
+        __builtin_prefetch(kq + ahead + x);
+        __builtin_prefetch(vq + ahead + x);
+      }
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t src = (slot * hkv + h) * row, dst = (l * hkv + h) * D;
+      float sk, sv;
+      std::memcpy(&sk, kq + src + D, sizeof sk);
+      std::memcpy(&sv, vq + src + D, sizeof sv);
+      const Vf ck = set1(sk), cv = set1(sv);
+      for (int64_t i = 0; i < D; i += W) {
+        store(ks.data() + dst + i, mul(load(kq + src + i), ck));
+        store(vs.data() + dst + i, mul(load(vq + src + i), cv));
+      }
+    }
+  }
+}
+
 // Every row attends to the first ctx_len[row] keys of its sequence, read through its block table.
 // Work items (row block x KV head; a one-row block on the bf16 path takes all heads) are split
 // between the threads by cost (rows x context), so a few long contexts do not leave one thread
 // idle while the other finishes them.
 // bf16_dot: bf16 items go to attend_row_bf16 / attend_item_bf16 (AVX-512 BF16 dot products,
-// attention_bf16.cpp) when they cover their shape.
+// attention_bf16.cpp) when they cover their shape.  kq/vq: an int8 cache (kc/vc unused), staged
+// item by item (stage_kv above); null for a model-dtype cache.
 template <typename T, int D>
 void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const int64_t* tables, int64_t max_blocks,
                  const int64_t* seq_of_row, const int64_t* ctx_len, T* out, int64_t out_stride, int64_t rows,
-                 int64_t hq, int64_t hkv, int64_t bs, float scale, bool bf16_dot) {
+                 int64_t hq, int64_t hkv, int64_t bs, float scale, bool bf16_dot, const int8_t* kq = nullptr,
+                 const int8_t* vq = nullptr) {
   const int64_t g = hq / hkv;
   // The bf16 kernel takes up to 128 query vectors an item: more rows a block read each key for.
   const int64_t block_rows = bf16_dot ? std::max<int64_t>(kRows, std::min<int64_t>(kRowsBf16, 128 / g)) : kRows;
@@ -203,6 +256,8 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> buf;
     std::vector<int64_t> offs;
+    thread_local std::vector<int64_t> ident;  // kept: a fresh 100s-of-KB buffer a call faulted its pages in
+    thread_local std::vector<T> staged_k, staged_v;
     for (int64_t t = tb; t < te; ++t) {
       // Items whose cost midpoint falls in this thread's share of the total.
       const double lo = cum[items] * t / nthreads, hi = cum[items] * (t + 1) / nthreads;
@@ -214,22 +269,40 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
       for (size_t i = 0; i < mine.size(); ++i) {
         const int64_t w = mine[i], b = item_b[w], r0 = starts[b], nr = starts[b + 1] - r0;
         const int64_t* table = tables + seq_of_row[r0] * max_blocks;
+        const int64_t h0 = item_h[w] < 0 ? 0 : item_h[w], h1 = item_h[w] < 0 ? hkv : h0 + 1;  // heads it covers
+        const T *kc_i = kc, *vc_i = vc;
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          // A whole-row item streams on into the next one's first keys (this thread's next item).
+          // A decode row of an int8 cache: read as int8 where the CPU has VNNI (no staging).
           const bool next = i + 1 < mine.size() && item_h[mine[i + 1]] < 0;
           const int64_t nrow = next ? starts[item_b[mine[i + 1]]] : 0;
-          if (item_h[w] < 0 && attend_row_bf16(q, q_stride, kc, vc, table, ctx_len, out, out_stride, r0, g, hkv, bs, D,
-                                               scale, tables + seq_of_row[nrow] * max_blocks, next ? ctx_len[nrow] : 0))
+          if (kq != nullptr && item_h[w] < 0 && attention_int8_enabled() &&
+              attend_row_int8(q, q_stride, kq, vq, table, ctx_len, out, out_stride, r0, g, hkv, bs, D, scale,
+                              tables + seq_of_row[nrow] * max_blocks, next ? ctx_len[nrow] : 0))
             continue;
         }
-        const int64_t h0 = item_h[w] < 0 ? 0 : item_h[w], h1 = item_h[w] < 0 ? hkv : h0 + 1;  // heads it covers
+        if (kq != nullptr) {  // rows of a block see at most the last row's keys
+          stage_kv<T, D>(kq, vq, table, ctx_len[r0 + nr - 1], bs, hkv, h0, h1, staged_k, staged_v, ident, bf16_dot);
+          kc_i = staged_k.data();
+          vc_i = staged_v.data();
+          table = ident.data();
+        }
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          // A whole-row item streams on into the next one's first keys (this thread's next item);
+          // staged items stream in stage_kv instead.
+          const bool next = kq == nullptr && i + 1 < mine.size() && item_h[mine[i + 1]] < 0;
+          const int64_t nrow = next ? starts[item_b[mine[i + 1]]] : 0;
+          if (item_h[w] < 0 && attend_row_bf16(q, q_stride, kc_i, vc_i, table, ctx_len, out, out_stride, r0, g, hkv,
+                                               bs, D, scale, tables + seq_of_row[nrow] * max_blocks,
+                                               next ? ctx_len[nrow] : 0))
+            continue;
+        }
         for (int64_t h = h0; h < h1; ++h) {
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
-            if (bf16_dot && attend_item_bf16(q, q_stride, kc, vc, table, ctx_len, out, out_stride, r0, nr, h, g, hkv,
-                                             bs, D, scale))
+            if (bf16_dot && attend_item_bf16(q, q_stride, kc_i, vc_i, table, ctx_len, out, out_stride, r0, nr, h, g,
+                                             hkv, bs, D, scale))
               continue;
           }
-          attend_item<T, D>(q, q_stride, kc, vc, table, ctx_len, out, out_stride, r0, nr, h, g, hkv, bs, scale, buf,
+          attend_item<T, D>(q, q_stride, kc_i, vc_i, table, ctx_len, out, out_stride, r0, nr, h, g, hkv, bs, scale, buf,
                             offs);
         }
       }

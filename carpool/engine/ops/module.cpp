@@ -34,6 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_has_avx512_bf16", &carpool::cpu_has_avx512_bf16, "whether this CPU runs AVX-512 BF16");
   m.def("attention_bf16_enabled", &carpool::attention_bf16_enabled,
         "whether bf16 prefill blocks run on AVX-512 BF16 dot products (default: where the CPU has them)");
+  m.def("cpu_has_avx512_vnni", &carpool::cpu_has_avx512_vnni, "whether this CPU runs AVX-512 VNNI (and BF16)");
+  m.def("attention_int8_enabled", &carpool::attention_int8_enabled,
+        "whether decode rows of an int8 KV cache are read as int8 (default: where the CPU has VNNI)");
+  m.def("set_attention_int8_enabled", &carpool::set_attention_int8_enabled,
+        "off: decode rows of an int8 KV cache are staged into bf16 like every other item (tests compare)");
   m.def("set_attention_bf16_enabled", &carpool::set_attention_bf16_enabled,
         "turn the AVX-512 BF16 prefill path on (where the CPU has it) or off (the fp32 path)");
   m.def("add_rms_norm", &carpool::add_rms_norm, "x += residual (in place, optional); returns rms_norm(x) * w");

@@ -73,6 +73,7 @@ inline float reduce_add(Vf a) { return a.v; }
 inline float reduce_max(Vf a) { return a.v; }
 inline Vf exp(Vf x) { return {x.v < kExpLo ? 0.f : std::exp(x.v)}; }
 inline Vf load(const int32_t* p) { return {static_cast<float>(*p)}; }
+inline Vf load(const int8_t* p) { return {static_cast<float>(*p)}; }
 inline Vf vabs(Vf a) { return {std::fabs(a.v)}; }
 // Bit i set where a[i] > b[i] (false for NaN).
 inline unsigned gt_mask(Vf a, Vf b) { return a.v > b.v ? 1u : 0u; }
@@ -159,6 +160,9 @@ inline Vf exp(Vf x) {
   return {_mm256_andnot_ps(under, y)};
 }
 inline Vf load(const int32_t* p) { return {_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline Vf load(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
 inline Vf vabs(Vf a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.f), a.v)}; }
 inline unsigned gt_mask(Vf a, Vf b) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))); }
 // Rounds to nearest even (the default MXCSR mode, as torch.round) and saturates to [-128, 127].
@@ -232,6 +236,9 @@ inline Vf exp(Vf x) {
   return {_mm512_maskz_scalef_ps(static_cast<__mmask16>(~under), p, n)};
 }
 inline Vf load(const int32_t* p) { return {_mm512_cvtepi32_ps(_mm512_loadu_si512(p))}; }
+inline Vf load(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 inline Vf vabs(Vf a) { return {_mm512_abs_ps(a.v)}; }
 inline unsigned gt_mask(Vf a, Vf b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
 // Rounds to nearest even (the default MXCSR mode, as torch.round) and saturates to [-128, 127].
