@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from carpool.engine.config import EngineConfig, ModelConfig
+from carpool.engine.ops import Kernels
 
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
@@ -78,3 +79,12 @@ def tiny_tok():
     from carpool.engine.loader import load_model
 
     return load_model("tiny-random", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def best_isa() -> int:
+    """The widest instruction set of this CPU the C++ kernels run (they are built once, here)."""
+    k = Kernels()
+    if not k.wait():
+        pytest.fail(f"the kernels do not build: {k.error}")
+    return k.isa

@@ -17,14 +17,6 @@ from carpool.engine.ops import Kernels, build
 ISA = {0: "scalar", 1: "avx2", 2: "avx512"}
 
 
-@pytest.fixture(scope="module")
-def best_isa() -> int:
-    k = Kernels()
-    if not k.wait():
-        pytest.fail(f"the kernels do not build: {k.error}")
-    return k.isa
-
-
 def kernels_at(isa: int, best: int) -> Kernels:
     if isa > best:
         pytest.skip(f"this CPU does not run {ISA[isa]}")

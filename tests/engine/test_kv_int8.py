@@ -20,14 +20,6 @@ from carpool.engine.protocol import EngineError
 from .test_kernels import ISA, SEQS, SHAPES, kernels_at, make_batch, reference
 
 
-@pytest.fixture(scope="module")
-def best_isa() -> int:
-    k = Kernels()
-    if not k.wait():
-        pytest.fail(f"the kernels do not build: {k.error}")
-    return k.isa
-
-
 @pytest.fixture
 def staged_decodes(best_isa):
     """Decode rows staged like every other item (the int8 decode kernel off) for the test."""
@@ -208,7 +200,7 @@ KV_MAX_PPL_RATIO = 1.03
 
 @pytest.mark.real_model
 def test_smollm2_with_an_int8_cache_agrees_with_bf16():
-    from .test_quantization import PROMPTS, _perplexity
+    from .test_quantization import PROMPTS, _perplexity, mean_prefix_match
 
     loader = pytest.importorskip("carpool.engine.loader")
     loaded = loader.load_model("smollm2", dtype="bfloat16")
@@ -225,10 +217,6 @@ def test_smollm2_with_an_int8_cache_agrees_with_bf16():
         return [o.token_ids for o in outs], _perplexity(llm, ids)
 
     (ref, ppl_ref), (got, ppl_kv) = run("auto"), run("int8")
-    prefix = []
-    for a, b in zip(ref, got, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        prefix.append(n / max(len(a), len(b), 1))
-    assert sum(prefix) / len(prefix) >= KV_MIN_MEAN_PREFIX_MATCH, prefix
+    assert mean_prefix_match(ref, got) >= KV_MIN_MEAN_PREFIX_MATCH, (ref, got)
     assert ppl_kv <= ppl_ref * KV_MAX_PPL_RATIO, (ppl_ref, ppl_kv)
     assert got != ref  # the cache really is int8: some token somewhere differs

@@ -288,6 +288,21 @@ inline __m512 reduce16(__m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// A decode row's softmax, first half: the scaled scores sr[0 .. rows) (-inf where masked) become
+// exp(x - max) in place; returns 1 / their sum, broadcast (the caller normalises as it stores).
+inline __m512 exp_row(float* sr, int64_t rows) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t l = 0; l < rows; l += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + l));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t l = 0; l < rows; l += 16) {
+    const __m512 e = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(sr + l), m)}).v;
+    _mm512_storeu_ps(sr + l, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+}
+
 // reduce16 on int32 lanes (the vectors hold int32 bits): the same tree with integer adds.
 inline __m512i reduce16_i32(__m512* v) {
   const auto add = [](__m512 a, __m512 b) {
@@ -375,16 +390,7 @@ void decode_row(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k
   int32_t* pp = reinterpret_cast<int32_t*>(s);  // [nq][pairs], over the scores (query r at r * pairs)
   for (int64_t r = 0; r < nq; ++r) {
     float* sr = s + r * rows;
-    __m512 mx = ninf;
-    for (int64_t l = 0; l < rows; l += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + l));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t l = 0; l < rows; l += 16) {
-      const __m512 e = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(sr + l), m)}).v;
-      _mm512_storeu_ps(sr + l, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    const __m512 inv = exp_row(sr, rows);
     // Query r's pairs land at r * pairs <= r * rows: each read before it is overwritten, and
     // earlier queries' scores are no longer needed.
     for (int64_t l = 0; l < rows; l += 32)
@@ -528,16 +534,7 @@ void decode_row_i8(const c10::BFloat16* q, int64_t q_stride, const int8_t* kq, c
   // Softmax along each query's keys, normalised, in place (fp32).
   for (int64_t r = 0; r < nq; ++r) {
     float* sr = s + r * rows;
-    __m512 mx = ninf;
-    for (int64_t l = 0; l < rows; l += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + l));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t l = 0; l < rows; l += 16) {
-      const __m512 e = avx512::exp({_mm512_sub_ps(_mm512_loadu_ps(sr + l), m)}).v;
-      _mm512_storeu_ps(sr + l, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    const __m512 inv = exp_row(sr, rows);
     for (int64_t l = 0; l < rows; l += 16) _mm512_storeu_ps(sr + l, _mm512_mul_ps(_mm512_loadu_ps(sr + l), inv));
   }
   sc.o.assign(static_cast<size_t>(nq * D), 0.f);  // [nq][D] fp32 sums
