@@ -168,22 +168,23 @@ inline void attend_item(const T* q, int64_t q_stride, const T* kc, const T* vc, 
 
 // An int8 KV cache (EngineConfig.kv_cache_dtype="int8", engine/kv_quant.py): each token's head
 // vector is D int8 values then its fp32 scale, [blocks, bs, hkv, D + kScaleBytes].
-// An item first dequantizes the keys and values it will read (heads h0..h1 of the sequence's first
-// `keys` tokens) into per-thread buffers laid out as a model-dtype cache of consecutive blocks,
-// x * scale rounded to T as kv_quant.unpack does, and then runs the same kernels on them through
-// an identity block table.  Why stage instead of teaching every kernel int8: one dequantization
-// serves every path below (decode rows, prefill blocks, bf16 dot products, each ISA), the kernels
-// give the same results as on a model-dtype cache of those values (tests/engine/test_kv_int8.py),
-// and memory only carries the int8 bytes -- a decode batch reads its whole cache every step, and
-// the buffers (a few hundred KB a row) stay in L2 between the dequantization and the kernel.
+// A decode row on AVX-512 VNNI reads it as int8 (attend_row_int8, attention_bf16.cpp).  Every
+// other item first dequantizes the keys and values it will read (heads h0..h1 of the sequence's
+// first `keys` tokens) into per-thread buffers laid out as a model-dtype cache of consecutive
+// blocks, x * scale rounded to T as kv_quant.unpack does, and then runs the same kernels on them
+// through an identity block table: one dequantization serves every path (prefill blocks, each ISA,
+// bf16 dot products) with the results of a model-dtype cache of those values
+// (tests/engine/test_kv_int8.py).  It costs a write and a read of every key's values: staged
+// decode rows took 0.99 ms a layer where the bf16 cache took 0.61 and the int8 decode row 0.51
+// (benchmarks/attention_kernels.py, 64 rows x 300 keys), hence the int8 decode row.
 
 template <typename T, int D>
 void stage_kv(const int8_t* kq, const int8_t* vq, const int64_t* table, int64_t keys, int64_t bs, int64_t hkv,
               int64_t h0, int64_t h1, std::vector<T>& ks, std::vector<T>& vs, std::vector<int64_t>& ident,
               bool bf16_dot) {
   const int64_t nb = (keys + bs - 1) / bs, row = D + kScaleBytes;
-  if (static_cast<int64_t>(ks.size()) < nb * bs * hkv * D) {
-    ks.resize(static_cast<size_t>(nb * bs * hkv * D));  // zeroed: keys past `keys` are read as padding
+  if (static_cast<int64_t>(ks.size()) < nb * bs * hkv * D) {  // grown to the longest item, never shrunk
+    ks.resize(static_cast<size_t>(nb * bs * hkv * D));
     vs.resize(ks.size());
   }
   if (static_cast<int64_t>(ident.size()) < nb) {
@@ -256,7 +257,8 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> buf;
     std::vector<int64_t> offs;
-    thread_local std::vector<int64_t> ident;  // kept: a fresh 100s-of-KB buffer a call faulted its pages in
+    // Kept between calls: fresh buffers of a few hundred KB fault their pages in at every layer.
+    thread_local std::vector<int64_t> ident;
     thread_local std::vector<T> staged_k, staged_v;
     for (int64_t t = tb; t < te; ++t) {
       // Items whose cost midpoint falls in this thread's share of the total.
