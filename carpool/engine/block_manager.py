@@ -99,10 +99,7 @@ class BlockManager:
         for _ in range(need):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
-            if block.hash is not None:  # evict: this cached content is gone
-                if self.hash_to_block.get(block.hash) == block_id:
-                    del self.hash_to_block[block.hash]
-                block.hash = None
+            self._forget(block)  # evict: this cached content is gone
             block.ref_count = 1
             seq.block_table.append(block_id)
 
@@ -125,15 +122,16 @@ class BlockManager:
         """Forget the cached content of every free block (as vLLM's ``reset_prefix_cache``), so the
         next requests compute their prompts again; blocks in use keep theirs.  Returns how many
         blocks were forgotten."""
-        dropped = 0
-        for block_id in self.free:
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                if self.hash_to_block.get(block.hash) == block_id:
-                    del self.hash_to_block[block.hash]
-                block.hash = None
-                dropped += 1
-        return dropped
+        return sum(self._forget(self.blocks[block_id]) for block_id in self.free)
+
+    def _forget(self, block: Block) -> bool:
+        """Drop ``block``'s cached content from the prefix cache; whether it had any."""
+        if block.hash is None:
+            return False
+        if self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash = None
+        return True
 
     def free_seq(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; the tail is freed first so it is evicted first."""

@@ -273,19 +273,31 @@ void item(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* kc, con
 }
 
 // r[b] = the sum of v[b]'s 16 lanes, for 16 vectors at once: a transpose-and-add tree (45
-// shuffles and adds, where 16 separate horizontal sums take ~130).
-inline __m512 reduce16(__m512* v) {
+// shuffles and adds, where 16 separate horizontal sums take ~130).  `add` adds two vectors: fp32
+// lanes for scores (reduce16), int32 lanes held in __m512 bits for decode_row_i8 (reduce16_i32).
+template <typename Add>
+inline __m512 reduce16_with(__m512* v, Add add) {
   __m512 w[8], x[4], y[2];
   for (int k = 0; k < 8; ++k)  // [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane
-    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    w[k] = add(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
   for (int k = 0; k < 4; ++k)  // each 128-bit lane: its 4-lane sums of v[4k .. 4k+3]
-    x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    x[k] = add(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   for (int k = 0; k < 2; ++k)  // 128-bit lanes 0+1 and 2+3 of x[2k], then of x[2k+1]
-    y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    y[k] = add(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+               _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512 reduce16(__m512* v) {
+  return reduce16_with(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+
+inline __m512i reduce16_i32(__m512* v) {
+  return _mm512_castps_si512(reduce16_with(v, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }));
 }
 
 // A decode row's softmax, first half: the scaled scores sr[0 .. rows) (-inf where masked) become
@@ -301,23 +313,6 @@ inline __m512 exp_row(float* sr, int64_t rows) {
     sum = _mm512_add_ps(sum, e);
   }
   return _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-}
-
-// reduce16 on int32 lanes (the vectors hold int32 bits): the same tree with integer adds.
-inline __m512i reduce16_i32(__m512* v) {
-  const auto add = [](__m512 a, __m512 b) {
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-  };
-  __m512 w[8], x[4], y[2];
-  for (int k = 0; k < 8; ++k) w[k] = add(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k)
-    x[k] = add(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-               _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int k = 0; k < 2; ++k)
-    y[k] = add(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-               _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_castps_si512(add(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1))));
 }
 
 // A decode row (one query row) against every KV head at once, G query heads each.  A real decode

@@ -273,10 +273,11 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
         const int64_t* table = tables + seq_of_row[r0] * max_blocks;
         const int64_t h0 = item_h[w] < 0 ? 0 : item_h[w], h1 = item_h[w] < 0 ? hkv : h0 + 1;  // heads it covers
         const T *kc_i = kc, *vc_i = vc;
+        // A whole-row item streams on into the next one's first keys (this thread's next item).
+        const bool next = i + 1 < mine.size() && item_h[mine[i + 1]] < 0;
+        const int64_t nrow = next ? starts[item_b[mine[i + 1]]] : 0;
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           // A decode row of an int8 cache: read as int8 where the CPU has VNNI (no staging).
-          const bool next = i + 1 < mine.size() && item_h[mine[i + 1]] < 0;
-          const int64_t nrow = next ? starts[item_b[mine[i + 1]]] : 0;
           if (kq != nullptr && item_h[w] < 0 && attention_int8_enabled() &&
               attend_row_int8(q, q_stride, kq, vq, table, ctx_len, out, out_stride, r0, g, hkv, bs, D, scale,
                               tables + seq_of_row[nrow] * max_blocks, next ? ctx_len[nrow] : 0))
@@ -289,13 +290,11 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
           table = ident.data();
         }
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          // A whole-row item streams on into the next one's first keys (this thread's next item);
-          // staged items stream in stage_kv instead.
-          const bool next = kq == nullptr && i + 1 < mine.size() && item_h[mine[i + 1]] < 0;
-          const int64_t nrow = next ? starts[item_b[mine[i + 1]]] : 0;
+          // Staged items stream in stage_kv instead: no run-on into the next item's cache rows.
+          const bool run_on = next && kq == nullptr;
           if (item_h[w] < 0 && attend_row_bf16(q, q_stride, kc_i, vc_i, table, ctx_len, out, out_stride, r0, g, hkv,
                                                bs, D, scale, tables + seq_of_row[nrow] * max_blocks,
-                                               next ? ctx_len[nrow] : 0))
+                                               run_on ? ctx_len[nrow] : 0))
             continue;
         }
         for (int64_t h = h0; h < h1; ++h) {
