@@ -326,16 +326,16 @@ class LlamaModel:
             qkv_w, o_w, gate_up_w, down_w = layer["qkv"], layer["o"], layer["gate_up"], layer["down"]
             assert isinstance(qkv_w, Int8Linear) and isinstance(o_w, Int8Linear)
             assert isinstance(gate_up_w, Int8Linear) and isinstance(down_w, Int8Linear)
-            qkv = k.int8_dequantize_rope(qkv_w.int_mm(hq), hs, qkv_w.scale_f32, layer["qkv_bias"], dt, positions,
+            qkv = k.int8_dequantize_rope(qkv_w.int_mm(hq, k), hs, qkv_w.scale_f32, layer["qkv_bias"], dt, positions,
                                          self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
                                meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
             aq, a_s = k.quantize_rows(attn)
-            hq, hs = k.int8_add_rms_norm(x, o_w.int_mm(aq), a_s, o_w.scale_f32, layer["o_bias"], layer["ln2"], eps,
+            hq, hs = k.int8_add_rms_norm(x, o_w.int_mm(aq, k), a_s, o_w.scale_f32, layer["o_bias"], layer["ln2"], eps,
                                          True)
-            mq, m_s = k.int8_silu_mul(gate_up_w.int_mm(hq), hs, gate_up_w.scale_f32, dt)
+            mq, m_s = k.int8_silu_mul(gate_up_w.int_mm(hq, k), hs, gate_up_w.scale_f32, dt)
             last = i + 1 == len(self.layers)
-            out = k.int8_add_rms_norm(x, down_w.int_mm(mq), m_s, down_w.scale_f32, None,
+            out = k.int8_add_rms_norm(x, down_w.int_mm(mq, k), m_s, down_w.scale_f32, None,
                                       self.norm if last else self.layers[i + 1]["ln1"], eps, not last)
             if last:
                 h = out[0]
@@ -359,7 +359,7 @@ class LlamaModel:
             return linear(h, self.head)
         if k is not None and quant.has_int_mm():
             hq, hs = k.quantize_rows(h)
-            logits = k.int8_dequantize(self.head.int_mm(hq), hs, self.head.scale_f32, None, self.dtype)
+            logits = k.int8_dequantize(self.head.int_mm(hq, k), hs, self.head.scale_f32, None, self.dtype)
         else:
             logits = linear(h, self.head)
         n = min(quant.RESCORE_TOP_K, logits.shape[1])

@@ -1,6 +1,6 @@
 // The Python module of carpool's kernels: the ops of attention.cpp and layers.cpp (with the int8
-// linear's ends), and the instruction set dispatch level (best_isa) the Python side passes back
-// to every call.
+// linear's ends), int8_gemm.cpp's GEMM for decode batches, and the instruction set dispatch level
+// (best_isa) the Python side passes back to every call.
 #include <torch/extension.h>
 
 #include "attention_bf16.h"
@@ -24,6 +24,8 @@ at::Tensor int8_dequantize_rope(at::Tensor acc, at::Tensor rs, at::Tensor cs, c1
 std::vector<at::Tensor> int8_add_rms_norm(at::Tensor x, c10::optional<at::Tensor> acc, c10::optional<at::Tensor> rs,
                                           c10::optional<at::Tensor> cs, c10::optional<at::Tensor> bias, at::Tensor w,
                                           double eps, bool quantize, int64_t isa);
+bool cpu_has_vnni_gemm();
+at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n);
 std::tuple<at::Tensor, at::Tensor> int8_silu_mul(at::Tensor acc, at::Tensor rs, at::Tensor cs, at::ScalarType dtype,
                                                  int64_t isa);
 }  // namespace carpool
@@ -50,5 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dequantize_rope", &carpool::int8_dequantize_rope, "int8_dequantize, then rope_ on the result");
   m.def("int8_add_rms_norm", &carpool::int8_add_rms_norm,
         "x += dequantized acc (optional), then rms_norm(x) * w, in x's dtype or quantized to int8");
+  m.def("cpu_has_vnni_gemm", &carpool::cpu_has_vnni_gemm, "whether this CPU runs int8_gemm (AVX-512 VNNI)");
+  m.def("int8_gemm", &carpool::int8_gemm, "int8 [M, K] x a quant.pack_vnni weight -> int32 [M, N] (AVX-512 VNNI)");
   m.def("int8_silu_mul", &carpool::int8_silu_mul, "dequantized [gate | up] -> silu(gate) * up, quantized to int8");
 }
