@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 import torch.nn.functional as F
 
-from . import kv_quant, quant
+from . import decode_gemm, kv_quant, quant
 from .config import ModelConfig
 from .quant import Int8Linear, linear
 
@@ -91,15 +91,25 @@ class Linear:
     results, bit for bit: tests/engine/test_kernels.py).  The plain weight stays for the torch
     path.  reviews-128 (first 64 requests, passive waits): 928 -> 1076 total tok/s.  An int8
     weight (``quant.Int8Linear``) is never packed: it runs its own kernels.
+
+    Decode batches (up to ``decode_gemm.MAX_ROWS`` rows, given the kernels) of a bf16 weight without
+    bias run ops/decode_gemm.cpp on a third copy packed for it: oneDNN stalls on a weight it reads
+    once from memory, as a decode step does (the .cpp file has the figures).
     """
 
     def __init__(self, weight: torch.Tensor | Int8Linear, bias: torch.Tensor | None, packed: bool):
         self.weight = weight
         self.bias = bias
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-                       if packed and isinstance(weight, torch.Tensor) else None)
+        dense = weight if packed and isinstance(weight, torch.Tensor) else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64) if dense is not None else None
+        # Decode batches: ops/decode_gemm.cpp on its own packed copy (bf16, no bias), where it runs.
+        self.decode_packed = decode_gemm.packed_bf16(dense) if dense is not None and bias is None else None
+        self.n = int(weight.shape[0])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
+        if (self.decode_packed is not None and kernels is not None and 0 < x.shape[0] <= decode_gemm.MAX_ROWS
+                and kernels.has_bf16_gemm and x.is_contiguous()):
+            return kernels.bf16_gemm(x, self.decode_packed, self.n)
         if self.packed is None or x.shape[0] == 0:
             return linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -295,12 +305,12 @@ class LlamaModel:
         h = k.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps)
         rope_heads = self.num_heads + self.num_kv_heads
         for i, (layer, lin, (k_cache, v_cache)) in enumerate(zip(self.layers, self.linears, kv_caches, strict=True)):
-            qkv = lin["qkv"](h)
+            qkv = lin["qkv"](h, k)
             k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
                                meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
-            h = k.add_rms_norm(x, lin["o"](attn), layer["ln2"], self.eps)
-            down = lin["down"](k.silu_mul(lin["gate_up"](h)))
+            h = k.add_rms_norm(x, lin["o"](attn, k), layer["ln2"], self.eps)
+            down = lin["down"](k.silu_mul(lin["gate_up"](h, k)), k)
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, down, next_ln, self.eps)
         # h is the final norm of every row; the head runs only on the rows that sample.
@@ -354,7 +364,7 @@ class LlamaModel:
         a temperature draw may reach, and top_logprobs beyond k) stay int8's.
         """
         if not isinstance(self.head, Int8Linear):
-            return self.head_linear(h) if k is not None else linear(h, self.head)
+            return self.head_linear(h, k) if k is not None else linear(h, self.head)
         if h.shape[0] == 0:
             return linear(h, self.head)
         if k is not None and quant.has_int_mm():

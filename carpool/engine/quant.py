@@ -15,10 +15,10 @@ Why two kernels (measured on the 2-core AVX-512/VNNI EPYC, SmolLM2's shapes, tor
   fly with its own scale (dynamic per-token quantization), and the int32 result is scaled back
   by row scale x channel scale.
 So rows <= ``WEIGHT_ONLY_MAX_ROWS`` run weight-only (activations exact), larger batches run
-int8 x int8.  Up to ``VNNI_GEMM_MAX_ROWS`` rows the int8 x int8 GEMM is carpool's own
-(ops/int8_gemm.cpp, on AVX-512 VNNI): at decode batch sizes it is faster than oneDNN's because it
+int8 x int8.  Up to ``decode_gemm.MAX_ROWS`` rows the int8 x int8 GEMM is carpool's own
+(ops/decode_gemm.cpp, on AVX-512 VNNI): at decode batch sizes it is faster than oneDNN's because it
 reads a weight packed once at load and prefetches it (the file says by how much); that packed copy
-(``pack_vnni``) is the second copy of each weight, kept only on CPUs that run the kernel.
+(``decode_gemm.pack_vnni``) is a second copy of each weight, kept only on CPUs that run the kernel.
 
 Per-row activation scales alone cost accuracy: a few channels carry far larger activations than
 the rest.  ``LlamaModel`` therefore smooths first (SmoothQuant; ``smoothing`` below, the folding
@@ -40,15 +40,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from . import decode_gemm
+from .decode_gemm import packed_int8
+
 if TYPE_CHECKING:
     from .ops.build import Kernels
 
 QUANTIZATIONS = ("int8",)  # besides None (weights in the model dtype)
 # At or below this many rows the weight-only kernel beats quantizing the activations (see above).
 WEIGHT_ONLY_MAX_ROWS = 4
-# Up to this many rows ops/int8_gemm.cpp runs the int8 x int8 GEMM, above it torch._int_mm.  Measured
-# ([rows, 576] x [576, 3072], ms): 64 rows 0.285 vs 0.304, 256 rows 1.07 vs 1.15, 512 rows 2.60 vs 2.18.
-VNNI_GEMM_MAX_ROWS = 256
 # The head (49152 x 576, tied to the embedding) is quantized too, but only ranks: its int8 logits
 # pick each row's RESCORE_TOP_K best tokens, which are recomputed from the model-dtype weights
 # (LlamaModel._head), so a greedy pick is the model-dtype head's unless that token fell outside
@@ -78,21 +78,6 @@ def has_int_mm() -> bool:
     return hasattr(torch, "_int_mm")
 
 
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (the packed weights of ops/int8_gemm.cpp are worth keeping)."""
-    from .ops.build import cpu_flags
-
-    return "avx512_vnni" in cpu_flags().split()
-
-
-def pack_vnni(qweight: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> uint8 [N / 32, K / 4, 32, 4] of w + 128: ops/int8_gemm.cpp's layout, in which
-    a k-step of a 32-column block is 128 contiguous bytes (N a multiple of 32, K of 4)."""
-    n, k = qweight.shape
-    blocks = qweight.view(n // 32, 32, k // 4, 4).permute(0, 2, 1, 3)
-    return (blocks.to(torch.int16) + 128).to(torch.uint8).contiguous()
-
-
 class Int8Linear:
     """A linear layer's weight as int8 [N, K] + per-output-channel scales; ``y = layer(x, bias)``."""
 
@@ -104,9 +89,7 @@ class Int8Linear:
         self.scale_f32 = scale.contiguous()
         self.dtype = dtype
         self.shape = tuple(weight.shape)
-        n, k = self.shape
-        packable = n % 32 == 0 and k % 4 == 0 and k <= 65536
-        self.packed = pack_vnni(self.qweight) if packable and cpu_has_vnni() else None
+        self.packed = packed_int8(self.qweight)  # ops/decode_gemm.cpp's copy, where it runs
 
     def dequantized(self) -> torch.Tensor:
         return (self.qweight.float() * self.scale_f32[:, None]).to(self.dtype)
@@ -125,8 +108,8 @@ class Int8Linear:
 
     def int_mm(self, xq: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
         """int8 [M, K] x this int8 weight -> int32 [M, N]: ``kernels.int8_gemm`` on the packed weight
-        for up to ``VNNI_GEMM_MAX_ROWS`` rows where it runs, else torch._int_mm (oneDNN); the same sums."""
-        if (self.packed is not None and kernels is not None and xq.shape[0] <= VNNI_GEMM_MAX_ROWS
+        for up to ``decode_gemm.MAX_ROWS`` rows where it runs, else torch._int_mm (oneDNN); the same sums."""
+        if (self.packed is not None and kernels is not None and xq.shape[0] <= decode_gemm.MAX_ROWS
                 and kernels.has_int8_gemm):
             return kernels.int8_gemm(xq, self.packed, self.shape[0])
         return torch._int_mm(xq, self.qweight.t())

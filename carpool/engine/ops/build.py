@@ -38,7 +38,7 @@ from carpool.paths import cache_dir as carpool_cache_dir
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("module.cpp", "attention.cpp", "attention_bf16.cpp", "layers.cpp", "int8_gemm.cpp")
+SOURCES = ("module.cpp", "attention.cpp", "attention_bf16.cpp", "layers.cpp", "decode_gemm.cpp")
 HEADERS = ("simd.h", "per_isa.h", "attention_bf16.h", "attention_kernels.h", "layer_kernels.h", "quant_kernels.h")
 # -ffp-contract=off: a * b - c * d stays two rounded products (as torch computes it), not an FMA.
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17")
@@ -198,8 +198,8 @@ class Kernels:
         column first; NaN and -inf never rank)."""
         return self.module.top_k_rows(x, k, self.isa)
 
-    # The int8 x int8 linear: its GEMM for decode-sized batches (int8_gemm.cpp; larger ones run
-    # torch._int_mm) and its ends (quant_kernels.h).
+    # The linears' GEMMs for decode-sized batches (decode_gemm.cpp; weights packed by
+    # engine/decode_gemm.py; larger batches run oneDNN).
 
     @property
     def has_int8_gemm(self) -> bool:
@@ -207,9 +207,21 @@ class Kernels:
         return self.isa == 2 and bool(self.module.cpu_has_vnni_gemm())
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """int8 x [M, K] times a ``quant.pack_vnni`` weight of n output columns -> int32 [M, n]:
+        """int8 x [M, K] times a ``decode_gemm.pack_vnni`` weight of n output columns -> int32 [M, n]:
         the same sums as ``torch._int_mm(x, w.t())``."""
         return self.module.int8_gemm(x, packed, n)
+
+    @property
+    def has_bf16_gemm(self) -> bool:
+        """Whether ``bf16_gemm`` runs here: AVX-512 BF16, and the kernels at the AVX-512 level."""
+        return self.isa == 2 and bool(self.module.cpu_has_bf16_gemm())
+
+    def bf16_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """bf16 x [M, K] times a ``decode_gemm.pack_bf16`` weight of n output columns -> bf16 [M, n]
+        (fp32 sums, as F.linear's up to the rounding of a sum's last step)."""
+        return self.module.bf16_gemm(x, packed, n)
+
+    # The int8 x int8 linear's ends (quant_kernels.h).
 
 
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

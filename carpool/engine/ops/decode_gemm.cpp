@@ -1,0 +1,224 @@
+// The linears' GEMM for decode-sized batches (up to engine/decode_gemm.py's MAX_ROWS rows; larger
+// ones stay oneDNN's): int8 x int8 -> int32 on AVX-512 VNNI (the int8 model) and bf16 x bf16 ->
+// bf16 with fp32 sums on AVX-512 BF16 (the bf16 model).
+//
+// Why our own (measured on the 2-core Zen 4, SmolLM2's four linears of 30 layers at 64 rows, each
+// layer's weights read once, as a decode step reads them): int8 torch._int_mm 25.5-27.7 ms, this
+// kernel 18.8; bf16 F.linear 59-64 ms, this kernel 34.5-35.5 (the tied 49152-row head: 13.6 vs
+// 9.1).  With one layer's weights hot in cache oneDNN is at the VNNI / BF16 peak; what it lacks is
+// a weight that is packed once and read ahead: a decode step meets each weight once, from memory,
+// and oneDNN's loads of it stall.  Here each weight is packed once at load (decode_gemm.py) and
+// the next column block's bytes are prefetched while the current one computes.  From ~512 rows
+// on oneDNN is faster again (it blocks over rows; this kernel re-reads the rows per column block).
+//
+// Packed layout [N / 32][K / S][32][S] (S = 4 int8 or 2 bf16, the values one lane's dot product
+// takes): a k-step of a 32-column block is 128 contiguous bytes, two registers of 16 columns.
+// The row's S values are broadcast straight from memory (a 32-bit broadcast) into the other
+// operand.  Tile: 8 rows x 32 columns = 16 accumulators, the two weight registers and a
+// broadcast; wider tiles (6 x 48, 6 x 64) spilled and ran at half the speed.
+// - int8: the weight is stored as w + 128 (uint8, vpdpbusd's unsigned side) and the activations
+//   are the signed side; sum((w + 128) * a) = w.a + 128 * sum(a), the second term taken off per
+//   row.  Exact: the int32 sums equal torch._int_mm's.
+// - bf16: vdpbf16ps adds each pair's two products into the fp32 sum, k in order, as oneDNN's
+//   kernel does; the sum is rounded to bf16 (nearest even).  Against F.linear ~0.005% of outputs
+//   differ by one bf16 step (tests/engine/test_decode_gemm.py).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "simd.h"
+
+namespace carpool {
+
+bool cpu_has_vnni_gemm() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return best_isa() == kAvx512 && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_bf16_gemm() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return best_isa() == kAvx512 && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")
+namespace {
+
+constexpr int kCols = 32;  // columns of a packed block
+constexpr int kRows = 8;   // rows of a tile
+
+// int8 rows (a) x a packed w + 128 block -> int32; comp[r] = 128 * sum(a_r).
+struct Int8Tile {
+  using In = int8_t;
+  using W = uint8_t;
+  using Out = int32_t;
+  static constexpr int kStep = 4;
+  const int32_t* comp;
+  static __m512i zero() { return _mm512_setzero_si512(); }
+  static __m512i dot(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
+  void store(Out* c, __m512i acc, int64_t row) const {
+    _mm512_storeu_si512(c, _mm512_sub_epi32(acc, _mm512_set1_epi32(comp[row])));
+  }
+};
+
+// bf16 rows x a packed bf16 block -> fp32 sums rounded to bf16.
+struct Bf16Tile {
+  using In = uint16_t;
+  using W = uint16_t;
+  using Out = uint16_t;
+  static constexpr int kStep = 2;
+  static __m512 zero() { return _mm512_setzero_ps(); }
+  static __m512 dot(__m512 acc, __m512i w, __m512i a) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(w));
+  }
+  void store(Out* c, __m512 acc, int64_t) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc)));
+  }
+};
+
+// R rows of a (row stride k, starting at row `row`) times one packed block -> c (row stride ldc).
+// While it runs, the next block's bytes (pf, when given) are prefetched, 128 bytes a k-step.
+template <int R, typename T>
+__attribute__((always_inline)) inline void tile(const T& op, const typename T::In* a, int64_t row, int64_t k,
+                                                const typename T::W* w, typename T::Out* c, int64_t ldc,
+                                                const char* pf) {
+  using Acc = decltype(T::zero());
+  Acc acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = T::zero();
+  for (int64_t s = 0; s < k / T::kStep; ++s) {
+    const auto* ws = w + s * kCols * T::kStep;
+    if (pf) {
+      _mm_prefetch(pf + s * 128, _MM_HINT_T0);
+      _mm_prefetch(pf + s * 128 + 64, _MM_HINT_T0);
+    }
+    const __m512i w0 = _mm512_loadu_si512(ws), w1 = _mm512_loadu_si512(ws + 16 * T::kStep);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;  // the row's kStep values at this k-step
+      std::memcpy(&quad, a + r * k + s * T::kStep, 4);
+      const __m512i av = _mm512_set1_epi32(quad);
+      acc[r][0] = T::dot(acc[r][0], w0, av);
+      acc[r][1] = T::dot(acc[r][1], w1, av);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    op.store(c + r * ldc, acc[r][0], row + r);
+    op.store(c + r * ldc + 16, acc[r][1], row + r);
+  }
+}
+
+// The last rows % kRows rows of a block, with a tile of exactly that many rows.
+template <int R, typename T>
+void tail(const T& op, const typename T::In* a, int64_t row, int64_t k, const typename T::W* w, typename T::Out* c,
+          int64_t ldc, const char* pf, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      tile<R>(op, a, row, k, w, c, ldc, pf);
+    else
+      tail<R - 1>(op, a, row, k, w, c, ldc, pf, rows);
+  }
+}
+
+// a [m, k] x packed [n / 32 blocks] -> c [m, n], on the thread pool.  Items are (block, half):
+// an odd, small number of blocks would leave one thread a block more than the other, so then each
+// block's rows are split in two halves instead.  The first tile of a block prefetches the next.
+template <typename T>
+void gemm(const T& op, const typename T::In* a, const typename T::W* w, typename T::Out* c, int64_t m, int64_t k,
+          int64_t n) {
+  const int64_t blocks = n / kCols, block_elems = k * kCols;
+  const int64_t halves = (blocks % 2 == 1 && blocks < 32) ? 2 : 1;
+  const int64_t half_rows = (m + halves - 1) / halves;
+  at::parallel_for(0, blocks * halves, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / halves, h = it % halves, next = (it + 1) / halves;
+      const auto* wb = w + b * block_elems;
+      auto* pf = (it + 1 < end && next != b) ? reinterpret_cast<const char*>(w + next * block_elems) : nullptr;
+      const int64_t m1 = std::min(m, (h + 1) * half_rows);
+      int64_t row = h * half_rows;
+      for (; row + kRows <= m1; row += kRows, pf = nullptr)
+        tile<kRows>(op, a + row * k, row, k, wb, c + row * n + b * kCols, n, pf);
+      if (row < m1) tail<kRows - 1>(op, a + row * k, row, k, wb, c + row * n + b * kCols, n, pf, m1 - row);
+    }
+  });
+}
+
+// 128 * sum of each row of a [rows, k]: vpdpbusd against ones.
+void row_sums(const int8_t* a, int64_t rows, int64_t k, int32_t* comp) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int8_t* row = a + i * k;
+    __m512i s = _mm512_setzero_si512();
+    int64_t j = 0;
+    for (; j + 64 <= k; j += 64) s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(row + j));
+    int32_t t = _mm512_reduce_add_epi32(s);
+    for (; j < k; ++j) t += row[j];
+    comp[i] = 128 * t;
+  }
+}
+
+void gemm_int8(const int8_t* a, const uint8_t* w, int32_t* c, int32_t* comp, int64_t m, int64_t k, int64_t n) {
+  row_sums(a, m, k, comp);
+  gemm(Int8Tile{comp}, a, w, c, m, k, n);
+}
+
+void gemm_bf16(const uint16_t* a, const uint16_t* w, uint16_t* c, int64_t m, int64_t k, int64_t n) {
+  gemm(Bf16Tile{}, a, w, c, m, k, n);
+}
+
+}  // namespace
+#pragma GCC pop_options
+
+// Checks and allocations stay outside the AVX-512 region: nothing may run AVX-512 before the CPU check.
+
+namespace {
+void check_shapes(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t step, at::ScalarType x_type,
+                  at::ScalarType w_type, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == x_type && x.is_contiguous(), op, ": x must be contiguous ",
+              x_type, " [M, K]");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % step == 0 && n % kCols == 0, op, ": K must be a multiple of ", step, " and N of 32, got K=", k,
+              " N=", n);
+  TORCH_CHECK(packed.scalar_type() == w_type && packed.is_contiguous() && packed.numel() == n * k, op,
+              ": packed must be decode_gemm.py's contiguous ", w_type, " of N x K values");
+}
+}  // namespace
+
+at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
+  TORCH_CHECK(cpu_has_vnni_gemm(), "int8_gemm: this CPU has no AVX-512 VNNI (use torch._int_mm)");
+  check_shapes(x, packed, n, 4, at::kChar, at::kByte, "int8_gemm");
+  const int64_t m = x.size(0), k = x.size(1);
+  // (w + 128) * a summed over K stays inside int32 up to K = 65536.
+  TORCH_CHECK(k <= 65536, "int8_gemm: K=", k, " is past 65536, where the int32 sums could overflow");
+  auto c = at::empty({m, n}, x.options().dtype(at::kInt));
+  if (m == 0) return c;
+  auto comp = at::empty({m}, x.options().dtype(at::kInt));
+  gemm_int8(x.data_ptr<int8_t>(), packed.data_ptr<uint8_t>(), c.data_ptr<int32_t>(), comp.data_ptr<int32_t>(), m, k,
+            n);
+  return c;
+}
+
+at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
+  TORCH_CHECK(cpu_has_bf16_gemm(), "bf16_gemm: this CPU has no AVX-512 BF16 (use F.linear)");
+  check_shapes(x, packed, n, 2, at::kBFloat16, at::kBFloat16, "bf16_gemm");
+  const int64_t m = x.size(0), k = x.size(1);
+  auto c = at::empty({m, n}, x.options());
+  if (m == 0) return c;
+  gemm_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+            reinterpret_cast<uint16_t*>(c.data_ptr()), m, k, n);
+  return c;
+}
+
+}  // namespace carpool
