@@ -214,7 +214,7 @@ class Kernels:
     @property
     def has_bf16_gemm(self) -> bool:
         """Whether ``bf16_gemm`` runs here: AVX-512 BF16, and the kernels at the AVX-512 level."""
-        return self.isa == 2 and bool(self.module.cpu_has_bf16_gemm())
+        return self.isa == 2 and bool(self.module.cpu_has_avx512_bf16())
 
     def bf16_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """bf16 x [M, K] times a ``decode_gemm.pack_bf16`` weight of n output columns -> bf16 [M, n]

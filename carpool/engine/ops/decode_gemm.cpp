@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "attention_bf16.h"  // cpu_has_avx512_bf16: the bf16 GEMM runs where the bf16 attention does
 #include "simd.h"
 
 namespace carpool {
@@ -37,15 +38,6 @@ bool cpu_has_vnni_gemm() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   return best_isa() == kAvx512 && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
-
-bool cpu_has_bf16_gemm() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return best_isa() == kAvx512 && __builtin_cpu_supports("avx512bf16");
 #else
   return false;
 #endif
@@ -211,7 +203,7 @@ at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
 }
 
 at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
-  TORCH_CHECK(cpu_has_bf16_gemm(), "bf16_gemm: this CPU has no AVX-512 BF16 (use F.linear)");
+  TORCH_CHECK(cpu_has_avx512_bf16(), "bf16_gemm: this CPU has no AVX-512 BF16 (use F.linear)");
   check_shapes(x, packed, n, 2, at::kBFloat16, at::kBFloat16, "bf16_gemm");
   const int64_t m = x.size(0), k = x.size(1);
   auto c = at::empty({m, n}, x.options());

@@ -25,7 +25,6 @@ std::vector<at::Tensor> int8_add_rms_norm(at::Tensor x, c10::optional<at::Tensor
                                           c10::optional<at::Tensor> cs, c10::optional<at::Tensor> bias, at::Tensor w,
                                           double eps, bool quantize, int64_t isa);
 bool cpu_has_vnni_gemm();
-bool cpu_has_bf16_gemm();
 at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n);
 at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n);
 std::tuple<at::Tensor, at::Tensor> int8_silu_mul(at::Tensor acc, at::Tensor rs, at::Tensor cs, at::ScalarType dtype,
@@ -56,7 +55,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x += dequantized acc (optional), then rms_norm(x) * w, in x's dtype or quantized to int8");
   m.def("cpu_has_vnni_gemm", &carpool::cpu_has_vnni_gemm, "whether this CPU runs int8_gemm (AVX-512 VNNI)");
   m.def("int8_gemm", &carpool::int8_gemm, "int8 [M, K] x a pack_vnni weight -> int32 [M, N] (AVX-512 VNNI)");
-  m.def("cpu_has_bf16_gemm", &carpool::cpu_has_bf16_gemm, "whether this CPU runs bf16_gemm (AVX-512 BF16)");
   m.def("bf16_gemm", &carpool::bf16_gemm, "bf16 [M, K] x a pack_bf16 weight -> bf16 [M, N] (AVX-512 BF16)");
   m.def("int8_silu_mul", &carpool::int8_silu_mul, "dequantized [gate | up] -> silu(gate) * up, quantized to int8");
 }
