@@ -41,16 +41,19 @@ def check_kv_cache_dtype(value: object) -> str:
     return str(value)
 
 
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return torch.int8 if kv_cache_dtype == "int8" else model_dtype
+
+
 def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, kv_cache_dtype: str) -> tuple[int, ...]:
     last = head_dim + SCALE_BYTES if kv_cache_dtype == "int8" else head_dim
     return (num_blocks, block_size, kv_heads, last)
 
 
 def bytes_per_head_vector(head_dim: int, kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
-    """Bytes of one token's K (or V) for one KV head."""
-    if kv_cache_dtype == "int8":
-        return head_dim + SCALE_BYTES
-    return head_dim * torch.empty((), dtype=model_dtype).element_size()
+    """Bytes of one token's K (or V) for one KV head: the last dim of ``cache_shape`` in ``cache_dtype``."""
+    width = cache_shape(1, 1, 1, head_dim, kv_cache_dtype)[-1]
+    return width * torch.empty((), dtype=cache_dtype(kv_cache_dtype, model_dtype)).element_size()
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:

@@ -286,7 +286,7 @@ class LlamaModel:
         (masked-out keys must hold finite values: softmax weight 0 times NaN is NaN); "int8":
         int8 [..., head_dim + 4], each head vector followed by its scale (kv_quant.py)."""
         shape = kv_quant.cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim, kv_cache_dtype)
-        dtype = torch.int8 if kv_cache_dtype == "int8" else self.dtype
+        dtype = kv_quant.cache_dtype(kv_cache_dtype, self.dtype)
         return [(_zeroed(shape, dtype), _zeroed(shape, dtype)) for _ in range(self.config.num_hidden_layers)]
 
     @torch.inference_mode()

@@ -104,6 +104,10 @@ class Kernels:
         self.isa = 0
         self.module: Any = None  # the compiled extension (no type stub), once loaded
         self.error: str | None = None
+        # Whether int8_gemm / bf16_gemm run here (AVX-512 VNNI / BF16 and the kernels at the AVX-512
+        # level): set once at load, read before every decode-batch linear.
+        self.has_int8_gemm = False
+        self.has_bf16_gemm = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -150,6 +154,8 @@ class Kernels:
                         raise RuntimeError(f"instruction set {ISA_NAMES.get(isa, isa)} requested, this CPU runs "
                                            f"up to {ISA_NAMES[best]}")
                     self.isa = isa
+                    self.has_int8_gemm = isa == 2 and bool(module.cpu_has_vnni_gemm())
+                    self.has_bf16_gemm = isa == 2 and bool(module.cpu_has_avx512_bf16())
                     self.module = module
                 except Exception as e:  # noqa: BLE001 -- no compiler, headers, ...: the caller uses the torch path
                     self.error = f"{type(e).__name__}: {e}"
@@ -201,20 +207,10 @@ class Kernels:
     # The linears' GEMMs for decode-sized batches (decode_gemm.cpp; weights packed by
     # engine/decode_gemm.py; larger batches run oneDNN).
 
-    @property
-    def has_int8_gemm(self) -> bool:
-        """Whether ``int8_gemm`` runs here: AVX-512 VNNI, and the kernels at the AVX-512 level."""
-        return self.isa == 2 and bool(self.module.cpu_has_vnni_gemm())
-
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """int8 x [M, K] times a ``decode_gemm.pack_vnni`` weight of n output columns -> int32 [M, n]:
         the same sums as ``torch._int_mm(x, w.t())``."""
         return self.module.int8_gemm(x, packed, n)
-
-    @property
-    def has_bf16_gemm(self) -> bool:
-        """Whether ``bf16_gemm`` runs here: AVX-512 BF16, and the kernels at the AVX-512 level."""
-        return self.isa == 2 and bool(self.module.cpu_has_avx512_bf16())
 
     def bf16_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """bf16 x [M, K] times a ``decode_gemm.pack_bf16`` weight of n output columns -> bf16 [M, n]
@@ -222,7 +218,6 @@ class Kernels:
         return self.module.bf16_gemm(x, packed, n)
 
     # The int8 x int8 linear's ends (quant_kernels.h).
-
 
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, n] -> (int8 [T, n], fp32 row scales [T]), as ``quant.quantize_rows``."""
