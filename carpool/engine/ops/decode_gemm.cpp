@@ -58,7 +58,14 @@ struct Int8Tile {
   static constexpr int kStep = 4;
   const int32_t* comp;
   static __m512i zero() { return _mm512_setzero_si512(); }
-  static __m512i dot(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
+  // In asm, not _mm512_dpbusd_epi32: GCC 12 moves each accumulator of the intrinsic through a
+  // second register (two extra moves a dot product, and the 17th register spills to the stack);
+  // measured on a Zen 5, 8 x 32 tile at 64 rows, one thread: 340 GMAC/s with the intrinsic, 513
+  // in asm, the VNNI peak being ~525 (2 vpdpbusd a cycle).
+  static __m512i dot(__m512i acc, __m512i w, __m512i a) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+    return acc;
+  }
   void store(Out* c, __m512i acc, int64_t row) const {
     _mm512_storeu_si512(c, _mm512_sub_epi32(acc, _mm512_set1_epi32(comp[row])));
   }
