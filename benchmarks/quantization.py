@@ -3,7 +3,8 @@
     python benchmarks/quantization.py [--requests 64] [--max-tokens 256] [--rounds 3] [--agreement-prompts 256]
         [--kv-int8] [--float-head] [--fp32-reference] [--skip throughput|agreement|perplexity]
 
-- throughput: a decode-heavy workload (the first --requests prompts of reviews-128, cycled;
+- throughput: a decode-heavy workload (the first --requests prompts of --workload, cycled;
+  reviews-128 by default, ~200-token prompts; classify-512's are ~75;
   --max-tokens output tokens each, EOS ignored, greedy, max_num_seqs 64), run on a bf16 engine
   and on an int8 one built from the same loaded weights, alternately for --rounds rounds (bf16,
   int8, bf16, int8, ...: a slow minute of a shared machine falls on both engines, not on whichever
@@ -105,6 +106,7 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads-dir", type=Path, default=SHARED / "workloads")
+    ap.add_argument("--workload", default="reviews-128.jsonl", help="throughput prompts: a file in --workloads-dir")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds of every engine")
@@ -128,13 +130,14 @@ def main() -> int:
     loaded = load_model("smollm2", dtype=args.dtype)
     reviews = read_rows(args.workloads_dir / "reviews-128.jsonl")
     classify = read_rows(args.workloads_dir / "classify-512.jsonl")
-    work = [reviews[i % len(reviews)] for i in range(args.requests)]
+    prompts = read_rows(args.workloads_dir / args.workload)
+    work = [prompts[i % len(prompts)] for i in range(args.requests)]
     agree_rows = (reviews + classify)[: args.agreement_prompts]
     ppl_ids = loaded.tokenizer.encode(ppl_text())[: args.ppl_tokens]
 
     result: dict = {"benchmark": "quantization", "model": "smollm2", "dtype": args.dtype,
                     "threads": torch.get_num_threads(), "max_num_seqs": 64,
-                    "workload": f"reviews-128 x{args.requests}, {args.max_tokens} tokens out, EOS ignored"}
+                    "workload": f"{Path(args.workload).stem} x{args.requests}, {args.max_tokens} tokens out, EOS ignored"}
     variants = [(args.dtype, None, "auto"), ("int8", "int8", "auto")]
     if args.float_head:
         variants.append(("int8-float-head", "int8", "auto"))

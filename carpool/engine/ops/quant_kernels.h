@@ -148,7 +148,7 @@ void dequant_silu_mul_quant(const int32_t* acc, const float* rs, const float* cs
                             int64_t n) {
   const int64_t nv = n / W * W;
   const T* no_bias = nullptr;
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, silu_row_grain(n), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(n);
     float* bi = buf.data();
     for (int64_t i = begin; i < end; ++i) {
