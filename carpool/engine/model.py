@@ -92,9 +92,10 @@ class Linear:
     path.  reviews-128 (first 64 requests, passive waits): 928 -> 1076 total tok/s.  An int8
     weight (``quant.Int8Linear``) is never packed: it runs its own kernels.
 
-    Decode batches (up to ``decode_gemm.MAX_ROWS`` rows, given the kernels) of a bf16 weight without
-    bias run ops/decode_gemm.cpp on a third copy packed for it: oneDNN stalls on a weight it reads
-    once from memory, as a decode step does (the .cpp file has the figures).
+    Batches of up to ``decode_gemm.MAX_ROWS`` rows (given the kernels) of a bf16 weight without bias
+    run ops/decode_gemm.cpp on a third copy packed for it: oneDNN stalls on a weight it reads once
+    from memory, as a decode step does (the .cpp file has the figures), and is no faster on
+    prefill chunks here (decode_gemm.MAX_ROWS has those).
     """
 
     def __init__(self, weight: torch.Tensor | Int8Linear, bias: torch.Tensor | None, packed: bool):

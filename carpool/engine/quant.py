@@ -17,7 +17,8 @@ Why two kernels (measured on the 2-core AVX-512/VNNI EPYC, SmolLM2's shapes, tor
 So rows <= ``WEIGHT_ONLY_MAX_ROWS`` run weight-only (activations exact), larger batches run
 int8 x int8.  Up to ``decode_gemm.MAX_ROWS`` rows the int8 x int8 GEMM is carpool's own
 (ops/decode_gemm.cpp, on AVX-512 VNNI): at decode batch sizes it is faster than oneDNN's because it
-reads a weight packed once at load and prefetches it (the file says by how much); that packed copy
+reads a weight packed once at load and prefetches it (the file says by how much), and on this Zen 5
+it matches oneDNN on prefill chunks (decode_gemm.MAX_ROWS has the figures); that packed copy
 (``decode_gemm.pack_vnni``) is a second copy of each weight, kept only on CPUs that run the kernel.
 
 Per-row activation scales alone cost accuracy: a few channels carry far larger activations than
