@@ -137,7 +137,8 @@ def main() -> int:
 
     result: dict = {"benchmark": "quantization", "model": "smollm2", "dtype": args.dtype,
                     "threads": torch.get_num_threads(), "max_num_seqs": 64,
-                    "workload": f"{Path(args.workload).stem} x{args.requests}, {args.max_tokens} tokens out, EOS ignored"}
+                    "workload": f"{Path(args.workload).stem} x{args.requests}, {args.max_tokens} tokens out, "
+                                "EOS ignored"}
     variants = [(args.dtype, None, "auto"), ("int8", "int8", "auto")]
     if args.float_head:
         variants.append(("int8-float-head", "int8", "auto"))
