@@ -103,7 +103,7 @@ class Linear:
         self.bias = bias
         dense = weight if packed and isinstance(weight, torch.Tensor) else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64) if dense is not None else None
-        # Decode batches: ops/decode_gemm.cpp on its own packed copy (bf16, no bias), where it runs.
+        # Up to decode_gemm.MAX_ROWS rows: ops/decode_gemm.cpp on its own packed copy (bf16, no bias), where it runs.
         self.decode_packed = decode_gemm.packed_bf16(dense) if dense is not None and bias is None else None
         self.n = int(weight.shape[0])
 

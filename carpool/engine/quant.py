@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 
 from . import decode_gemm
-from .decode_gemm import packed_int8
 
 if TYPE_CHECKING:
     from .ops.build import Kernels
@@ -90,7 +89,7 @@ class Int8Linear:
         self.scale_f32 = scale.contiguous()
         self.dtype = dtype
         self.shape = tuple(weight.shape)
-        self.packed = packed_int8(self.qweight)  # ops/decode_gemm.cpp's copy, where it runs
+        self.packed = decode_gemm.packed_int8(self.qweight)  # ops/decode_gemm.cpp's copy, where it runs
 
     def dequantized(self) -> torch.Tensor:
         return (self.qweight.float() * self.scale_f32[:, None]).to(self.dtype)

@@ -105,7 +105,7 @@ class Kernels:
         self.module: Any = None  # the compiled extension (no type stub), once loaded
         self.error: str | None = None
         # Whether int8_gemm / bf16_gemm run here (AVX-512 VNNI / BF16 and the kernels at the AVX-512
-        # level): set once at load, read before every decode-batch linear.
+        # level): set once at load, read before every linear of up to decode_gemm.MAX_ROWS rows.
         self.has_int8_gemm = False
         self.has_bf16_gemm = False
         self._lock = threading.Lock()
@@ -204,7 +204,7 @@ class Kernels:
         column first; NaN and -inf never rank)."""
         return self.module.top_k_rows(x, k, self.isa)
 
-    # The linears' GEMMs for decode-sized batches (decode_gemm.cpp; weights packed by
+    # The linears' GEMMs up to decode_gemm.MAX_ROWS rows (decode_gemm.cpp; weights packed by
     # engine/decode_gemm.py; larger batches run oneDNN).
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

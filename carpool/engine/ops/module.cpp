@@ -1,6 +1,6 @@
 // The Python module of carpool's kernels: the ops of attention.cpp and layers.cpp (with the int8
-// linear's ends), decode_gemm.cpp's GEMMs for decode batches, and the instruction set dispatch level
-// (best_isa) the Python side passes back to every call.
+// linear's ends), decode_gemm.cpp's GEMMs (up to decode_gemm.MAX_ROWS rows), and the instruction
+// set dispatch level (best_isa) the Python side passes back to every call.
 #include <torch/extension.h>
 
 #include "attention_bf16.h"
