@@ -321,37 +321,35 @@ class LlamaModel:
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k: Kernels) -> torch.Tensor:
         """The kernel path with int8 x int8 linears (more than ``quant.WEIGHT_ONLY_MAX_ROWS`` rows).
 
-        The ops around each torch._int_mm write or read its int8/int32 ends directly: RMSNorm
-        and SiLU * up quantize their output rows, and the int32 products are scaled back inside
-        the residual add + RMSNorm and SiLU * up that consume them (ops/quant_kernels.h says why:
-        as torch ops these ends made int8 slower than bf16).  Same values as the torch path's
+        Each linear takes int8 rows and their scales and returns the model dtype
+        (``Int8Linear.matmul``: the GEMM scales its int32 sums back as it stores them), so the ops
+        between the linears are the bf16 path's, and the two that feed a linear (residual add +
+        RMSNorm, SiLU * up) quantize their output rows as they write them (ops/quant_kernels.h says
+        why: as torch ops these ends made int8 slower than bf16).  Same values as the torch path's
         ``Int8Linear`` up to the RMSNorm's summation order.
         """
         assert meta.block_tables is not None and meta.seq_of_row is not None
         assert meta.ctx_len is not None and meta.flash_seqs is not None
-        dt, eps = self.dtype, self.eps
+        eps = self.eps
         rope_heads = self.num_heads + self.num_kv_heads
-        hq, hs = k.int8_add_rms_norm(x, None, None, None, None, self.layers[0]["ln1"], eps, True)
+        hq, hs = k.add_rms_norm_quant(x, None, self.layers[0]["ln1"], eps)
         h = x
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv_w, o_w, gate_up_w, down_w = layer["qkv"], layer["o"], layer["gate_up"], layer["down"]
             assert isinstance(qkv_w, Int8Linear) and isinstance(o_w, Int8Linear)
             assert isinstance(gate_up_w, Int8Linear) and isinstance(down_w, Int8Linear)
-            qkv = k.int8_dequantize_rope(qkv_w.int_mm(hq, k), hs, qkv_w.scale_f32, layer["qkv_bias"], dt, positions,
-                                         self.cos, self.sin, rope_heads, self.head_dim)
+            qkv = qkv_w.matmul(hq, hs, k, layer["qkv_bias"])
+            k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
                                meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
             aq, a_s = k.quantize_rows(attn)
-            hq, hs = k.int8_add_rms_norm(x, o_w.int_mm(aq, k), a_s, o_w.scale_f32, layer["o_bias"], layer["ln2"], eps,
-                                         True)
-            mq, m_s = k.int8_silu_mul(gate_up_w.int_mm(hq, k), hs, gate_up_w.scale_f32, dt)
-            last = i + 1 == len(self.layers)
-            out = k.int8_add_rms_norm(x, down_w.int_mm(mq, k), m_s, down_w.scale_f32, None,
-                                      self.norm if last else self.layers[i + 1]["ln1"], eps, not last)
-            if last:
-                h = out[0]
+            hq, hs = k.add_rms_norm_quant(x, o_w.matmul(aq, a_s, k, layer["o_bias"]), layer["ln2"], eps)
+            mq, m_s = k.silu_mul_quant(gate_up_w.matmul(hq, hs, k))
+            down = down_w.matmul(mq, m_s, k)
+            if i + 1 < len(self.layers):
+                hq, hs = k.add_rms_norm_quant(x, down, self.layers[i + 1]["ln1"], eps)
             else:
-                hq, hs = out
+                h = k.add_rms_norm(x, down, self.norm, eps)
         # h is the final norm of every row (model dtype); the head runs only on the rows that sample.
         return self._head(h.index_select(0, meta.logits_index), k)
 
@@ -370,7 +368,7 @@ class LlamaModel:
             return linear(h, self.head)
         if k is not None and quant.has_int_mm():
             hq, hs = k.quantize_rows(h)
-            logits = k.int8_dequantize(self.head.int_mm(hq, k), hs, self.head.scale_f32, None, self.dtype)
+            logits = self.head.matmul(hq, hs, k)
         else:
             logits = linear(h, self.head)
         n = min(quant.RESCORE_TOP_K, logits.shape[1])

@@ -114,6 +114,18 @@ class Int8Linear:
             return kernels.int8_gemm(xq, self.packed, self.shape[0])
         return torch._int_mm(xq, self.qweight.t())
 
+    def matmul(self, xq: torch.Tensor, row_scale: torch.Tensor, kernels: Kernels,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """int8 rows ``xq`` with their scales x this weight -> [M, N] in the model dtype:
+        ``dequantize(int_mm(xq), row_scale, scale_f32)`` (+ bias, rounded again).  Where the packed
+        GEMM runs it scales the sums back as it stores them (``kernels.int8_gemm_dequant``), else
+        torch._int_mm's int32 product is scaled back by ``kernels.int8_dequantize``; the same values."""
+        if self.packed is not None and xq.shape[0] <= decode_gemm.MAX_ROWS and kernels.has_int8_gemm:
+            return kernels.int8_gemm_dequant(xq, self.packed, self.shape[0], row_scale, self.scale_f32, bias,
+                                             self.dtype)
+        return kernels.int8_dequantize(torch._int_mm(xq, self.qweight.t()), row_scale, self.scale_f32, bias,
+                                       self.dtype)
+
 
 # The torch reference of the int8 x int8 path's two ends; the C++ kernels (ops/quant_kernels.h)
 # compute the same values fused into the ops around the GEMM.

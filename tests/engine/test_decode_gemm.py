@@ -64,6 +64,24 @@ def test_int8_gemm_equals_the_exact_integer_product(k8, m, n, kdim):
     assert torch.equal(got.long(), x.long() @ w.long().t())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("m,n,kdim", [(1, 96, 4), (9, 576, 1536), (64, 960, 576), (65, 64, 100)])
+def test_int8_gemm_dequant_scales_back_as_int8_dequantize_does(k8, dtype, m, n, kdim):
+    """The GEMM that scales its sums back as it stores them gives int8_dequantize's values (bias or
+    not), in every model dtype."""
+    g = torch.Generator().manual_seed(m + n + kdim)
+    x = torch.randint(-128, 128, (m, kdim), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (n, kdim), dtype=torch.int8, generator=g)
+    rs = torch.rand(m, generator=g) * 1e-3 + 1e-5
+    cs = torch.rand(n, generator=g) * 1e-2 + 1e-4
+    bias = torch.randn(n, generator=g).to(dtype)
+    p = pack_vnni(w)
+    for b in (None, bias):
+        got = k8.int8_gemm_dequant(x, p, n, rs, cs, b, dtype)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert torch.equal(got, k8.int8_dequantize(k8.int8_gemm(x, p, n), rs, cs, b, dtype))
+
+
 def test_int8_gemm_at_the_extremes_of_int8(k8):
     """Every product at its largest magnitude: (w + 128) * a reaches 255 * -128 in the kernel."""
     kdim = 1536
@@ -81,6 +99,12 @@ def test_the_gemms_reject_shapes_they_cannot_tile(k8, k16):
     x = torch.zeros(4, 8, dtype=torch.int8)
     with pytest.raises(RuntimeError, match="packed must be"):
         k8.int8_gemm(x, torch.zeros(10, dtype=torch.uint8), 32)
+    with pytest.raises(RuntimeError, match="row_scale must be"):
+        k8.int8_gemm_dequant(x, torch.zeros(32 * 8, dtype=torch.uint8), 32, torch.ones(3), torch.ones(32), None,
+                             torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        k8.int8_gemm_dequant(x, torch.zeros(32 * 8, dtype=torch.uint8), 32, torch.ones(4), torch.ones(32),
+                             torch.ones(32), torch.bfloat16)
     with pytest.raises(RuntimeError, match="N of 32"):
         k16.bf16_gemm(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(8 * 40, dtype=torch.bfloat16), 40)
 
@@ -136,6 +160,20 @@ def test_int8_linear_int_mm_is_the_same_with_and_without_the_kernel(k8):
         assert torch.equal(layer.int_mm(xq, k8), torch._int_mm(xq, layer.qweight.t()))
 
 
+def test_int8_linear_matmul_is_the_same_with_and_without_the_kernel(k8):
+    """Int8Linear.matmul (int8 rows in, model dtype out) scales back inside the kernel up to
+    decode_gemm.MAX_ROWS rows and after torch._int_mm above: the same values, bias or not."""
+    g = torch.Generator().manual_seed(3)
+    layer = Int8Linear(torch.randn(192, 576, generator=g), torch.bfloat16)
+    bias = torch.randn(192, generator=g).bfloat16()
+    for rows in (5, 64, decode_gemm.MAX_ROWS, decode_gemm.MAX_ROWS + 1):
+        xq = torch.randint(-127, 128, (rows, 576), dtype=torch.int8, generator=g)
+        xs = torch.rand(rows, generator=g) * 1e-2
+        for b in (None, bias):
+            want = k8.int8_dequantize(torch._int_mm(xq, layer.qweight.t()), xs, layer.scale_f32, b, torch.bfloat16)
+            assert torch.equal(layer.matmul(xq, xs, k8, b), want)
+
+
 def test_int8_engine_answers_the_same_with_the_vnni_gemm(h, tiny, k8, monkeypatch):
     """The tiny model's int8 engine (every linear's N a multiple of 32) with the kernel and with
     torch._int_mm only: identical greedy tokens and logprobs, and the kernel really ran."""
@@ -144,13 +182,13 @@ def test_int8_engine_answers_the_same_with_the_vnni_gemm(h, tiny, k8, monkeypatc
                             params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2))
             for i, p in enumerate(h.prompts(3, [5, 9, 14, 20, 7, 11, 30, 3]))]
     calls = []
-    orig = Kernels.int8_gemm
+    orig = Kernels.int8_gemm_dequant
 
-    def counted(self, x, packed, n):
+    def counted(self, x, *args):
         calls.append(x.shape[0])
-        return orig(self, x, packed, n)
+        return orig(self, x, *args)
 
-    monkeypatch.setattr(Kernels, "int8_gemm", counted)
+    monkeypatch.setattr(Kernels, "int8_gemm_dequant", counted)
 
     def run():
         llm = LLM(h.engine_config(quantization="int8", extra={"attention": "kernel"}), loaded=loaded)

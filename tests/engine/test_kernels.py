@@ -289,41 +289,27 @@ def test_int8_ends_equal_the_torch_reference(best_isa, isa, dtype, n):
     assert torch.equal(k.int8_dequantize(acc, rs, cs, None, dtype), dq)
     assert torch.equal(k.int8_dequantize(acc, rs, cs, bias, dtype), dq + bias)
 
-    # the q|k|v scale-back with RoPE fused (3 heads of 32 columns rotated, the rest untouched)
-    pos = torch.randint(0, 500, (rows,), generator=g)
-    ang = torch.arange(512, dtype=torch.float).unsqueeze(1) * (1.0 / (10000.0 ** (torch.arange(0, 32, 2) / 32)))
-    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-    want = dq + bias
-    k.rope_(want, pos, cos, sin, 3, 32)
-    assert torch.equal(k.int8_dequantize_rope(acc, rs, cs, bias, dtype, pos, cos, sin, 3, 32), want)
-
-    # residual add of the dequantized product + RMSNorm, in the model dtype or quantized
-    for b in (None, bias):
+    # residual add + RMSNorm, quantized (the norm before an int8 linear)
+    for r in (None, dq):
         xr = x.clone()
-        want_h = k.add_rms_norm(xr, dq if b is None else dq + b, w, 1e-5)
+        want_q, want_s = quant.quantize_rows(k.add_rms_norm(xr, r, w, 1e-5))
         xk = x.clone()
-        (h,) = k.int8_add_rms_norm(xk, acc, rs, cs, b, w, 1e-5, False)
-        assert torch.equal(xk, xr) and torch.equal(h, want_h)
-        xk = x.clone()
-        hq, hs = k.int8_add_rms_norm(xk, acc, rs, cs, b, w, 1e-5, True)
-        want_q, want_s = quant.quantize_rows(want_h)
+        hq, hs = k.add_rms_norm_quant(xk, r, w, 1e-5)
         assert torch.equal(xk, xr) and torch.equal(hq, want_q) and torch.equal(hs, want_s)
-    # no residual (the first layer's norm of the embeddings)
-    hq, hs = k.int8_add_rms_norm(x.clone(), None, None, None, None, w, 1e-5, True)
-    want_q, want_s = quant.quantize_rows(k.add_rms_norm(x.clone(), None, w, 1e-5))
-    assert torch.equal(hq, want_q) and torch.equal(hs, want_s)
 
-    # SiLU * up of the dequantized [gate | up], quantized
+    # SiLU * up, quantized (before the int8 down projection)
     acc2, rs2, cs2, _, _ = int8_operands(rows, 2 * n, dtype, seed=7)
-    mq, ms = k.int8_silu_mul(acc2, rs2, cs2, dtype)
-    want_q, want_s = quant.quantize_rows(k.silu_mul(quant.dequantize(acc2, rs2, cs2, dtype)))
+    gu = quant.dequantize(acc2, rs2, cs2, dtype)
+    mq, ms = k.silu_mul_quant(gu)
+    want_q, want_s = quant.quantize_rows(k.silu_mul(gu))
     assert torch.equal(mq, want_q) and torch.equal(ms, want_s)
 
 
 @pytest.mark.parametrize("rows", [5, 64, 300])
 def test_int8_linear_through_the_kernels_is_close_to_fp32(best_isa, rows):
-    """quantize_rows -> torch._int_mm -> int8_dequantize against the fp32 product x @ w.T: within
-    2% relative (Frobenius) error, the error rounding x and w to 1/127 of their rows' max allows."""
+    """quantize_rows -> Int8Linear.matmul (torch._int_mm -> int8_dequantize, or the packed GEMM that
+    scales back as it stores) against the fp32 product x @ w.T: within 2% relative (Frobenius)
+    error, the error rounding x and w to 1/127 of their rows' max allows."""
     from carpool.engine.quant import Int8Linear
 
     k = kernels_at(best_isa, best_isa)
@@ -332,7 +318,7 @@ def test_int8_linear_through_the_kernels_is_close_to_fp32(best_isa, rows):
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
     layer = Int8Linear(w, torch.bfloat16)
     xq, xs = k.quantize_rows(x)
-    y = k.int8_dequantize(layer.int_mm(xq), xs, layer.scale_f32, None, torch.bfloat16)
+    y = layer.matmul(xq, xs, k)
     ref = x.float() @ w.T
     assert y.dtype == torch.bfloat16
     assert (y.float() - ref).norm() / ref.norm() < 0.02

@@ -212,6 +212,12 @@ class Kernels:
         the same sums as ``torch._int_mm(x, w.t())``."""
         return self.module.int8_gemm(x, packed, n)
 
+    def int8_gemm_dequant(self, x: torch.Tensor, packed: torch.Tensor, n: int, row_scale: torch.Tensor,
+                          col_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """``int8_gemm`` scaled back to ``dtype`` as it stores: the values of ``int8_dequantize(int8_gemm(x,
+        packed, n), row_scale, col_scale, bias, dtype)`` in one pass."""
+        return self.module.int8_gemm_dequant(x, packed, n, row_scale, col_scale, bias, dtype)
+
     def bf16_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """bf16 x [M, K] times a ``decode_gemm.pack_bf16`` weight of n output columns -> bf16 [M, n]
         (fp32 sums, as F.linear's up to the rounding of a sum's last step)."""
@@ -228,21 +234,12 @@ class Kernels:
         """int32 [T, n] -> (acc * row scale * column scale, rounded to dtype) + bias, in dtype."""
         return self.module.int8_dequantize(acc, row_scale, col_scale, bias, dtype, self.isa)
 
-    def int8_dequantize_rope(self, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
-                             bias: torch.Tensor | None, dtype: torch.dtype, positions: torch.Tensor,
-                             cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-        """``int8_dequantize`` then ``rope_`` on the result, in one pass (the q|k|v projection)."""
-        return self.module.int8_dequantize_rope(acc, row_scale, col_scale, bias, dtype, positions, cos, sin, heads,
-                                                head_dim, self.isa)
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x += residual`` (in place, when given), then ``add_rms_norm``'s rms_norm(x) * weight quantized
+        per row: (int8 h, fp32 row scales)."""
+        return self.module.add_rms_norm_quant(x, residual, weight, eps, self.isa)
 
-    def int8_add_rms_norm(self, x: torch.Tensor, acc: torch.Tensor | None, row_scale: torch.Tensor | None,
-                          col_scale: torch.Tensor | None, bias: torch.Tensor | None, weight: torch.Tensor,
-                          eps: float, quantize: bool) -> list[torch.Tensor]:
-        """``x += dequantized acc (+ bias)`` in place when acc is given, then rms_norm(x) * weight:
-        ``[h]`` in x's dtype, or ``[int8 h, fp32 row scales]`` when ``quantize``."""
-        return self.module.int8_add_rms_norm(x, acc, row_scale, col_scale, bias, weight, eps, quantize, self.isa)
-
-    def int8_silu_mul(self, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """int32 [gate | up] -> silu(gate) * up (each rounded to dtype), quantized per row."""
-        return self.module.int8_silu_mul(acc, row_scale, col_scale, dtype, self.isa)
+    def silu_mul_quant(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``silu_mul``'s silu(gate) * up quantized per row: (int8, fp32 row scales)."""
+        return self.module.silu_mul_quant(gate_up, self.isa)

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "attention_bf16.h"  // cpu_has_avx512_bf16: the bf16 GEMM runs where the bf16 attention does
 #include "simd.h"
@@ -66,8 +67,37 @@ struct Int8Tile {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
     return acc;
   }
-  void store(Out* c, __m512i acc, int64_t row) const {
-    _mm512_storeu_si512(c, _mm512_sub_epi32(acc, _mm512_set1_epi32(comp[row])));
+  __m512i sums(__m512i acc, int64_t row) const { return _mm512_sub_epi32(acc, _mm512_set1_epi32(comp[row])); }
+  void store(Out* c, __m512i acc, int64_t row, int64_t) const { _mm512_storeu_si512(c, sums(acc, row)); }
+};
+
+// The same sums scaled back to the model dtype T as the tile's store: T((sum * rs[row]) * cs[col])
+// (+ bias, rounded to T again), quant_kernels.h's `dequant` formula, so the values equal
+// int8_gemm followed by int8_dequantize (in bf16 up to results below bf16's normal range, which
+// vcvtneps2bf16 flushes to zero, as in Bf16Tile).  Why in the GEMM: the int32 product is twice
+// the bytes of the bf16 one and the ops after it re-read it from the cache of the core that wrote
+// it; stored in the model dtype, the int8 layer's row-wise ops are the bf16 model's.
+template <typename T>
+struct Int8DequantTile : Int8Tile {
+  using Out = T;
+  const float* rs;  // [M] the rows' scales
+  const float* cs;  // [N] the weight's column scales
+  const T* bias;    // [N] or null
+  void store(Out* c, __m512i acc, int64_t row, int64_t col) const {
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums(acc, row)), _mm512_set1_ps(rs[row])),
+                             _mm512_loadu_ps(cs + col));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // One instruction a rounding (round to nearest even, as c10::BFloat16), not simd.h's six.
+      if (bias) y = _mm512_add_ps(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(y)), avx512::load(bias + col).v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
+    } else {
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        if (bias) y = _mm512_add_ps(avx512::round_half({y}).v, avx512::load(bias + col).v);
+      } else if (bias) {
+        y = _mm512_add_ps(y, _mm512_loadu_ps(bias + col));
+      }
+      avx512::store(c, avx512::Vf{y});
+    }
   }
 };
 
@@ -81,16 +111,17 @@ struct Bf16Tile {
   static __m512 dot(__m512 acc, __m512i w, __m512i a) {
     return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(w));
   }
-  void store(Out* c, __m512 acc, int64_t) const {
+  void store(Out* c, __m512 acc, int64_t, int64_t) const {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc)));
   }
 };
 
-// R rows of a (row stride k, starting at row `row`) times one packed block -> c (row stride ldc).
+// R rows of a (row stride k, starting at row `row`) times one packed block (its first column
+// `col`) -> c (row stride ldc).
 // While it runs, the next block's bytes (pf, when given) are prefetched, 128 bytes a k-step.
 template <int R, typename T>
-__attribute__((always_inline)) inline void tile(const T& op, const typename T::In* a, int64_t row, int64_t k,
-                                                const typename T::W* w, typename T::Out* c, int64_t ldc,
+__attribute__((always_inline)) inline void tile(const T& op, const typename T::In* a, int64_t row, int64_t col,
+                                                int64_t k, const typename T::W* w, typename T::Out* c, int64_t ldc,
                                                 const char* pf) {
   using Acc = decltype(T::zero());
   Acc acc[R][2];
@@ -114,20 +145,20 @@ __attribute__((always_inline)) inline void tile(const T& op, const typename T::I
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    op.store(c + r * ldc, acc[r][0], row + r);
-    op.store(c + r * ldc + 16, acc[r][1], row + r);
+    op.store(c + r * ldc, acc[r][0], row + r, col);
+    op.store(c + r * ldc + 16, acc[r][1], row + r, col + 16);
   }
 }
 
 // The last rows % kRows rows of a block, with a tile of exactly that many rows.
 template <int R, typename T>
-void tail(const T& op, const typename T::In* a, int64_t row, int64_t k, const typename T::W* w, typename T::Out* c,
-          int64_t ldc, const char* pf, int64_t rows) {
+void tail(const T& op, const typename T::In* a, int64_t row, int64_t col, int64_t k, const typename T::W* w,
+          typename T::Out* c, int64_t ldc, const char* pf, int64_t rows) {
   if constexpr (R > 0) {
     if (rows == R)
-      tile<R>(op, a, row, k, w, c, ldc, pf);
+      tile<R>(op, a, row, col, k, w, c, ldc, pf);
     else
-      tail<R - 1>(op, a, row, k, w, c, ldc, pf, rows);
+      tail<R - 1>(op, a, row, col, k, w, c, ldc, pf, rows);
   }
 }
 
@@ -148,8 +179,8 @@ void gemm(const T& op, const typename T::In* a, const typename T::W* w, typename
       const int64_t m1 = std::min(m, (h + 1) * half_rows);
       int64_t row = h * half_rows;
       for (; row + kRows <= m1; row += kRows, pf = nullptr)
-        tile<kRows>(op, a + row * k, row, k, wb, c + row * n + b * kCols, n, pf);
-      if (row < m1) tail<kRows - 1>(op, a + row * k, row, k, wb, c + row * n + b * kCols, n, pf, m1 - row);
+        tile<kRows>(op, a + row * k, row, b * kCols, k, wb, c + row * n + b * kCols, n, pf);
+      if (row < m1) tail<kRows - 1>(op, a + row * k, row, b * kCols, k, wb, c + row * n + b * kCols, n, pf, m1 - row);
     }
   });
 }
@@ -171,6 +202,18 @@ void row_sums(const int8_t* a, int64_t rows, int64_t k, int32_t* comp) {
 void gemm_int8(const int8_t* a, const uint8_t* w, int32_t* c, int32_t* comp, int64_t m, int64_t k, int64_t n) {
   row_sums(a, m, k, comp);
   gemm(Int8Tile{comp}, a, w, c, m, k, n);
+}
+
+template <typename T>
+void gemm_int8_dequant(const int8_t* a, const uint8_t* w, T* c, int32_t* comp, const float* rs, const float* cs,
+                       const T* bias, int64_t m, int64_t k, int64_t n) {
+  row_sums(a, m, k, comp);
+  Int8DequantTile<T> op;
+  op.comp = comp;
+  op.rs = rs;
+  op.cs = cs;
+  op.bias = bias;
+  gemm(op, a, w, c, m, k, n);
 }
 
 void gemm_bf16(const uint16_t* a, const uint16_t* w, uint16_t* c, int64_t m, int64_t k, int64_t n) {
@@ -206,6 +249,39 @@ at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
   auto comp = at::empty({m}, x.options().dtype(at::kInt));
   gemm_int8(x.data_ptr<int8_t>(), packed.data_ptr<uint8_t>(), c.data_ptr<int32_t>(), comp.data_ptr<int32_t>(), m, k,
             n);
+  return c;
+}
+
+at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Tensor row_scale, at::Tensor col_scale,
+                             c10::optional<at::Tensor> bias, at::ScalarType dtype) {
+  TORCH_CHECK(cpu_has_vnni_gemm(), "int8_gemm_dequant: this CPU has no AVX-512 VNNI (use torch._int_mm)");
+  check_shapes(x, packed, n, 4, at::kChar, at::kByte, "int8_gemm_dequant");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k <= 65536, "int8_gemm_dequant: K=", k, " is past 65536, where the int32 sums could overflow");
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() && row_scale.numel() == m,
+              "int8_gemm_dequant: row_scale must be contiguous fp32 [M]");
+  TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() && col_scale.numel() == n,
+              "int8_gemm_dequant: col_scale must be contiguous fp32 [N]");
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == dtype && b.numel() == n, "int8_gemm_dequant: bias must be [N] in dtype");
+  }
+  auto c = at::empty({m, n}, x.options().dtype(dtype));
+  if (m == 0) return c;
+  auto comp = at::empty({m}, x.options().dtype(at::kInt));
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    gemm_int8_dequant<T>(x.data_ptr<int8_t>(), packed.data_ptr<uint8_t>(), c.data_ptr<T>(), comp.data_ptr<int32_t>(),
+                         row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
+                         b.defined() ? b.data_ptr<T>() : nullptr, m, k, n);
+  };
+  switch (dtype) {
+    case at::kBFloat16: run(c10::BFloat16()); break;
+    case at::kHalf: run(c10::Half()); break;
+    case at::kFloat: run(float()); break;
+    default: TORCH_CHECK(false, "int8_gemm_dequant: dtype must be bfloat16, float16 or float32, got ", dtype);
+  }
   return c;
 }
 

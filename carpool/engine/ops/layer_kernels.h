@@ -43,6 +43,34 @@ inline float round_as_scalar(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
+// One row xi [n] (xi += ri in place when ri is given, rounded to T as torch's add); returns
+// 1 / rms(xi), the factor of add_rms_norm's T(x / rms(x)).
+template <typename T>
+inline float add_inv_rms(T* xi, const T* ri, int64_t n, float eps) {
+  const int64_t nv = n / W * W;
+  Vf ss = zero();
+  float ss_tail = 0.f;
+  if (ri) {
+    for (int64_t k = 0; k < nv; k += W) {
+      const Vf v = round_as<T>(add(load(xi + k), load(ri + k)));
+      store(xi + k, v);
+      ss = fmadd(v, v, ss);
+    }
+    for (int64_t k = nv; k < n; ++k) {
+      const float v = round_as_scalar<T>(static_cast<float>(xi[k]) + static_cast<float>(ri[k]));
+      xi[k] = static_cast<T>(v);
+      ss_tail += v * v;
+    }
+  } else {
+    for (int64_t k = 0; k < nv; k += W) {
+      const Vf v = load(xi + k);
+      ss = fmadd(v, v, ss);
+    }
+    for (int64_t k = nv; k < n; ++k) ss_tail += static_cast<float>(xi[k]) * static_cast<float>(xi[k]);
+  }
+  return 1.f / std::sqrt((reduce_add(ss) + ss_tail) / static_cast<float>(n) + eps);
+}
+
 // x [rows, n] (x += r in place when r is given, rounded to T as torch's add); out = w * T(x / rms(x)).
 template <typename T>
 void add_rms_norm(T* x, const T* r, const T* w, T* out, int64_t rows, int64_t n, float eps) {
@@ -51,34 +79,26 @@ void add_rms_norm(T* x, const T* r, const T* w, T* out, int64_t rows, int64_t n,
     for (int64_t i = begin; i < end; ++i) {
       T* xi = x + i * n;
       T* oi = out + i * n;
-      Vf ss = zero();
-      float ss_tail = 0.f;
-      if (r) {
-        const T* ri = r + i * n;
-        for (int64_t k = 0; k < nv; k += W) {
-          const Vf v = round_as<T>(add(load(xi + k), load(ri + k)));
-          store(xi + k, v);
-          ss = fmadd(v, v, ss);
-        }
-        for (int64_t k = nv; k < n; ++k) {
-          const float v = round_as_scalar<T>(static_cast<float>(xi[k]) + static_cast<float>(ri[k]));
-          xi[k] = static_cast<T>(v);
-          ss_tail += v * v;
-        }
-      } else {
-        for (int64_t k = 0; k < nv; k += W) {
-          const Vf v = load(xi + k);
-          ss = fmadd(v, v, ss);
-        }
-        for (int64_t k = nv; k < n; ++k) ss_tail += static_cast<float>(xi[k]) * static_cast<float>(xi[k]);
-      }
-      const float inv = 1.f / std::sqrt((reduce_add(ss) + ss_tail) / static_cast<float>(n) + eps);
+      const float inv = add_inv_rms(xi, r ? r + i * n : nullptr, n, eps);
       const Vf iv = set1(inv);
       for (int64_t k = 0; k < nv; k += W) store(oi + k, mul(load(w + k), round_as<T>(mul(load(xi + k), iv))));
       for (int64_t k = nv; k < n; ++k)
         oi[k] = static_cast<T>(static_cast<float>(w[k]) * round_as_scalar<T>(static_cast<float>(xi[k]) * inv));
     }
   });
+}
+
+// T(silu(g)) * u at column k of one row (not yet rounded: the caller's store rounds it).
+template <typename T>
+inline Vf silu_times(const T* g, const T* u, int64_t k) {
+  const Vf a = load(g + k);
+  return mul(round_as<T>(div(a, add(set1(1.f), exp(sub(zero(), a))))), load(u + k));
+}
+
+template <typename T>
+inline float silu_times_scalar(const T* g, const T* u, int64_t k) {
+  const float a = static_cast<float>(g[k]);
+  return round_as_scalar<T>(a / (1.f + std::exp(-a))) * static_cast<float>(u[k]);
 }
 
 // gu [rows, 2n] = [gate | up] -> T(T(silu(gate)) * up) [rows, n]
@@ -90,15 +110,8 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t n) {
       const T* g = gu + i * 2 * n;
       const T* u = g + n;
       T* o = out + i * n;
-      for (int64_t k = 0; k < nv; k += W) {
-        const Vf a = load(g + k);
-        const Vf s = round_as<T>(div(a, add(set1(1.f), exp(sub(zero(), a)))));
-        store(o + k, mul(s, load(u + k)));
-      }
-      for (int64_t k = nv; k < n; ++k) {
-        const float a = static_cast<float>(g[k]);
-        o[k] = static_cast<T>(round_as_scalar<T>(a / (1.f + std::exp(-a))) * static_cast<float>(u[k]));
-      }
+      for (int64_t k = 0; k < nv; k += W) store(o + k, silu_times(g, u, k));
+      for (int64_t k = nv; k < n; ++k) o[k] = static_cast<T>(silu_times_scalar(g, u, k));
     }
   });
 }

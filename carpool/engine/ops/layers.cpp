@@ -143,79 +143,38 @@ at::Tensor int8_dequantize(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::op
   return out;
 }
 
-// int8_dequantize, then rope_ on the result: the q|k|v projection's scale-back and RoPE in one pass.
-at::Tensor int8_dequantize_rope(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
-                                at::ScalarType dtype, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                                int64_t heads, int64_t head_dim, int64_t isa) {
-  check_scales(acc, rs, cs, acc.size(1), "int8_dequantize_rope");
-  const int64_t rows = acc.size(0), n = acc.size(1);
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) * 2 == head_dim,
-              "int8_dequantize_rope: bad cos/sin table");
-  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "int8_dequantize_rope: cos/sin must be dtype");
-  TORCH_CHECK(heads * head_dim <= n, "int8_dequantize_rope: ", heads, " heads do not fit in width ", n);
-  auto pos = positions.contiguous();
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.numel() == rows, "int8_dequantize_rope: positions [rows] int64");
-  const int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < rows; ++t)
-    TORCH_CHECK(p[t] >= 0 && p[t] < cos.size(0), "int8_dequantize_rope: position ", p[t], " is outside the table");
-  auto out = at::empty({rows, n}, acc.options().dtype(dtype));
-  const at::Tensor b = checked_bias(bias, dtype, n, "int8_dequantize_rope");
-  CARPOOL_DISPATCH(isa, dtype, "int8_dequantize_rope",
-                   (ns::dequantize_rope<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
-                                           b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), rows, n, p,
-                                           cos.data_ptr<T>(), sin.data_ptr<T>(), heads, head_dim)));
-  return out;
-}
-
-// x [T, n] (+= dequantized acc, in place, when acc is given) -> rms_norm(x) * w, returned as
-// [out] in x's dtype when quantize is false, else as [int8 [T, n], fp32 scales [T]].
-std::vector<at::Tensor> int8_add_rms_norm(at::Tensor x, c10::optional<at::Tensor> acc, c10::optional<at::Tensor> rs,
-                                          c10::optional<at::Tensor> cs, c10::optional<at::Tensor> bias, at::Tensor w,
-                                          double eps, bool quantize, int64_t isa) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2, "int8_add_rms_norm: contiguous [rows, n] x");
+// x [T, n] (x += residual in place when given) -> add_rms_norm's rms_norm(x) * w quantized:
+// (int8 [T, n], fp32 scales [T]).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_quant(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w,
+                                                      double eps, int64_t isa) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2, "add_rms_norm_quant: contiguous [rows, n] x");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.numel() == n, "int8_add_rms_norm: w must be [n] in x's dtype");
-  at::Tensor a, r, c, b;
-  if (acc.has_value()) {
-    TORCH_CHECK(rs.has_value() && cs.has_value(), "int8_add_rms_norm: acc needs row and column scales");
-    a = *acc;
-    r = *rs;
-    c = *cs;
-    check_scales(a, r, c, n, "int8_add_rms_norm");
-    TORCH_CHECK(a.size(0) == rows, "int8_add_rms_norm: acc must have x's rows");
-    b = checked_bias(bias, x.scalar_type(), n, "int8_add_rms_norm");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.numel() == n, "add_rms_norm_quant: w must be [n] in x's dtype");
+  at::Tensor r;
+  if (residual.has_value()) {
+    r = residual->contiguous();
+    TORCH_CHECK(r.scalar_type() == x.scalar_type() && r.sizes() == x.sizes(),
+                "add_rms_norm_quant: residual must be x's shape and dtype");
   }
-  at::Tensor out, q, qs;
-  if (quantize) {
-    q = at::empty({rows, n}, x.options().dtype(at::kChar));
-    qs = at::empty({rows}, x.options().dtype(at::kFloat));
-  } else {
-    out = at::empty_like(x);
-  }
+  auto q = at::empty({rows, n}, x.options().dtype(at::kChar));
+  auto qs = at::empty({rows}, x.options().dtype(at::kFloat));
   const float e = static_cast<float>(eps);
-  CARPOOL_DISPATCH(isa, x.scalar_type(), "int8_add_rms_norm",
-                   (ns::dequant_add_rms_norm<T>(
-                       x.data_ptr<T>(), a.defined() ? a.data_ptr<int32_t>() : nullptr,
-                       a.defined() ? r.data_ptr<float>() : nullptr, a.defined() ? c.data_ptr<float>() : nullptr,
-                       b.defined() ? b.data_ptr<T>() : nullptr, w.data_ptr<T>(),
-                       quantize ? nullptr : out.data_ptr<T>(), quantize ? q.data_ptr<int8_t>() : nullptr,
-                       quantize ? qs.data_ptr<float>() : nullptr, rows, n, e)));
-  if (quantize) return {q, qs};
-  return {out};
+  CARPOOL_DISPATCH(isa, x.scalar_type(), "add_rms_norm_quant",
+                   (ns::add_rms_norm_quant<T>(x.data_ptr<T>(), r.defined() ? r.data_ptr<T>() : nullptr,
+                                              w.data_ptr<T>(), q.data_ptr<int8_t>(), qs.data_ptr<float>(), rows, n,
+                                              e)));
+  return {q, qs};
 }
 
-// acc int32 [T, 2I] = [gate | up], row scales [T], column scales [2I] -> silu(gate) * up in the
-// model dtype's rounding (`dtype`), quantized: (int8 [T, I], fp32 scales [T]).
-std::tuple<at::Tensor, at::Tensor> int8_silu_mul(at::Tensor acc, at::Tensor rs, at::Tensor cs, at::ScalarType dtype,
-                                                 int64_t isa) {
-  check_scales(acc, rs, cs, acc.size(1), "int8_silu_mul");
-  TORCH_CHECK(acc.size(1) % 2 == 0, "int8_silu_mul: acc must be [rows, 2I]");
-  const int64_t rows = acc.size(0), n = acc.size(1) / 2;
-  auto q = at::empty({rows, n}, acc.options().dtype(at::kChar));
-  auto qs = at::empty({rows}, acc.options().dtype(at::kFloat));
-  CARPOOL_DISPATCH(isa, dtype, "int8_silu_mul",
-                   (ns::dequant_silu_mul_quant<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
-                                                  q.data_ptr<int8_t>(), qs.data_ptr<float>(), rows, n)));
+// gu [T, 2I] = [gate | up] -> silu_mul's silu(gate) * up quantized: (int8 [T, I], fp32 scales [T]).
+std::tuple<at::Tensor, at::Tensor> silu_mul_quant(at::Tensor gu, int64_t isa) {
+  gu = gu.contiguous();
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul_quant: gu must be [rows, 2I]");
+  const int64_t rows = gu.size(0), n = gu.size(1) / 2;
+  auto q = at::empty({rows, n}, gu.options().dtype(at::kChar));
+  auto qs = at::empty({rows}, gu.options().dtype(at::kFloat));
+  CARPOOL_DISPATCH(isa, gu.scalar_type(), "silu_mul_quant",
+                   (ns::silu_mul_quant<T>(gu.data_ptr<T>(), q.data_ptr<int8_t>(), qs.data_ptr<float>(), rows, n)));
   return {q, qs};
 }
 

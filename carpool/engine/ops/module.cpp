@@ -18,17 +18,14 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
 std::tuple<at::Tensor, at::Tensor> quantize_rows(at::Tensor x, int64_t isa);
 at::Tensor int8_dequantize(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
                            at::ScalarType dtype, int64_t isa);
-at::Tensor int8_dequantize_rope(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
-                                at::ScalarType dtype, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                                int64_t heads, int64_t head_dim, int64_t isa);
-std::vector<at::Tensor> int8_add_rms_norm(at::Tensor x, c10::optional<at::Tensor> acc, c10::optional<at::Tensor> rs,
-                                          c10::optional<at::Tensor> cs, c10::optional<at::Tensor> bias, at::Tensor w,
-                                          double eps, bool quantize, int64_t isa);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_quant(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w,
+                                                      double eps, int64_t isa);
+std::tuple<at::Tensor, at::Tensor> silu_mul_quant(at::Tensor gu, int64_t isa);
 bool cpu_has_vnni_gemm();
 at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n);
+at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Tensor row_scale, at::Tensor col_scale,
+                             c10::optional<at::Tensor> bias, at::ScalarType dtype);
 at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n);
-std::tuple<at::Tensor, at::Tensor> int8_silu_mul(at::Tensor acc, at::Tensor rs, at::Tensor cs, at::ScalarType dtype,
-                                                 int64_t isa);
 }  // namespace carpool
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -50,11 +47,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &carpool::rope_, "rotate-half RoPE in place on the q and k heads of qkv");
   m.def("quantize_rows", &carpool::quantize_rows, "each row to int8 with its own fp32 scale (amax / 127)");
   m.def("int8_dequantize", &carpool::int8_dequantize, "int32 acc * row scale * column scale (+ bias) -> dtype");
-  m.def("int8_dequantize_rope", &carpool::int8_dequantize_rope, "int8_dequantize, then rope_ on the result");
-  m.def("int8_add_rms_norm", &carpool::int8_add_rms_norm,
-        "x += dequantized acc (optional), then rms_norm(x) * w, in x's dtype or quantized to int8");
+  m.def("add_rms_norm_quant", &carpool::add_rms_norm_quant,
+        "x += residual (in place, optional), then rms_norm(x) * w quantized to int8 rows");
+  m.def("silu_mul_quant", &carpool::silu_mul_quant, "[gate | up] -> silu(gate) * up, quantized to int8 rows");
   m.def("cpu_has_vnni_gemm", &carpool::cpu_has_vnni_gemm, "whether this CPU runs int8_gemm (AVX-512 VNNI)");
   m.def("int8_gemm", &carpool::int8_gemm, "int8 [M, K] x a pack_vnni weight -> int32 [M, N] (AVX-512 VNNI)");
+  m.def("int8_gemm_dequant", &carpool::int8_gemm_dequant,
+        "int8_gemm scaled back: T((sums * row scale) * column scale) (+ bias) [M, N] in dtype");
   m.def("bf16_gemm", &carpool::bf16_gemm, "bf16 [M, K] x a pack_bf16 weight -> bf16 [M, N] (AVX-512 BF16)");
-  m.def("int8_silu_mul", &carpool::int8_silu_mul, "dequantized [gate | up] -> silu(gate) * up, quantized to int8");
 }
