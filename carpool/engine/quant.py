@@ -106,12 +106,8 @@ class Int8Linear:
             y = y + bias
         return y
 
-    def int_mm(self, xq: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
-        """int8 [M, K] x this int8 weight -> int32 [M, N]: ``kernels.int8_gemm`` on the packed weight
-        for up to ``decode_gemm.MAX_ROWS`` rows where it runs, else torch._int_mm (oneDNN); the same sums."""
-        if (self.packed is not None and kernels is not None and xq.shape[0] <= decode_gemm.MAX_ROWS
-                and kernels.has_int8_gemm):
-            return kernels.int8_gemm(xq, self.packed, self.shape[0])
+    def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
+        """int8 [M, K] x this int8 weight -> int32 [M, N] (torch._int_mm, oneDNN)."""
         return torch._int_mm(xq, self.qweight.t())
 
     def matmul(self, xq: torch.Tensor, row_scale: torch.Tensor, kernels: Kernels,
@@ -123,8 +119,7 @@ class Int8Linear:
         if self.packed is not None and xq.shape[0] <= decode_gemm.MAX_ROWS and kernels.has_int8_gemm:
             return kernels.int8_gemm_dequant(xq, self.packed, self.shape[0], row_scale, self.scale_f32, bias,
                                              self.dtype)
-        return kernels.int8_dequantize(torch._int_mm(xq, self.qweight.t()), row_scale, self.scale_f32, bias,
-                                       self.dtype)
+        return kernels.int8_dequantize(self.int_mm(xq), row_scale, self.scale_f32, bias, self.dtype)
 
 
 # The torch reference of the int8 x int8 path's two ends; the C++ kernels (ops/quant_kernels.h)

@@ -248,14 +248,18 @@ void check_shapes(const at::Tensor& x, const at::Tensor& packed, int64_t n, int6
   TORCH_CHECK(packed.scalar_type() == w_type && packed.is_contiguous() && packed.numel() == n * k, op,
               ": packed must be decode_gemm.py's contiguous ", w_type, " of N x K values");
 }
+// The checks of both int8 GEMMs: the CPU, the shapes, and K.
+void check_int8(const at::Tensor& x, const at::Tensor& packed, int64_t n, const char* op) {
+  TORCH_CHECK(cpu_has_vnni_gemm(), op, ": this CPU has no AVX-512 VNNI (use torch._int_mm)");
+  check_shapes(x, packed, n, 4, at::kChar, at::kByte, op);
+  // (w + 128) * a summed over K stays inside int32 up to K = 65536.
+  TORCH_CHECK(x.size(1) <= 65536, op, ": K=", x.size(1), " is past 65536, where the int32 sums could overflow");
+}
 }  // namespace
 
 at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
-  TORCH_CHECK(cpu_has_vnni_gemm(), "int8_gemm: this CPU has no AVX-512 VNNI (use torch._int_mm)");
-  check_shapes(x, packed, n, 4, at::kChar, at::kByte, "int8_gemm");
+  check_int8(x, packed, n, "int8_gemm");
   const int64_t m = x.size(0), k = x.size(1);
-  // (w + 128) * a summed over K stays inside int32 up to K = 65536.
-  TORCH_CHECK(k <= 65536, "int8_gemm: K=", k, " is past 65536, where the int32 sums could overflow");
   auto c = at::empty({m, n}, x.options().dtype(at::kInt));
   if (m == 0) return c;
   auto comp = at::empty({m}, x.options().dtype(at::kInt));
@@ -266,10 +270,8 @@ at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
 
 at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Tensor row_scale, at::Tensor col_scale,
                              c10::optional<at::Tensor> bias, at::ScalarType dtype) {
-  TORCH_CHECK(cpu_has_vnni_gemm(), "int8_gemm_dequant: this CPU has no AVX-512 VNNI (use torch._int_mm)");
-  check_shapes(x, packed, n, 4, at::kChar, at::kByte, "int8_gemm_dequant");
+  check_int8(x, packed, n, "int8_gemm_dequant");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k <= 65536, "int8_gemm_dequant: K=", k, " is past 65536, where the int32 sums could overflow");
   TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() && row_scale.numel() == m,
               "int8_gemm_dequant: row_scale must be contiguous fp32 [M]");
   TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() && col_scale.numel() == n,

@@ -1,6 +1,6 @@
 // The int8 x int8 linear's row-wise ends (quant.py, EngineConfig.quantization="int8"), written
 // once against simd.h's vocabulary and included by layers.cpp once per instruction set (after
-// layer_kernels.h, whose round_as, add_inv_rms and silu_times they use).  The GEMM is
+// layer_kernels.h, whose round_as and row kernels they use).  The GEMM is
 // decode_gemm.cpp's (up to decode_gemm.MAX_ROWS rows; its store scales the int32 sums back to the
 // model dtype) or torch._int_mm (oneDNN; then `dequantize` below scales them back); these kernels
 // are what comes before and after it:
@@ -78,39 +78,28 @@ void dequantize(const int32_t* acc, const float* rs, const float* cs, const T* b
 }
 
 // x [rows, n] (x += r in place when r is given, rounded to T) -> add_rms_norm's h = T(w * T(x /
-// rms(x))) quantized into q [rows, n] / qs [rows]: the RMSNorm before an int8 linear.
+// rms(x))) quantized into q [rows, n] / qs [rows]: the RMSNorm before an int8 linear.  Each row of
+// h is computed by add_rms_norm's own row kernel into a buffer, then quantized.
 template <typename T>
 void add_rms_norm_quant(T* x, const T* r, const T* w, int8_t* q, float* qs, int64_t rows, int64_t n, float eps) {
-  const int64_t nv = n / W * W;
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(n);
-    float* bi = buf.data();
+    std::vector<float> h(n);
     for (int64_t i = begin; i < end; ++i) {
-      T* xi = x + i * n;
-      const float inv = add_inv_rms(xi, r ? r + i * n : nullptr, n, eps);
-      const Vf iv = set1(inv);
-      for (int64_t k = 0; k < nv; k += W) store(bi + k, round_as<T>(mul(load(w + k), round_as<T>(mul(load(xi + k), iv)))));
-      for (int64_t k = nv; k < n; ++k)
-        bi[k] = round_as_scalar<T>(static_cast<float>(w[k]) * round_as_scalar<T>(static_cast<float>(xi[k]) * inv));
-      qs[i] = quantize_row(bi, n, q + i * n);
+      add_rms_norm_row<T>(x + i * n, r ? r + i * n : nullptr, w, h.data(), n, eps);
+      qs[i] = quantize_row(h.data(), n, q + i * n);
     }
   });
 }
 
 // gu [rows, 2n] = [gate | up] -> silu_mul's p = T(T(silu(gate)) * up) quantized into q [rows, n] /
-// qs [rows]: SiLU * up before the int8 down projection.
+// qs [rows]: SiLU * up before the int8 down projection (silu_mul's row kernel, then quantized).
 template <typename T>
 void silu_mul_quant(const T* gu, int8_t* q, float* qs, int64_t rows, int64_t n) {
-  const int64_t nv = n / W * W;
   at::parallel_for(0, rows, silu_row_grain(n), [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(n);
-    float* bi = buf.data();
+    std::vector<float> p(n);
     for (int64_t i = begin; i < end; ++i) {
-      const T* g = gu + i * 2 * n;
-      const T* u = g + n;
-      for (int64_t k = 0; k < nv; k += W) store(bi + k, round_as<T>(silu_times(g, u, k)));
-      for (int64_t k = nv; k < n; ++k) bi[k] = round_as_scalar<T>(silu_times_scalar(g, u, k));
-      qs[i] = quantize_row(bi, n, q + i * n);
+      silu_mul_row<T>(gu + i * 2 * n, gu + i * 2 * n + n, p.data(), n);
+      qs[i] = quantize_row(p.data(), n, q + i * n);
     }
   });
 }
