@@ -67,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-choices-per-request", type=int, default=d_server.max_choices_per_request,
                    help="prompts x n one request may ask for (a /v1/completions prompt list); past it a 400 "
                         "naming 'prompt'; 0: no limit")
+    g.add_argument("--grammar-timeout", type=float, default=d_server.grammar_timeout_s,
+                   help="seconds a request's grammar (schema, choice, regex, Lark) may take to compile; "
+                        "past it a 400 naming the field")
+    g.add_argument("--max-grammar-bytes", type=int, default=d_server.max_grammar_bytes,
+                   help="largest grammar source (schema, choices, regex, Lark) compiled; past it a 400")
 
     g = p.add_argument_group("embeddings (dynamic batcher)")
     g.add_argument("--embedding-model", default=d_server.embedding_model,
@@ -104,6 +109,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queue_size=args.max_queue_size or None,
         max_queued_tokens=args.max_queued_tokens or None,
         max_choices_per_request=args.max_choices_per_request or None,
+        grammar_timeout_s=args.grammar_timeout,
+        max_grammar_bytes=args.max_grammar_bytes,
         embedding_model=embedding,
         max_queue_delay_us=args.max_queue_delay_us,
         preferred_batch_sizes=args.preferred_batch_sizes,

@@ -19,7 +19,7 @@ from carpool.compat import Self
 from carpool.extras import require
 
 from .config import EngineConfig
-from .protocol import EngineError, GenerateRequest, TokenDelta
+from .protocol import EngineError, GenerateRequest, StructuredOutputs, TokenDelta
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -152,6 +152,9 @@ class AsyncEngine:
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return self._require().count_prompt_tokens(request)
+
+    def check_grammar(self, structured_outputs: StructuredOutputs, max_bytes: int | None = None) -> None:
+        self._require().grammars.check(structured_outputs, max_bytes)
 
     def stats(self) -> dict:
         return self._require().stats()

@@ -15,11 +15,21 @@ constrained row for its token bitmask and masks the disallowed logits to -inf be
 sampling, then the engine feeds the chosen token back.  The end-of-sequence tokens are
 allowed only where the grammar is complete, and a grammar that can go no further ends the
 request with "stop".
+
+What bounds a grammar's cost (a hostile one must not stall the server nor reach a step):
+its source size (``max_grammar_bytes``: a 100,000-entry ``choice`` took llguidance 5-30 s
+to build and then panicked on an internal limit), llguidance's own ``LLParserLimits``
+(branching per row, lexer fuel, grammar size; its errors carry no parser state), and a probe
+of the first two tokens on a copy when a grammar is first compiled: grammars that match
+nothing (a ``$ref`` to itself) or blow a limit at the first token are refused as a
+``GrammarError`` naming the field, before any step runs.  The server adds the wall-clock
+bound and runs all of this off its event loop (``carpool.server.grammar_gate``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -28,7 +38,7 @@ import llguidance
 import numpy as np
 import torch
 
-from .protocol import EngineError, StructuredOutputs
+from .protocol import EngineError, GrammarError, StructuredOutputs
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -37,6 +47,18 @@ if TYPE_CHECKING:
 # compact form pushes a small model off its own distribution.  Each gap is bounded, so whitespace
 # can never run on until max_tokens.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n\t]{0,12}"}
+
+# The grammar's source (its cache key: the schema, regex, choices or Lark text) past this many
+# bytes is refused before llguidance sees it.  OpenAI's own structured outputs cap a schema's
+# names and enum values at 120,000 characters in total; half a megabyte leaves room for
+# descriptions, and builds in well under a second.
+DEFAULT_MAX_GRAMMAR_BYTES = 512 * 1024
+# llguidance's defaults, with errors that hold no parser state (they go back to the client).
+PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# llguidance leaves a JSON Schema "pattern" it cannot build unchecked (``a{1000000}`` lets any
+# string through) instead of failing, so counted repetitions past this are refused up front.
+MAX_PATTERN_REPEAT = 10_000
+_REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
 
 class TokenVocabulary:
@@ -111,22 +133,32 @@ class GrammarMatcher:
 
 
 class GrammarCompiler:
-    """Turns ``StructuredOutputs`` into matchers for one vocabulary; caches the compiled grammars."""
+    """Turns ``StructuredOutputs`` into matchers for one vocabulary; caches the compiled grammars.
 
-    def __init__(self, vocab: TokenVocabulary, cache_size: int = 256):
+    Compiling is blocking (up to the bounds in the module docstring): callers on an event loop
+    run ``check``/``matcher`` in a worker thread; llguidance drops the GIL while it builds."""
+
+    def __init__(self, vocab: TokenVocabulary, cache_size: int = 256,
+                 max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES):
         self.vocab = vocab
         self.cache_size = cache_size
+        self.max_grammar_bytes = max_grammar_bytes
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (cache misses), for tests and stats
 
-    def matcher(self, so: StructuredOutputs, rid: str = "") -> GrammarMatcher:
+    def matcher(self, so: StructuredOutputs, rid: str = "", max_bytes: int | None = None) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start; raises ``GrammarError`` for a grammar refused."""
         key = so.key()
         with self._lock:
             base = self._cache.get(key)
             if base is not None:
                 self._cache.move_to_end(key)
         if base is None:
+            limit = self.max_grammar_bytes if max_bytes is None else max_bytes
+            if len(key) > limit:
+                raise GrammarError(grammar_field(so), f"the grammar is {len(key):,} bytes, more than this server "
+                                   f"builds ({limit:,}; --max-grammar-bytes); make it smaller", rid)
             base = self._compile(so, rid)
             with self._lock:
                 self._cache[key] = base
@@ -135,14 +167,79 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         return GrammarMatcher(base.deep_copy())
 
+    def check(self, so: StructuredOutputs, max_bytes: int | None = None) -> None:
+        """Compile (and cache) ``so`` now, so a grammar that cannot run is refused before its
+        request is admitted; raises ``GrammarError``."""
+        self.matcher(so, max_bytes=max_bytes)
+
     def _compile(self, so: StructuredOutputs, rid: str) -> llguidance.LLMatcher:
         field, grammar = _grammar_text(so, rid)
-        m = llguidance.LLMatcher(self.vocab.llg(), grammar, log_level=0)  # drops the GIL while it builds
+        m = llguidance.LLMatcher(self.vocab.llg(), grammar, log_level=0, limits=PARSER_LIMITS)
         if m.is_error():
-            raise EngineError(f"request {rid}: structured_outputs.{field}: {m.get_error()}; "
-                              "fix the schema/grammar (llguidance's JSON Schema subset is documented "
-                              "in docs/structured_outputs.md)")
+            raise GrammarError(field, f"{clean_error(m.get_error())}; fix the schema/grammar (llguidance's "
+                               "JSON Schema subset is documented in docs/structured_outputs.md)", rid)
+        self._probe(m, field, rid)
         return m
+
+    def _probe(self, base: llguidance.LLMatcher, field: str, rid: str) -> None:
+        """Walk the first two tokens on a copy: a grammar that allows nothing, or blows one of
+        llguidance's limits as soon as it starts, fails here instead of inside a step."""
+        probe = base.deep_copy()
+        vocab = self.vocab.vocab_size
+        bitmask = allocate_bitmask(1, vocab)
+        eos = set(self.vocab.eos_token_ids)
+        for _ in range(2):
+            GrammarMatcher(probe).fill_bitmask(bitmask, 0)
+            if probe.is_error():
+                break
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[0, :vocab]
+            allowed = np.flatnonzero(bits)
+            if allowed.size == 0:
+                raise GrammarError(field, "the grammar allows no output at all; fix the schema/grammar", rid)
+            token = next((int(t) for t in allowed[:len(eos) + 1] if int(t) not in eos), None)
+            if token is None or not probe.consume_token(token) or probe.is_stopped():
+                break
+        if probe.is_error():
+            raise GrammarError(field, f"{clean_error(probe.get_error())}; simplify the schema/grammar", rid)
+
+
+def clean_error(message: str) -> str:
+    """llguidance's error as a client may see it: its first part only (no parser state, no Rust
+    backtrace), and in words where the raw text says nothing to a user."""
+    head = message.split("\n<", 1)[0].strip()
+    if head.startswith("panic"):
+        return "the grammar is larger than llguidance can build (it hit an internal limit)"
+    if head.startswith("NoExtensionBias"):
+        return "no output can match the grammar (is it a $ref to itself, or a loop of $refs?)"
+    return head[:500]
+
+
+def grammar_field(so: StructuredOutputs) -> str:
+    """The name of the one field of ``so`` that is set."""
+    for name in ("json_object", "json", "regex", "choice", "grammar"):
+        value = getattr(so, name)
+        if value is not None and value is not False:
+            return name
+    return "grammar"
+
+
+def _check_patterns(schema: object, rid: str) -> None:
+    """Refuse a JSON Schema ``pattern`` with a counted repetition past ``MAX_PATTERN_REPEAT``."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            props = node.get("patternProperties")
+            candidates = [node.get("pattern"), *(props if isinstance(props, dict) else ())]
+            for p in (c for c in candidates if isinstance(c, str)):
+                for m in _REPEAT.finditer(p):
+                    n = max(int(x) for x in m.groups() if x)
+                    if n > MAX_PATTERN_REPEAT:
+                        raise GrammarError("json", f"the pattern {p[:80]!r} repeats {n:,} times; at most "
+                                           f"{MAX_PATTERN_REPEAT:,} are supported", rid)
+            stack.extend(node.values())
 
 
 def _grammar_text(so: StructuredOutputs, rid: str) -> tuple[str, str]:
@@ -156,17 +253,21 @@ def _grammar_text(so: StructuredOutputs, rid: str) -> tuple[str, str]:
             try:
                 schema = json.loads(schema)
             except ValueError as e:
-                raise EngineError(f"request {rid}: structured_outputs.json is not valid JSON: {e}") from e
+                raise GrammarError("json", f"is not valid JSON: {e}", rid) from e
         if not isinstance(schema, (dict, bool)):
-            raise EngineError(f"request {rid}: structured_outputs.json must be a JSON Schema object, "
-                              f"got {type(schema).__name__}")
+            raise GrammarError("json", f"must be a JSON Schema object, got {type(schema).__name__}", rid)
+        _check_patterns(schema, rid)
         try:
             return "json", llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
-            raise EngineError(f"request {rid}: structured_outputs.json: {e}") from e
+            raise GrammarError("json", clean_error(str(e)), rid) from e
     if so.regex is not None:
         return "regex", llguidance.LLMatcher.grammar_from_regex(so.regex)
     if so.choice is not None:
+        most = PARSER_LIMITS.max_items_in_row - 1  # a row holds one item per entry, plus one
+        if len(so.choice) > most:
+            raise GrammarError("choice", f"{len(so.choice):,} entries; at most {most:,} are supported "
+                               "(llguidance's max_items_in_row)", rid)
         return "choice", llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in so.choice))
     assert so.grammar is not None

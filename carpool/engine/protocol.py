@@ -193,6 +193,20 @@ class EngineError(ValueError):
     """
 
 
+class GrammarError(EngineError):
+    """A grammar refused when compiled or at its first tokens.
+
+    ``field`` is the ``StructuredOutputs`` field that holds it ("json", "choice", ...) and
+    ``reason`` says what is wrong in words, with no llguidance state or backtrace, so a
+    server can put both in a 400 under the body's own field name."""
+
+    def __init__(self, field: str, reason: str, rid: str = "") -> None:
+        where = f"request {rid}: " if rid else ""
+        super().__init__(f"{where}structured_outputs.{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 class EngineClient(Protocol):
     """What the rest of carpool needs from an engine (in-process or remote).
 
@@ -216,6 +230,10 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int: ...
+
+    def check_grammar(self, structured_outputs: StructuredOutputs, max_bytes: int | None = None) -> None:
+        """Compile a grammar now (blocking: call it off the event loop); raises a ``GrammarError``."""
+        ...
 
     def stats(self) -> dict: ...
 

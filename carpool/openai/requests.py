@@ -144,6 +144,19 @@ def structured_outputs(body: dict) -> StructuredOutputs | None:
     return None
 
 
+def grammar_param(body: dict) -> str:
+    """The body field that holds a checked body's grammar, as a 400 about it names it."""
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_schema" and (fmt.get("json_schema") or {}).get("schema"):
+        return "response_format.json_schema.schema"
+    if fmt.get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    so = body.get("structured_outputs")
+    if so:
+        return "structured_outputs." + next((k for k, v in so.items() if v not in (None, False)), "")
+    return "tools"
+
+
 def check_fields(kind: str, body: dict) -> None:
     """What the schema cannot say about the new fields; an OpenAIError (400) naming the field."""
     bias = body.get("logit_bias")
@@ -239,6 +252,11 @@ class Prepared:
     choices: list[Choice]
     stream: bool
     include_usage: bool
+
+    @property
+    def structured_outputs(self) -> StructuredOutputs | None:
+        """The request's grammar (every choice has the same one)."""
+        return self.choices[0].request.params.structured_outputs if self.choices else None
 
     @property
     def prompt_tokens(self) -> int:

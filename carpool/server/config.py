@@ -29,6 +29,12 @@ class ServerConfig:
     embedding_queue_timeout_ms: int = 30000
     embedding_max_queue_size: int | None = None  # None: max_queue_size
     client_max_size_mb: int = 32  # largest request body
+    # Grammar compiles (server/grammar_gate.py): on their own threads, each bounded in source
+    # size and in time; a grammar past either bound is a 400 naming its field.
+    grammar_timeout_s: float = 10.0
+    max_grammar_bytes: int = 512 * 1024
+    grammar_workers: int = 2
+    grammar_max_waiting: int = 16
     # Connection hygiene (server/connections.py): a connection with no request for this long
     # (idle between requests, or never sending one whole) is closed; a body must arrive
     # within body_timeout_s; past max_connections open ones a new one gets a 503.

@@ -17,11 +17,11 @@ from aiohttp import web
 from carpool.engine.protocol import TokenDelta
 from carpool.openai.errors import OpenAIError
 from carpool.openai.generation import Generation, aborted_error, engine_failure
-from carpool.openai.requests import Prepared
+from carpool.openai.requests import Prepared, grammar_param
 from carpool.openai.responses import Choice, ResponseBuilder
 from carpool.server import sse
 from carpool.server.admission import Rejection, Ticket
-from carpool.server.http import OFF_LOOP_BYTES, json_response, read_json
+from carpool.server.http import json_response, read_json
 from carpool.server.state import STATE, ServerState
 
 # Client went away while we were writing (aiohttp raises one of these, version dependent).
@@ -83,12 +83,12 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     model = state.resolve_model(body, "generate")
-    if request.content_length is None or request.content_length > OFF_LOOP_BYTES:
-        # Validating, templating and tokenizing a long prompt takes a while: on the event
-        # loop it would stall every other request and /health (issue 20).
-        prepared = await asyncio.to_thread(state.translator.prepare, kind, body)
-    else:
-        prepared = state.translator.prepare(kind, body)
+    # Validating, templating and tokenizing cost milliseconds for a short prompt and seconds
+    # for a long one: never on the event loop, which answers every other client and /health.
+    prepared = await asyncio.to_thread(state.translator.prepare, kind, body)
+    so = prepared.structured_outputs
+    if so is not None:  # compiled now, off the loop and bounded; the engine finds it cached
+        await state.grammars.check(state.engine, so, grammar_param(body))
     run = _Observed(state, prepared, _admit(state, prepared))
     shape = ResponseBuilder(kind, prepared.id, model, include_usage=prepared.stream and prepared.include_usage)
     try:

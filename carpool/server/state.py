@@ -22,6 +22,7 @@ from carpool.openai.requests import Translator
 from carpool.openai.schema import embedding_request_schema
 from carpool.server.admission import AdmissionController
 from carpool.server.config import ServerConfig
+from carpool.server.grammar_gate import GrammarGate
 from carpool.server.metrics import ServerMetrics
 
 
@@ -36,6 +37,8 @@ class ServerState:
         self.created = int(time.time())
         self.admission = AdmissionController(config.max_queue_size, config.max_queued_tokens)
         self.metrics = ServerMetrics(self.model_names[0], self._engine_stats)
+        self.grammars = GrammarGate(config.grammar_workers, config.grammar_timeout_s, config.max_grammar_bytes,
+                                    config.grammar_max_waiting)
         self.ready = False
         self._translator: Translator | None = None
         self.embedding_schema: dict | None = None
@@ -95,6 +98,7 @@ class ServerState:
 
     async def stop(self) -> None:
         self.ready = False
+        self.grammars.close()
         if self.owns_batcher and self.batcher is not None:
             await self.batcher.close()
         if self.owns_engine and self._engine is not None:
