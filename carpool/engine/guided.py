@@ -55,8 +55,9 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": True, "whitespace_pat
 DEFAULT_MAX_GRAMMAR_BYTES = 512 * 1024
 # llguidance's defaults, with errors that hold no parser state (they go back to the client).
 PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-# llguidance leaves a JSON Schema "pattern" it cannot build unchecked (``a{1000000}`` lets any
-# string through) instead of failing, so counted repetitions past this are refused up front.
+# llguidance builds a JSON Schema "pattern" lazily, so ``a{1000000}`` passes the compile and the
+# first tokens and costs (or fails) only mid-generation, while no output that long fits any
+# context: counted repetitions past this are refused up front.
 MAX_PATTERN_REPEAT = 10_000
 _REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
@@ -149,7 +150,10 @@ class GrammarCompiler:
 
     def matcher(self, so: StructuredOutputs, rid: str = "", max_bytes: int | None = None) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; raises ``GrammarError`` for a grammar refused."""
-        key = so.key()
+        try:
+            key = so.key()
+        except RecursionError:  # json's encoder recurses per nesting level
+            raise GrammarError(grammar_field(so), "nested too deeply; flatten the schema", rid) from None
         with self._lock:
             base = self._cache.get(key)
             if base is not None:
