@@ -110,8 +110,9 @@ class AsyncEngine:
         assert self.engine is not None  # start() built it
         if self.error is not None:
             raise EngineError(f"the engine loop has failed: {self.error!r}")
-        if request.tokenized is None and _text_chars(request) > OFF_LOOP_CHARS:
-            # templating + tokenizing a long prompt: not on the loop
+        if ((request.tokenized is None and _text_chars(request) > OFF_LOOP_CHARS)
+                or request.params.structured_outputs is not None):
+            # templating + tokenizing a long prompt, or compiling a grammar: not on the loop
             seq = await asyncio.to_thread(self.engine.make_sequence, request)
         else:
             seq = self.engine.make_sequence(request)  # raises EngineError for a bad request
