@@ -11,7 +11,7 @@ from carpool.embed.dynamic_batcher import QueueFullError, QueueTimeoutError
 from carpool.openai.errors import OpenAIError
 from carpool.openai.responses import embedding_body
 from carpool.openai.validation import SchemaError, validate
-from carpool.server.http import OFF_LOOP_BYTES, json_response, read_json
+from carpool.server.http import json_response, read_json
 from carpool.server.state import STATE, ServerState
 
 
@@ -33,10 +33,8 @@ async def create_embeddings(request: web.Request) -> web.Response:
         vectors = await state.batcher.embed(texts)
     except (QueueFullError, QueueTimeoutError) as e:
         raise _queue_error(state, e) from None
-    if request.content_length is None or request.content_length > OFF_LOOP_BYTES:  # long inputs: off the loop
-        tokens = sum(await asyncio.to_thread(state.batcher.count_tokens, texts))
-    else:
-        tokens = sum(state.batcher.count_tokens(texts))
+    # Tokenizing takes milliseconds even for a short input: never on the event loop.
+    tokens = sum(await asyncio.to_thread(state.batcher.count_tokens, texts))
     return json_response(embedding_body(vectors, model, tokens, body.get("encoding_format")))
 
 
