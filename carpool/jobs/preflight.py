@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -52,15 +53,17 @@ def endpoint_url_problem(url: str) -> str | None:
     return None
 
 
-def _known_keys(kind: str) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _known_keys(kind: str) -> frozenset[str]:
     from carpool.openai.schema import chat_request_schema, completion_request_schema, embedding_request_schema
 
-    schema = {"chat": chat_request_schema, "completion": completion_request_schema,
-              "embedding": embedding_request_schema}[kind](carpool=True)
-    return set(schema.get("properties", {})) | _MORE_KEYS
+    build = chat_request_schema if kind == "chat" else completion_request_schema if kind == "completion" \
+        else embedding_request_schema
+    schema = build(carpool=True)
+    return frozenset(schema.get("properties", {})) | _MORE_KEYS
 
 
-def close_match(word: str, known: set[str]) -> str | None:
+def close_match(word: str, known: set[str] | frozenset[str]) -> str | None:
     found = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.8)
     return found[0] if found else None
 
