@@ -53,7 +53,7 @@ def endpoint_url_problem(url: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _known_keys(kind: str) -> frozenset[str]:
     from carpool.openai.schema import chat_request_schema, completion_request_schema, embedding_request_schema
 
