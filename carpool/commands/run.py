@@ -447,6 +447,8 @@ def _main_ray(args: argparse.Namespace) -> int:
 
     try:
         opts = options_from_args(args)
+        # The endpoints are not probed here: a Ray run's shards pause through an outage on their own.
+        _say_all(start_checks(opts, args, probe=False))
         result = run_on_ray(opts, ray_options_from_args(args), on_shard=shard_done)
     except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
         print(f"carpool run --ray: {e}", file=sys.stderr)

@@ -123,14 +123,16 @@ def check_tasks(opts: RunOptions, reader: Reader) -> list[str]:
                 raise StartRefused(f"line {item.line_no}: unknown key {key!r}: did you mean {near}? "
                                    "(nothing was sent)")
             unknown.setdefault(key, item.line_no)
-        if kind != "embedding" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        # A chat answer without a limit runs to the context limit (OpenAI, vLLM, carpool's engine);
+        # a text completion stops at 16 tokens by default, an embedding has no output.
+        if kind == "chat" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             unlimited += 1
     notes = [f"warning: line {line}: key {key!r} is not an OpenAI or vLLM request parameter carpool knows; "
              "it is sent as given (OpenAI refuses unknown parameters, vLLM ignores them)"
              for key, line in unknown.items()]
     if unlimited and not opts.echo:
-        notes.append(f"warning: {unlimited:,} of the first {looked:,} tasks set no max_tokens: each may "
-                     "generate up to the model's context limit; pass --max-tokens N (or set it per task)")
+        notes.append(f"warning: {unlimited:,} of the first {looked:,} tasks set no max_tokens: a chat answer "
+                     "without one may run to the model's context limit; pass --max-tokens N (or set it per task)")
     return notes
 
 
