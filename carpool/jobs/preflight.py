@@ -145,7 +145,7 @@ async def preflight(opts: RunOptions, wait_s: float = 0.0, probe: bool = True,
     for url in opts.endpoints:
         problem = endpoint_url_problem(url)
         if problem is not None:
-            raise StartRefused(f"--endpoint {problem}")
+            raise StartRefused(f"{'--endpoints: base_url' if opts.endpoint_specs else '--endpoint'} {problem}")
     notes: list[str] = []
     if opts.input:
         reader = Reader(opts.input, opts.fmt, opts.template, opts.defaults)
