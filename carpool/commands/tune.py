@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="tune carpool's engine in-process (restarted per setting)")
     target.add_argument("--serve", action="store_true",
                         help="tune `carpool serve` run as a subprocess (restarted per setting), loaded over HTTP")
-    target.add_argument("--simulate", action="store_true", help="tune the simulated engine (--gpu/--model)")
+    target.add_argument("--simulate", action="store_true", help="tune the simulated engine (--gpu/--model-size)")
     target.add_argument("--endpoint", type=flags.endpoint_url,
                         help="an OpenAI-compatible base URL: only the request rate can be tuned")
     p.add_argument("--slo", action="append", required=True, metavar="METRIC=LIMIT",
