@@ -30,6 +30,9 @@ class Probe:
     url: str  # what was asked
     status: int | None = None  # the HTTP status, None when nothing answered
     error: str | None = None  # why nothing answered
+    # Something accepted the connection (it answered, or was too slow or odd in answering):
+    # a busy server is not a mistake in the command.
+    listening: bool = False
 
 
 async def _get(session, url: str, spec: EndpointSpec, timeout_s: float) -> Probe:
@@ -40,12 +43,16 @@ async def _get(session, url: str, spec: EndpointSpec, timeout_s: float) -> Probe
             await resp.read()
             return resp.status
 
+    # The session's connect timeout is ``timeout_s``: a connection that cannot be made fails
+    # inside aiohttp (a connector error), before this outer limit on the whole answer.
     try:
-        return Probe(url, status=await asyncio.wait_for(ask(), timeout_s))
+        return Probe(url, status=await asyncio.wait_for(ask(), timeout_s + 5.0), listening=True)
     except (TimeoutError, asyncio.TimeoutError):
-        return Probe(url, error=f"no answer within {timeout_s:g} s")
-    except aiohttp.ClientError as e:
+        return Probe(url, error=f"connected, but no answer within {timeout_s + 5.0:g} s", listening=True)
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
         return Probe(url, error=str(e) or type(e).__name__)
+    except aiohttp.ClientError as e:
+        return Probe(url, error=str(e) or type(e).__name__, listening=True)
 
 
 async def _ask_all(specs: list[EndpointSpec], timeout_s: float) -> list[Probe]:
@@ -90,7 +97,7 @@ async def probe_endpoints(specs: list[EndpointSpec], wait_s: float = 0.0, timeou
     told = False
     while True:
         probes = await _ask_all(specs, timeout_s)
-        if any(p.status is not None for p in probes):
+        if any(p.listening for p in probes):
             break
         left = deadline - time.monotonic()
         if left <= 0:
@@ -99,8 +106,9 @@ async def probe_endpoints(specs: list[EndpointSpec], wait_s: float = 0.0, timeou
             say(f"waiting up to {left:.0f} s for {specs[0].url} to answer (--wait-for-endpoint) ...")
             told = True
         await asyncio.sleep(min(1.0, left))
-    notes = [f"warning: {spec.name} does not answer ({probe.error}); the job starts with the endpoints "
-             "that do" for spec, probe in zip(specs, probes, strict=True) if probe.status is None]
+    notes = [f"warning: {spec.name} does not answer ({probe.error})"
+             + ("" if probe.listening else "; the job starts with the endpoints that do")
+             for spec, probe in zip(specs, probes, strict=True) if probe.status is None]
     return notes + await _route_problems(specs, probes, timeout_s)
 
 
