@@ -122,3 +122,15 @@ def test_tune_endpoint_takes_the_key_from_carpool_api_key_first(keyed_server, ke
                "--duration-s", "1", "--max-probes", "1", "--prompt-len", "8", "--output-len", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["best"]["at_max_rate"]["num_finished"] == out["best"]["at_max_rate"]["num_requests"]
+
+
+def test_json_may_overwrite_last_runs_json_but_never_a_tasks_file(tmp_path):
+    parser = argparse.ArgumentParser()
+    run_command.add_arguments(parser)
+    summary, tasks = tmp_path / "summary.json", tmp_path / "tasks.jsonl"
+    summary.write_text("{}")
+    tasks.write_text("")
+    assert parser.parse_args([str(tasks), "--json", str(summary)]).summary_json == str(summary)
+    assert parser.parse_args([str(tasks), "--json"]).summary_json == "-"
+    p = carpool("run", str(tmp_path / "in.jsonl"), "--json", str(tasks))
+    assert p.returncode == 2 and "is an input file, not where the JSON goes" in p.stderr

@@ -20,7 +20,7 @@ from typing import Any
 
 from carpool.durations import parse_duration
 
-INPUT_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".parquet", ".pq")
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".pq")
 
 
 def duration(value: str) -> float:
@@ -109,7 +109,9 @@ def add_target_flags(g: argparse._ActionsContainer, *, many: bool = False, engin
 
 
 def _json_target(value: str) -> str:
-    if value != "-" and value.endswith(INPUT_SUFFIXES) and os.path.exists(value):
+    # An existing tasks or data file is never where JSON should go (``--json tasks.jsonl``, the
+    # input taken for the flag's value); a ``.json`` file may be last run's summary.
+    if value != "-" and value.endswith(DATA_SUFFIXES) and os.path.exists(value):
         raise argparse.ArgumentTypeError(
             f"{value!r} is an input file, not where the JSON goes: write --json=- (stdout) or --json PATH, "
             "or put --json after the input")
