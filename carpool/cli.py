@@ -25,17 +25,33 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and each verb's own (whose usage a bad flag of that verb prints)."""
+    from carpool import __version__
+
     parser = argparse.ArgumentParser(prog="carpool", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"carpool {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     wanted = next((a for a in argv if not a.startswith("-")), None)
+    verbs = {}
     for verb, (module, help_text) in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
+        verbs[verb] = p
         # Only the verb being run imports its module; the others show their one-line help.
         if verb == wanted:
             importlib.import_module(module).add_arguments(p)
-    return parser
+    return parser, verbs
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The arguments; a flag the verb does not know is that verb's error (its usage, exit 2),
+    not the top-level parser's."""
+    parser, verbs = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        verbs[args.verb].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Before any verb imports torch: the OpenMP wait policy is read when torch loads.
     configure_process()
-    args = build_parser(argv).parse_args(argv)
+    args = parse(argv)
     module = importlib.import_module(VERBS[args.verb][0])
     try:
         return int(module.main(args) or 0)

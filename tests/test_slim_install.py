@@ -135,3 +135,29 @@ def test_the_extras_carpool_names_are_the_ones_pyproject_declares():
     # The core install holds none of them.
     core = {re.split(r"[<>=;\[ ]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}
     assert not core & {"torch", "transformers", "faiss-cpu", "redis", "matplotlib", "ray", "pyarrow", "wn"}
+
+
+def test_estimate_without_the_engine_counts_with_an_approximate_tokenizer(tmp_path):
+    # `carpool run tasks.jsonl --estimate` (the embedded engine's model) crashed on a core-only
+    # install with ModuleNotFoundError: torch; it now counts with OpenAI's BPE and says so.
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"custom_id": f"t{i}", "max_tokens": 8,
+                                         "messages": [{"role": "user", "content": "say hello to the world"}]}) + "\n"
+                             for i in range(4)))
+    p = slim_carpool("run", str(tasks), "--estimate", "--json", "-", cache_dir=tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["tasks"] == 4 and doc["prompt_tokens"] > 4 * 5 and doc["output_tokens_max"] == 32
+    assert "approximating smollm2" in doc["tokenizer"] and "carpool[engine]" in doc["tokenizer"]
+
+
+def test_the_readme_names_every_core_dependency():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    readme = (ROOT / "README.md").read_text()
+    core_line = next(line for line in readme.splitlines() if line.startswith("It brings "))
+    paragraph = readme[readme.index(core_line):].split("\n\n", 1)[0]
+    for dep in project["dependencies"]:
+        name = re.split(r"[<>=;\[ ]", dep, maxsplit=1)[0]
+        assert name in paragraph, f"README's core dependencies do not name {name}"

@@ -30,31 +30,27 @@ from carpool.bench.metrics import (
     parse_percentiles,
     result_json,
 )
+from carpool.commands import flags
 from carpool.extras import require
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
-    g.add_argument(
-        "--endpoint", help="OpenAI base URL, e.g. http://host:8000/v1 (default: the embedded engine)"
-    )
-    g.add_argument(
-        "--model", help="model name sent to the endpoint, or the embedded engine's model (smollm2)"
-    )
-    g.add_argument("--api-key", help="bearer token for the endpoint (default: $OPENAI_API_KEY)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="embedded engine: max sequences per step")
+    flags.add_target_flags(g)
+    g.add_argument("--max-num-seqs", type=flags.positive_int, default=None,
+                   help="embedded engine: max sequences per step")
     g.add_argument("--label", help="label of the run in the result file name and JSON")
 
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", default="random", help="a workload JSONL, 'random' or 'shared-prefix'")
-    d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument("--num-prompts", type=flags.positive_int, default=100)
     d.add_argument("--random-input-len", type=int, default=256)
     d.add_argument("--random-output-len", type=int, default=64)
     d.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±ratio)")
     d.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: number of distinct prefixes")
     d.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens in each prefix")
     d.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: tokens unique to each prompt")
-    d.add_argument("--max-tokens", type=int, default=None, help="override every request's max_tokens")
+    d.add_argument("--max-tokens", type=flags.positive_int, default=None, help="override every request's max_tokens")
     d.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past EOS")
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
@@ -63,14 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--request-rate", "--rate", type=float, default=math.inf, help="requests/s; inf sends all at once"
     )
+    shapes = ["poisson", "gamma", "constant", "all-at-once", "sweep"]
     t.add_argument(
-        "--profile",
-        choices=["poisson", "gamma", "constant", "all-at-once", "sweep"],
-        help="shorthand: poisson = burstiness 1, gamma = --burstiness as given, constant = fixed gaps, "
-        "all-at-once = rate inf, sweep = --sweep",
+        "--arrival",
+        dest="profile",
+        choices=shapes,
+        help="the arrival shape, a shorthand: poisson = burstiness 1, gamma = --burstiness as given, "
+        "constant = fixed gaps, all-at-once = rate inf, sweep = --sweep",
     )
+    t.add_argument("--profile", dest="profile", choices=shapes, action=flags.DeprecatedAlias, new="--arrival SHAPE")
     t.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 bursty, >1 even")
-    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    t.add_argument("--max-concurrency", type=flags.positive_int, default=None, help="requests in flight at most")
     t.add_argument(
         "--sweep", action="store_true", help="synchronous, then saturation, then rates between (Poisson)"
     )
@@ -85,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--result-file", "--result-filename", dest="result_file", help="result JSON path")
     m.add_argument("--result-dir", help="directory for the result file")
     m.add_argument("--save-detailed", action="store_true", help="include per-request lists in the JSON")
+    flags.add_json_flag(m, "the result (vLLM's layout, one object per run)")
     m.add_argument("--report", help="write an HTML report with plots (PNGs alongside)")
 
 
@@ -134,7 +134,7 @@ def apply_profile(args: argparse.Namespace) -> None:
     elif profile == "sweep":
         args.sweep = True
     if profile in ("poisson", "gamma", "constant") and math.isinf(args.request_rate):
-        raise ValueError(f"--profile {profile} needs a finite --request-rate (requests/s)")
+        raise ValueError(f"--arrival {profile} needs a finite --request-rate (requests/s)")
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -150,7 +150,7 @@ async def _run(args: argparse.Namespace) -> int:
                 http_load_client(
                     args.endpoint,
                     args.model,
-                    args.api_key,
+                    flags.api_key(args.api_key),
                     max_connections=args.max_concurrency or 0,
                     temperature=args.temperature,
                 )
@@ -211,7 +211,7 @@ async def _run(args: argparse.Namespace) -> int:
                 detailed=args.save_detailed,
             )
             runs.append((run, res))
-            print(format_result(res, metric_names))
+            print(format_result(res, metric_names), file=sys.stderr if args.json_out == "-" else sys.stdout)
             if args.sweep and i == 1:
                 sync_rps, max_rps = runs[0][1]["request_throughput"], runs[1][1]["request_throughput"]
                 rates = sweep_plan(sync_rps, max_rps, args.sweep_steps)
@@ -232,6 +232,8 @@ async def _run(args: argparse.Namespace) -> int:
             # One JSON object per run, newline-separated: vLLM's --append-result layout.
             f.write("\n".join(json.dumps(res) for _, res in runs) + "\n")
         print(f"results: {out}", file=sys.stderr)
+    if args.json_out:
+        flags.write_json("\n".join(json.dumps(res) for _, res in runs), args.json_out)
     if args.report:
         from carpool.bench.report import write_report
 

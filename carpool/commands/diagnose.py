@@ -6,24 +6,21 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 
 from carpool.bench.datasets import DatasetError, load_jsonl
 from carpool.bench.diagnose import Diagnoser, Diagnosis
+from carpool.commands import flags
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tasks", help="workload JSONL (messages or prompt, max_tokens per line)")
-    p.add_argument(
-        "--endpoint", help="OpenAI base URL, e.g. http://host:8000/v1 (default: the embedded engine)"
-    )
-    p.add_argument("--model", help="model name sent to the endpoint, or the embedded engine's model")
-    p.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--concurrency", type=int, default=8, help="the client's concurrency to test (default 8)")
-    p.add_argument("--num-tasks", type=int, default=64, help="tasks read from the file (default 64)")
-    p.add_argument("--serial-tasks", type=int, default=8, help="tasks in the serial phases (default 8)")
-    p.add_argument("--max-tokens", type=int, default=None, help="override every task's max_tokens")
-    p.add_argument("--json", dest="json_out", help="also write the diagnosis as JSON to this path")
+    flags.add_target_flags(p)
+    p.add_argument("--concurrency", type=flags.positive_int, default=8,
+                   help="the client's concurrency to test (default 8)")
+    p.add_argument("--num-tasks", type=flags.positive_int, default=64, help="tasks read from the file (default 64)")
+    p.add_argument("--serial-tasks", type=flags.positive_int, default=8, help="tasks in the serial phases (default 8)")
+    p.add_argument("--max-tokens", type=flags.positive_int, default=None, help="override every task's max_tokens")
+    flags.add_json_flag(p, "the diagnosis too")
 
 
 async def _run(args: argparse.Namespace) -> Diagnosis:
@@ -38,7 +35,7 @@ async def _run(args: argparse.Namespace) -> Diagnosis:
             args.serial_tasks,
             endpoint=args.endpoint,
             model=args.model,
-            api_key=args.api_key,
+            api_key=flags.api_key(args.api_key),
         )
         return await d.run()
     from carpool.engine import AsyncEngine
@@ -54,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     except (DatasetError, ValueError, RuntimeError) as e:
         print(f"carpool diagnose: {e}", file=sys.stderr)
         return 2
-    print(diagnosis.format())
+    print(diagnosis.format(), file=sys.stderr if args.json_out == "-" else sys.stdout)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(diagnosis.to_dict(), indent=2), encoding="utf-8")
+        flags.write_json(json.dumps(diagnosis.to_dict(), indent=2), args.json_out)
     return 0

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from carpool.cache import DEFAULT_TTL_S
 from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
 from carpool.client.pool import Timeouts
+from carpool.commands import flags
 from carpool.jobs.readers import FORMATS
 from carpool.jobs.tasks import TaskDefaults, Template
 
@@ -47,16 +48,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--id-column", help="with --template: the column holding custom_id")
     g.add_argument("--kind", choices=("chat", "completion", "embedding"), default="chat",
                    help="with --template: the task kind (default chat)")
-    g.add_argument("--max-tokens", type=int,
+    g.add_argument("--max-tokens", type=flags.positive_int,
                    help="for tasks that do not set max_tokens (sent as max_completion_tokens to OpenAI "
                         "reasoning models: o1, o3, gpt-5, ...)")
-    g.add_argument("--max-completion-tokens", type=int, metavar="N",
+    g.add_argument("--max-completion-tokens", type=flags.positive_int, metavar="N",
                    help="for tasks that set no limit: max_completion_tokens N (what OpenAI's reasoning models take)")
-    g.add_argument("--temperature", type=float, help="for tasks that do not set temperature")
+    g.add_argument("--temperature", type=flags.non_negative_float, help="for tasks that do not set temperature")
     g = p.add_argument_group("target")
-    g.add_argument("--endpoint", action="append", default=[],
-                   help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (repeat for several); "
-                        "default: the embedded engine in-process")
+    flags.add_target_flags(g, many=True)
+    g.add_argument("--wait-for-endpoint", type=flags.duration_or_zero, default=0.0, metavar="DURATION",
+                   help="at start, wait up to this long (e.g. 2m) for an endpoint that does not answer yet "
+                        "(a server that is starting); default: refuse the start at once (exit 2)")
     g.add_argument("--endpoints", metavar="FILE",
                    help="endpoints.yaml (or .json): per endpoint base_url, model, api_key_env, headers, weight, "
                         "rpm/tpm, fallback, kind: azure (docs/run.md); instead of --endpoint/--model")
@@ -65,10 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-version", help="Azure OpenAI endpoints: the api-version query parameter "
                                          "(default 2024-10-21); an *.openai.azure.com --endpoint is sent "
                                          "the api-key header and the deployment path, --model naming the deployment")
-    g.add_argument("--model", help="with --endpoint: the model name sent; without: the embedded engine's "
-                                   "model (smollm2, tiny-random or a HF folder; default smollm2)")
-    g.add_argument("--api-key", default=None, help="default: $CARPOOL_API_KEY or $OPENAI_API_KEY")
-    g.add_argument("--max-num-seqs", type=int, help="embedded engine: requests batched per step")
+    g.add_argument("--max-num-seqs", type=flags.positive_int, help="embedded engine: requests batched per step")
     g.add_argument("--quantization", choices=["int8"],
                    help="embedded engine: int8 linear weights, per-output-channel scales; "
                         "measured 1.24-1.29x bf16's decode tok/s on a 2-core Zen 4 (docs/engine.md)")
@@ -77,28 +76,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the model dtype)")
     g.add_argument("--no-stream", action="store_true", help="HTTP: do not stream (no TTFT/TPOT)")
     g = p.add_argument_group("throughput")
-    g.add_argument("--concurrency", type=int, help="fixed number of requests in flight (default: adaptive)")
-    g.add_argument("--max-concurrency", type=int, help="cap for the adaptive limiter")
-    g.add_argument("--rpm", type=float, help="requests per minute budget")
-    g.add_argument("--tpm", type=float, help="tokens per minute budget")
+    g.add_argument("--concurrency", type=flags.positive_int,
+                   help="fixed number of requests in flight (default: adaptive)")
+    g.add_argument("--max-concurrency", type=flags.positive_int, help="cap for the adaptive limiter")
+    g.add_argument("--rpm", type=flags.positive_float, help="requests per minute budget")
+    g.add_argument("--tpm", type=flags.positive_float, help="tokens per minute budget")
     g.add_argument("--ordered", action="store_true", help="write results in input order")
     g.add_argument("--prefix-order", action="store_true",
                    help="send tasks sharing a prompt prefix together (within --prefix-window tasks)")
-    g.add_argument("--prefix-window", type=int, default=1024)
-    g.add_argument("--max-pending", type=int, default=2048, help="tasks held in memory at once")
+    g.add_argument("--prefix-window", type=flags.positive_int, default=1024)
+    g.add_argument("--max-pending", type=flags.positive_int, default=2048, help="tasks held in memory at once")
     g = p.add_argument_group("reliability")
-    g.add_argument("--max-attempts", type=int, default=6)
+    g.add_argument("--max-attempts", type=flags.positive_int, default=6)
     g.add_argument("--idempotent", choices=("auto", "on", "off"), default="auto",
                    help="may a request that might have run be sent again? auto: yes for temperature 0 "
                         "and embeddings")
-    g.add_argument("--connect-timeout", type=float, default=10.0)
-    g.add_argument("--read-timeout", type=float, default=60.0,
+    g.add_argument("--connect-timeout", type=flags.duration, default=10.0, metavar="DURATION")
+    g.add_argument("--read-timeout", type=flags.duration, default=60.0, metavar="DURATION",
                    help="seconds between two chunks (grows to twice the slowest first token of the endpoint "
                         "lately: a request queued in the server is not re-sent)")
-    g.add_argument("--total-timeout", type=float, default=600.0, help="seconds for one attempt")
-    g.add_argument("--outage-timeout", type=_duration, default=900.0, metavar="DURATION",
+    g.add_argument("--total-timeout", type=flags.duration, default=600.0, metavar="DURATION",
+                   help="for one attempt (default 600 s)")
+    g.add_argument("--outage-timeout", type=flags.duration, default=900.0, metavar="DURATION",
                    help="while every endpoint is down the job pauses (nothing fails); after this long "
-                        "(seconds, or 30s / 15m / 2h; default 15m) it stops with exit code 4 and the same "
+                        "(seconds, or 30s / 15m / 2h / 1d; default 15m) it stops with exit code 4 and the same "
                         "command resumes the unfinished tasks")
     g.add_argument("--fresh", action="store_true", help="ignore (delete) an earlier output instead of resuming")
     g.add_argument("--force", action="store_true",
@@ -119,58 +120,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--semantic-cache", type=float, metavar="THRESHOLD", nargs="?", const=SEMANTIC_DEFAULT,
                    help="reuse results of near-identical label-like tasks: candidates with cosine >= THRESHOLD "
                         f"(default {SEMANTIC_DEFAULT}) that the verification stage finds asking the same thing")
-    g.add_argument("--semantic-audit", type=int, default=0, metavar="N",
+    g.add_argument("--semantic-audit", type=flags.non_negative_int, default=0, metavar="N",
                    help="after the job, re-ask N random semantic hits for real and report how many disagreed")
     g.add_argument("--no-dedup", action="store_true", help="send identical tasks separately")
     g = p.add_argument_group("reporting")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--report", help="write an HTML report with plots")
-    g.add_argument("--summary-json", help="write the summary as JSON here ('-': stdout)")
+    flags.add_json_flag(g, "the summary", "--summary-json", dest="summary_json")
     g.add_argument("--dry-run", action="store_true",
                    help="validate the input and say what a run would do; nothing is sent, -o is not touched")
     g.add_argument("--estimate", action="store_true",
                    help="count the input's tokens with the model's tokenizer and print tokens and $; "
                         "nothing is sent, -o is not touched")
-    g.add_argument("--price-in", type=float, metavar="USD",
+    g.add_argument("--price-in", type=flags.non_negative_float, metavar="USD",
                    help="$ per million input tokens (default: the built-in table for OpenAI model names)")
-    g.add_argument("--price-out", type=float, metavar="USD", help="$ per million output tokens")
+    g.add_argument("--price-out", type=flags.non_negative_float, metavar="USD", help="$ per million output tokens")
     g.add_argument("--echo-backend", action="store_true",
                    help="answer every task with an empty reply, no model (carpool's own overhead); writes -o")
     g.add_argument("--quiet", action="store_true")
     _add_ray_arguments(p)
 
 
-def _duration(value: str) -> float:
-    """Seconds, or a number with s / m / h: ``90``, ``30s``, ``15m``, ``2h``."""
-    text = value.strip().lower()
-    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(text[-1:])
-    number = text[:-1] if scale is not None else text
-    try:
-        seconds = float(number) * (scale or 1.0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a duration: give seconds (90) or 30s, 15m, 2h") from None
-    if not seconds > 0 or seconds == float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r}: a duration must be a positive number of seconds")
-    return seconds
-
-
 def _ttl(value: str) -> float | None:
-    """``--cache-ttl``: seconds or 30s / 15m / 2h / 7d; ``0``, ``none``, ``never``: None (for ever)."""
-    text = value.strip().lower()
-    if text in ("none", "never", "off", "0", "0s"):
+    """``--cache-ttl``: a duration (``3600``, ``30m``, ``7d``); ``0``, ``none``, ``never``: None (for ever)."""
+    if value.strip().lower() in ("none", "never", "off"):
         return None
-    if text.endswith("d"):
-        try:
-            days = float(text[:-1])
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not a duration: give seconds (3600) or 30m, 12h, 7d; "
-                                             "0 or none to keep entries for ever") from None
-        text = f"{days * 24}h"
     try:
-        return _duration(text)
+        seconds = flags.duration_or_zero(value)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"--cache-ttl {value!r}: give seconds (3600) or 30m, 12h, 7d; 0 or none "
                                          "to keep entries for ever") from None
+    return seconds or None
 
 
 def _ray_address(value: str) -> str:
@@ -251,7 +231,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         input=args.input, output=output, errors=args.errors, fmt=args.format, template=template,
         defaults=defaults, endpoints=endpoints, endpoint_specs=specs, headers=_headers(args.header),
         api_version=args.api_version,
-        api_key=args.api_key or os.environ.get("CARPOOL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        api_key=flags.api_key(args.api_key),
         engine_model=(args.model if not endpoints and args.model else "smollm2"), engine_config=engine_config,
         concurrency=args.concurrency, max_concurrency=args.max_concurrency, rpm=args.rpm, tpm=args.tpm,
         stream=not args.no_stream,
@@ -284,6 +264,19 @@ def _original_argv() -> list[str]:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _say_all(msgs: list[str]) -> None:
+    for msg in msgs:
+        _say(f"carpool run: {msg}")
+
+
+def start_checks(opts: RunOptions, args: argparse.Namespace, probe: bool = True) -> list[str]:
+    """``carpool.jobs.preflight``: the whole configuration checked before anything is sent
+    (raises ``StartRefused``); its warnings."""
+    from carpool.jobs.preflight import preflight
+
+    return asyncio.run(preflight(opts, wait_s=args.wait_for_endpoint, probe=probe, say=_say))
 
 
 def write_summary_json(doc: dict, target: str) -> None:
@@ -329,6 +322,7 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         opts = options_from_args(args)
+        _say_all(start_checks(opts, args))
         runner = Runner(opts, notify=_say)
         stats = run_with_signals(runner)
     except (FileNotFoundError, ValueError) as e:  # StartRefused is a ValueError
@@ -359,7 +353,9 @@ def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Awaita
     """``--dry-run`` and ``--estimate``: the document ``produce`` makes of the options, its messages
     printed and ``--summary-json`` written; None (after saying why) when the start is refused."""
     try:
-        doc = asyncio.run(produce(options_from_args(args)))
+        opts = options_from_args(args)
+        _say_all(start_checks(opts, args, probe=not args.estimate))
+        doc = asyncio.run(produce(opts))
     except (FileNotFoundError, ValueError) as e:
         print(f"carpool run: {e}", file=sys.stderr)
         return None
@@ -451,6 +447,8 @@ def _main_ray(args: argparse.Namespace) -> int:
 
     try:
         opts = options_from_args(args)
+        # The endpoints are not probed here: a Ray run's shards pause through an outage on their own.
+        _say_all(start_checks(opts, args, probe=False))
         result = run_on_ray(opts, ray_options_from_args(args), on_shard=shard_done)
     except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
         print(f"carpool run --ray: {e}", file=sys.stderr)

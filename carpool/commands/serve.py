@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from carpool.commands import flags
 from carpool.engine.config import EngineConfig
 from carpool.server.config import ServerConfig
 
@@ -52,9 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $CARPOOL_API_KEY)")
-    g.add_argument("--idle-timeout", type=float, default=d_server.idle_timeout_s,
+    g.add_argument("--idle-timeout", type=flags.duration, metavar="DURATION", default=d_server.idle_timeout_s,
                    help="close a connection that sends no (whole) request for this many seconds")
-    g.add_argument("--body-timeout", type=float, default=d_server.body_timeout_s,
+    g.add_argument("--body-timeout", type=flags.duration, metavar="DURATION", default=d_server.body_timeout_s,
                    help="seconds a request body may take to arrive (then 408)")
     g.add_argument("--max-connections", type=int, default=None,
                    help="open connections past this get a 503 (default: from the file-descriptor limit)")

@@ -12,6 +12,7 @@ import math
 import sys
 from dataclasses import replace
 
+from carpool.commands import flags
 from carpool.extras import require
 from carpool.tune import hardware, models
 from carpool.tune.cost import CostModel, ProfiledCost, RooflineCost, ScaledCost
@@ -24,7 +25,7 @@ FLOAT = {"mem_eff", "compute_eff", "overhead_ms", "qps", "burstiness", "max_queu
 BOOL = {"chunked_prefill", "prefix_caching"}
 ALIAS = {"seqs": "max_num_seqs", "tokens": "max_num_batched_tokens", "scheduling_policy": "policy",
          "enable_prefix_caching": "prefix_caching", "enable_chunked_prefill": "chunked_prefill",
-         "rate": "qps", "tp": "gpus", "max_concurrency": "concurrency"}
+         "rate": "qps", "tp": "gpus", "max_concurrency": "concurrency", "model": "model_size"}
 
 
 def _bool(v: str) -> bool:
@@ -36,16 +37,24 @@ def _bool(v: str) -> bool:
     raise ValueError(f"expected on/off, got {v!r}")
 
 
+SIZE_HELP = "model size for the roofline cost model: 0.5b 1.5b 7b 8b 14b 32b 70b 72b 135m (default 7b)"
+
+
 def add_model_arguments(p: argparse.ArgumentParser, profile: bool = True) -> None:
+    """``profile``: this verb's ``--model`` is the old spelling of ``--model-size`` (simulate);
+    tune has a ``--model`` of its own (the model name, as in every other verb)."""
     g = p.add_argument_group("hardware and cost model")
     g.add_argument("--gpu", default="a10", help=f"accelerator: {', '.join(hardware.names())} (default a10)")
     g.add_argument("--gpus", type=int, default=1, help="tensor-parallel GPUs (default 1)")
-    g.add_argument("--model", default="7b", help="model size or name: 0.5b 1.5b 7b 8b 14b 32b 70b 72b 135m")
+    g.add_argument("--model-size", default=None, metavar="SIZE", help=SIZE_HELP)
     g.add_argument("--cost", choices=("roofline", "profiled"), default="roofline",
-                   help="roofline (named accelerator) or profiled (fitted on carpool's engine; needs --profile)")
+                   help="roofline (named accelerator) or profiled (fitted on carpool's engine; needs --cost-profile)")
     if profile:
-        g.add_argument("--profile", help="profiled cost model JSON (written by benchmarks/simulator_validation.py "
-                                         "--save-profile or carpool tune --engine --save-profile)")
+        g.add_argument("--model", dest="model_size", action=flags.DeprecatedAlias, new="--model-size SIZE")
+        g.add_argument("--cost-profile", dest="profile", metavar="FILE",
+                       help="profiled cost model JSON (written by benchmarks/simulator_validation.py "
+                            "--save-profile or carpool tune --engine --save-cost-profile)")
+        g.add_argument("--profile", dest="profile", action=flags.DeprecatedAlias, new="--cost-profile FILE")
     g.add_argument("--mem-eff", type=float, default=0.8, help="fraction of peak bandwidth reached (0.8)")
     g.add_argument("--compute-eff", type=float, default=0.6, help="fraction of peak FLOPs reached (0.6)")
     g.add_argument("--overhead-ms", type=float, default=None, help="fixed cost per engine step")
@@ -93,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or 'max_num_seqs=64,policy=priority' or gpu=h100; repeatable")
     g.add_argument("--report", help="write an HTML report with plots here")
     g.add_argument("--plots-dir", help="also write the plots as PNG files into this folder")
-    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    flags.add_json_flag(g, "the results instead of a table")
     g.add_argument("--speed-band", type=float, default=None, metavar="F",
                    help="also run every configuration with steps F faster and F slower (e.g. 0.05) and report "
                         "the range of its P99s: near saturation a few percent of speed moves the tail a lot")
@@ -103,9 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_cost(a: argparse.Namespace) -> CostModel:
     if a.cost == "profiled":
         if not a.profile:
-            raise ValueError("--cost profiled needs --profile PATH (a fitted profile JSON)")
+            raise ValueError("--cost profiled needs --cost-profile PATH (a fitted profile JSON)")
         return ProfiledCost.load(a.profile)
-    return RooflineCost(hardware.get(a.gpu), models.get(a.model), a.gpus, a.mem_eff, a.compute_eff, a.overhead_ms)
+    return RooflineCost(hardware.get(a.gpu), models.get(a.model_size or "7b"), a.gpus, a.mem_eff, a.compute_eff,
+                        a.overhead_ms)
 
 
 def build_config(a: argparse.Namespace) -> SimConfig:
@@ -142,7 +152,7 @@ def apply_overrides(a: argparse.Namespace, spec: str) -> argparse.Namespace:
         k = ALIAS.get(k, k)
         if k == "preferred_batch_sizes":
             v = v.replace(";", ",")
-        if not hasattr(b, k) or k in ("compare", "report", "json", "plots_dir", "speed_band"):
+        if not hasattr(b, k) or k in ("compare", "report", "json_out", "plots_dir", "speed_band"):
             raise ValueError(f"--compare {spec!r}: unknown setting {k!r}")
         try:
             if v.lower() in ("none", "") and k in ("concurrency", "num_kv_blocks", "max_model_len", "overhead_ms"):
@@ -191,13 +201,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
     meta = {"cost_model": results[0].cost_model, "workload": {
         k: getattr(args, k) for k in ("qps", "num_requests", "prompt_len", "output_len", "prefix_len", "workload")}}
-    if args.json:
+    if args.json_out:
         rows = [r.summary() for r in results]
         for row, b in zip(rows, bands, strict=False):
             row["speed_band"] = b
-        print(json.dumps({"meta": meta, "results": rows},
-                         default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
-    else:
+        flags.write_json(json.dumps({"meta": meta, "results": rows},
+                                    default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)),
+                         args.json_out)
+    if args.json_out != "-":
         cm = results[0].cost_model
         print(f"# {cm.get('model', cm.get('name'))} on {cm.get('num_gpus', 1)}x {cm.get('accelerator', 'cpu')}"
               f" ({cm['kind']}), {args.num_requests if not args.workload else 'file'} requests at {args.qps} req/s")

@@ -3,8 +3,8 @@
     carpool tune --engine --slo p99_e2e_ms=2000                 # carpool's engine, restarted per setting
     carpool tune --serve --slo p99_e2e_ms=2000                  # `carpool serve` subprocesses, over HTTP
     carpool tune --engine --search concurrency --slo p99_e2e_ms=5000   # a batch job's client concurrency
-    carpool tune --simulate --gpu h100 --model 8b --slo p99_ttft_ms=500 --emit vllm
-    carpool tune --endpoint http://127.0.0.1:8000/v1 --slo p99_e2e_ms=2000   # rate/concurrency only
+    carpool tune --simulate --gpu h100 --model-size 8b --slo p99_ttft_ms=500 --emit vllm
+    carpool tune --endpoint http://127.0.0.1:8000/v1 --model NAME --slo p99_e2e_ms=2000   # rate only
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import argparse
 import json
 import math
 import sys
+import time
 
+from carpool.commands import flags
 from carpool.commands import simulate as sc
 from carpool.tune.measure import SLO
 from carpool.tune.tuner import Setting, SimEvaluator, TuneResult, grid, tune, vllm_command
@@ -36,12 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="tune carpool's engine in-process (restarted per setting)")
     target.add_argument("--serve", action="store_true",
                         help="tune `carpool serve` run as a subprocess (restarted per setting), loaded over HTTP")
-    target.add_argument("--simulate", action="store_true", help="tune the simulated engine (--gpu/--model)")
-    target.add_argument("--endpoint", help="an OpenAI-compatible URL: only the request rate can be tuned")
+    target.add_argument("--simulate", action="store_true", help="tune the simulated engine (--gpu/--model-size)")
+    target.add_argument("--endpoint", type=flags.endpoint_url,
+                        help="an OpenAI-compatible base URL: only the request rate can be tuned")
     p.add_argument("--slo", action="append", required=True, metavar="METRIC=LIMIT",
                    help="e.g. p99_e2e_ms=2000, p99_ttft_ms=500, p90_tpot_ms=50; repeatable (all must hold)")
-    p.add_argument("--engine-model", default="smollm2",
-                   help="model for --engine/--serve (smollm2, tiny-random or a path)")
+    p.add_argument("--model", default=None,
+                   help="the model: what --engine/--serve load (smollm2, tiny-random or a HF folder; default "
+                        "smollm2), the name --endpoint requests send and --emit vllm writes")
+    p.add_argument("--engine-model", dest="model", action=flags.DeprecatedAlias, new="--model NAME")
+    p.add_argument("--served-model", dest="model", action=flags.DeprecatedAlias, new="--model NAME")
+    p.add_argument("--api-key", default=None,
+                   help="--endpoint: bearer token (default: $CARPOOL_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="an extra `carpool serve` argument for --serve, e.g. --serve-arg=--kv-cache-memory-gb=2; "
                         "repeatable")
@@ -49,7 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rate: highest open-loop arrival rate under the SLOs (a service); concurrency: largest "
                         "closed-loop client concurrency (a batch job)")
     p.add_argument("--max-concurrency", type=int, default=256, help="top of the --search concurrency bisection")
-    p.add_argument("--served-model", default="MODEL", help="model name for --endpoint requests and --emit vllm")
     g = p.add_argument_group("search space")
     g.add_argument("--seqs", type=_ints, default=None, metavar="LIST", help="max_num_seqs values (16,32,64,128)")
     g.add_argument("--tokens", type=_ints, default=None, metavar="LIST",
@@ -60,15 +67,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rtol", type=float, default=0.05, help="relative tolerance of the rate root-find")
     g.add_argument("--max-probes", type=int, default=10, help="runs per setting in the rate search")
     g.add_argument("--start-rate", type=float, default=None, help="first rate probed (default: --qps)")
-    g.add_argument("--profile", help="profiled cost model JSON for pruning --engine (default: fit one now)")
-    g.add_argument("--save-profile", help="write the fitted profile here")
-    g.add_argument("--duration-s", type=float, default=None,
-                   help="length of each probe's arrival window (default: 10x the largest latency SLO, >= 5 s)")
+    g.add_argument("--cost-profile", dest="profile", metavar="FILE",
+                   help="profiled cost model JSON for pruning --engine (default: fit one now)")
+    g.add_argument("--profile", dest="profile", action=flags.DeprecatedAlias, new="--cost-profile FILE")
+    g.add_argument("--save-cost-profile", dest="save_profile", metavar="FILE", help="write the fitted profile here")
+    g.add_argument("--save-profile", dest="save_profile", action=flags.DeprecatedAlias,
+                   new="--save-cost-profile FILE")
+    g.add_argument("--duration-s", type=flags.duration, default=None, metavar="DURATION",
+                   help="length of each probe's arrival window (default: 10x the largest latency SLO, 5x with "
+                        "--engine/--serve; >= 5 s)")
+    g.add_argument("--time-budget", type=flags.duration, default=None, metavar="DURATION",
+                   help="no real measurement starts after this long from the start (default 4m with "
+                        "--engine/--serve: a result within 5 minutes; none otherwise); the best rate "
+                        "measured by then is the answer")
     sc.add_model_arguments(p, profile=False)
     sc.add_workload_arguments(p)
-    p.set_defaults(num_requests=None)
+    # --engine/--serve draw CPU-sized requests unless told otherwise (see ENGINE_WORKLOAD).
+    p.set_defaults(num_requests=None, prompt_len=None, output_len=None)
     p.add_argument("--emit", choices=("vllm",), help="print a vLLM command line with the chosen settings")
-    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    flags.add_json_flag(p, "the full result")
+
+
+# The requests --engine/--serve draw when --prompt-len/--output-len are not given.  The
+# simulator's defaults (64-1024 prompt, 16-256 output tokens) are sized for a GPU: on a CPU
+# a lone 256-token answer takes longer than the README's 2 s SLO, so no setting could meet
+# it at any rate.  Short prompts and answers are what a batch job on a CPU engine sends.
+ENGINE_WORKLOAD = {"prompt_len": "uniform:32,256", "output_len": "uniform:8,32"}
+SIM_WORKLOAD = {"prompt_len": "uniform:64,1024", "output_len": "uniform:16,256"}
 
 
 def settings_from(args: argparse.Namespace) -> list[Setting]:
@@ -82,12 +107,34 @@ def settings_from(args: argparse.Namespace) -> list[Setting]:
     return grid(seqs, tokens, args.policies, pcs)
 
 
+def _model_as_size(args: argparse.Namespace) -> None:
+    """``tune --simulate --model 8b``, the old spelling: a size there, said once."""
+    from carpool.tune import models
+
+    try:
+        models.get(args.model)
+    except (KeyError, ValueError):
+        return
+    _log(f"carpool tune: --model {args.model} read as --model-size {args.model} (the old spelling; --model is "
+         "the model name now, as in every verb)")
+    args.model_size, args.model = args.model, None
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
+    t0 = time.monotonic()
     slos = [SLO.parse(s) for s in args.slo]
+    engine = bool(args.engine or args.serve)
+    if args.simulate and args.model and not args.model_size:
+        _model_as_size(args)
+    for key, value in (ENGINE_WORKLOAD if engine else SIM_WORKLOAD).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    budget = args.time_budget or (240.0 if engine else None)
+    deadline = t0 + budget if budget else None
     # The workload is drawn at unit rate and rescaled per probe (same requests at every rate).
     base_qps = args.qps
     args.qps = 1.0
@@ -97,10 +144,11 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     start = args.start_rate or (base_qps if not math.isinf(base_qps) else 1.0)
     settings = settings_from(args)
     limits_s = [s.limit / (1000.0 if s.metric.endswith("_ms") else 1.0) for s in slos]
-    duration = args.duration_s or max(5.0, 10 * max(limits_s))
+    duration = args.duration_s or max(5.0, (5 if engine else 10) * max(limits_s))
     target = "engine" if args.engine else "serve" if args.serve else "simulate" if args.simulate else args.endpoint
-    info: dict = {"target": target, "search": args.search, "probe_duration_s": duration}
-    how = {"search": args.search, "max_concurrency": args.max_concurrency}
+    info: dict = {"target": target, "search": args.search, "probe_duration_s": duration,
+                  "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len}}
+    how = {"search": args.search, "max_concurrency": args.max_concurrency, "deadline": deadline}
     if args.simulate:
         cost = sc.build_cost(args)
         info["cost_model"] = cost.describe()
@@ -110,7 +158,10 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     if args.endpoint:
         from carpool.tune.http_eval import EndpointEvaluator
 
-        ev = EndpointEvaluator(args.endpoint, args.served_model, requests, duration_s=duration)
+        if not args.model:
+            raise ValueError("--endpoint needs --model NAME (the model the endpoint serves)")
+        ev = EndpointEvaluator(args.endpoint, args.model, requests, api_key=flags.api_key(args.api_key),
+                               duration_s=duration)
         res = tune([Setting()], ev, slos, start, None, 1, args.rtol, args.max_probes, _log, **how)
         info["note"] = "server settings are the server's own; only the rate (or client concurrency) is tuned"
         return res, info
@@ -118,12 +169,12 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     from carpool.engine import EngineConfig
     from carpool.tune.tuner import EngineEvaluator
 
-    base = EngineConfig(model=args.engine_model)
+    base = EngineConfig(model=args.model or "smollm2")
     if args.serve:
         from carpool.tune.serve_eval import ServeEvaluator
 
         cost = _profile(args, lambda: EngineEvaluator(base, requests, log=_log))
-        ev = ServeEvaluator(args.engine_model, requests, args.serve_arg, duration_s=duration, log=_log)
+        ev = ServeEvaluator(base.model, requests, args.serve_arg, duration_s=duration, log=_log)
     else:
         ev = EngineEvaluator(base, requests, log=_log, duration_s=duration)
         cost = _profile(args, lambda: ev)
@@ -164,9 +215,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"carpool tune: {e}", file=sys.stderr)
         return 2
     out = {**info, **res.summary()}
-    if args.json:
-        print(json.dumps(out, default=str))
-    else:
+    if args.json_out:
+        flags.write_json(json.dumps(out, default=str), args.json_out)
+    if args.json_out != "-":
         print(f"SLO: {', '.join(str(s) for s in res.slos)}")
         rows = res.measured or res.pruned
         for r in rows:
@@ -195,5 +246,5 @@ def main(args: argparse.Namespace) -> int:
         if res.best is None:
             print("carpool tune: no setting met the SLO; nothing to emit", file=sys.stderr)
             return 1
-        print(vllm_command(res.best.setting, args.served_model, getattr(args, "gpus", 1)))
+        print(vllm_command(res.best.setting, args.model or "MODEL", getattr(args, "gpus", 1)))
     return 0 if res.best is not None else 1

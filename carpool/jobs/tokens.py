@@ -111,10 +111,23 @@ def engine_counter(model: str) -> TokenCounter:
     return TokenCounter(f"{model} (its own tokenizer)", n, chat)
 
 
+def approximate_counter(model: str) -> TokenCounter:
+    """OpenAI's o200k BPE standing in for an engine model's tokenizer where the engine extra is
+    not installed: byte-pair vocabularies of that size count English within ~10-20% of
+    each other, which is what an estimate needs; the name says it is an approximation."""
+    counter = openai_counter("o200k_base")
+    counter.name = f"o200k_base, approximating {model}'s (its own needs carpool[engine])"
+    return counter
+
+
 def counter_for(model: str | None, engine_model: str | None = None) -> TokenCounter | None:
     """OpenAI's BPE for an OpenAI model name; the engine's tokenizer when the job runs
     in-process (``engine_model``); None when neither is known."""
     if engine_model is not None:
+        from carpool.extras import missing
+
+        if missing("engine"):  # a core-only install: the engine's tokenizer is not there
+            return approximate_counter(engine_model)
         return engine_counter(engine_model)
     encoding = openai_encoding_name(model or "")
     return openai_counter(encoding) if encoding is not None else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
@@ -101,6 +102,7 @@ class RateSearch:
     probes: list[tuple[float, float]] = field(default_factory=list)  # (rate, margin) in probe order
     feasible: bool = True
     lower_bound: bool = False  # still passing at the highest rate tried: the true maximum is higher
+    out_of_time: bool = False  # the time budget ended the search: the true maximum may be higher
     # A closed-loop search (``tune(search="concurrency")``): the largest client concurrency
     # meeting the SLOs; ``rate`` is then the throughput measured at it.
     concurrency: int | None = None
@@ -151,12 +153,18 @@ def brent_root(f: Callable[[float], float], a: float, b: float, fa: float, fb: f
             a, b, fa, fb = b, a, fb, fa
 
 
+class OutOfTime(Exception):
+    """The search's time budget is spent: the answer is the best rate probed so far."""
+
+
 def find_max_rate(evaluate: Callable[[float], Measurement], slos: list[SLO], start: float,
-                  rtol: float = 0.05, max_probes: int = 16, min_rate: float | None = None) -> RateSearch:
+                  rtol: float = 0.05, max_probes: int = 16, min_rate: float | None = None,
+                  deadline: float | None = None) -> RateSearch:
     """Highest rate meeting ``slos``: bracket from ``start`` by doubling/halving, then Brent.
 
     ``evaluate(rate)`` runs the workload at that rate.  Stops when the bracket is within
-    ``rtol`` (relative) or after ``max_probes`` runs.
+    ``rtol`` (relative), after ``max_probes`` runs, or at ``deadline`` (``time.monotonic()``;
+    no probe starts after it): the answer is then the best rate known to pass.
     """
     probes: list[tuple[float, float]] = []
     best: dict = {"rate": 0.0, "m": None}
@@ -167,6 +175,8 @@ def find_max_rate(evaluate: Callable[[float], Measurement], slos: list[SLO], sta
     def f(rate: float) -> float:
         if rate in seen:
             return seen[rate]
+        if deadline is not None and time.monotonic() >= deadline:
+            raise OutOfTime
         meas = evaluate(rate)
         # Past twice the limit the size of the miss says little (the queue just grows with
         # the run's length); clamping keeps the secant steps sensible.
@@ -179,6 +189,14 @@ def find_max_rate(evaluate: Callable[[float], Measurement], slos: list[SLO], sta
             fail["rate"] = min(fail["rate"], rate)
         return g
 
+    try:
+        return _bracket_and_solve(f, start, min_rate, rtol, max_probes, probes, best)
+    except OutOfTime:
+        return RateSearch(None, best["rate"], best["m"], probes, feasible=best["m"] is not None, out_of_time=True)
+
+
+def _bracket_and_solve(f: Callable[[float], float], start: float, min_rate: float | None, rtol: float,
+                       max_probes: int, probes: list, best: dict) -> RateSearch:
     floor = min_rate if min_rate is not None else start / 1024
     a, fa = start, f(start)
     if fa >= 0:
@@ -257,8 +275,8 @@ class TuneResult:
 
 
 def search_setting(ev: Evaluator, setting: Setting, slos: list[SLO], start: float, rtol: float,
-                   max_probes: int) -> RateSearch:
-    r = find_max_rate(lambda rate: ev.measure(setting, rate), slos, start, rtol, max_probes)
+                   max_probes: int, deadline: float | None = None) -> RateSearch:
+    r = find_max_rate(lambda rate: ev.measure(setting, rate), slos, start, rtol, max_probes, deadline=deadline)
     r.setting = setting
     return r
 
@@ -271,48 +289,76 @@ def search_concurrency(ev: Evaluator, setting: Setting, slos: list[SLO], hi: int
                       lower_bound=c == hi, concurrency=c)
 
 
+def lone_latency(ev: Evaluator, setting: Setting, slos: list[SLO], rate: float) -> str:
+    """What the SLO metrics are at ``rate`` (low: requests nearly alone), as a sentence."""
+    m = ev.measure(setting, rate)
+    return ", ".join(f"{s.metric} {m.metric(s.metric):.4g}" for s in slos)
+
+
 def tune(settings: list[Setting], evaluator: Evaluator, slos: list[SLO], start_rate: float,
          pruner: Evaluator | None = None, top_k: int = 3, rtol: float = 0.05, max_probes: int = 12,
          log: Callable[[str], None] = lambda s: None, search: str = "rate",
-         max_concurrency: int = 256) -> TuneResult:
+         max_concurrency: int = 256, deadline: float | None = None) -> TuneResult:
     """Rank ``settings`` with ``pruner`` (the simulator), then measure the top ``top_k`` with
     ``evaluator``; without a pruner every setting is measured.
 
     ``search="rate"``: the highest open-loop arrival rate meeting the SLOs (a service).
-    ``search="concurrency"``: the largest closed-loop client concurrency (a batch job)."""
+    ``search="concurrency"``: the largest closed-loop client concurrency (a batch job).
+    ``deadline`` (``time.monotonic()``): no real measurement starts after it.
+
+    When the simulator finds that no setting meets the SLOs at any rate, the workload is
+    too long for them on this machine: only the best-ranked setting is measured, with a few
+    probes, to confirm it, instead of searching every finalist down to a rate of nothing."""
     if not settings:
         raise ValueError("no settings to try")
     if search not in ("rate", "concurrency"):
         raise ValueError(f"search must be 'rate' or 'concurrency', not {search!r}")
 
-    def one(ev: Evaluator, s: Setting, start: float) -> RateSearch:
+    def one(ev: Evaluator, s: Setting, start: float, probes: int, until: float | None) -> RateSearch:
         if search == "concurrency":
             return search_concurrency(ev, s, slos, max_concurrency)
-        return search_setting(ev, s, slos, start, rtol, max_probes)
+        return search_setting(ev, s, slos, start, rtol, probes, until)
 
     def found(r: RateSearch) -> str:
         if search == "concurrency":
             return f"concurrency {r.concurrency}, {r.rate:.3g} req/s"
-        return f"max rate {r.rate:.3g} req/s"
+        return f"max rate {r.rate:.3g} req/s" if r.feasible else f"SLO missed at every rate down to " \
+            f"{min(x for x, _ in r.probes):.3g} req/s"
 
     ranked: list[RateSearch] = []
+    probes = max_probes
     if pruner is not None:
         for s in settings:
-            r = one(pruner, s, start_rate)
+            r = one(pruner, s, start_rate, max_probes, None)
             ranked.append(r)
             log(f"simulated {s.label()}: {found(r)} ({len(r.probes)} probes)")
         ranked.sort(key=lambda r: -r.goodput_rps)
-        finalists = [r.setting for r in ranked if r.feasible][:top_k] or [ranked[0].setting]
+        finalists = [r.setting for r in ranked if r.feasible][:top_k]
+        if not finalists:
+            low = min(x for r in ranked for x, _ in r.probes) if search == "rate" else start_rate
+            log(f"simulated: no setting meets {', '.join(map(str, slos))} even at {low:.3g} req/s "
+                f"({lone_latency(pruner, ranked[0].setting, slos, low)} there): the requests are too long for "
+                "that SLO here; measuring the best-ranked setting to confirm (relax the SLO or shorten "
+                "--output-len / --prompt-len)")
+            finalists, probes = [ranked[0].setting], min(max_probes, 3)
     else:
         finalists = list(settings)
     measured = []
     for s in finalists:
+        if deadline is not None and time.monotonic() >= deadline:
+            log(f"time budget spent: {s.label()} not measured (raise --time-budget)")
+            continue
         # Start the real search near the simulator's answer: fewer probes to bracket it.
         sim = next((r for r in ranked if r.setting == s), None)
         start = sim.rate if sim is not None and sim.rate > 0 else start_rate
-        r = one(evaluator, s, start)
+        r = one(evaluator, s, start, probes, deadline)
         measured.append(r)
-        log(f"measured {s.label()}: {found(r)}, goodput {r.goodput_rps:.3g} ({len(r.probes)} probes)")
+        log(f"measured {s.label()}: {found(r)}, goodput {r.goodput_rps:.3g} ({len(r.probes)} probes)"
+            + (" (stopped by the time budget)" if r.out_of_time else ""))
+    return _result(measured, ranked, slos)
+
+
+def _result(measured: list[RateSearch], ranked: list[RateSearch], slos: list[SLO]) -> TuneResult:
     measured.sort(key=lambda r: -r.goodput_rps)
     best = measured[0] if measured and measured[0].feasible else None
     conc = None

@@ -121,10 +121,24 @@ def test_profile_shorthands(scripted, tmp_path, capsys):
         "--result-file",
         str(out),
     ]
-    assert main([*args, "--profile", "constant", "--rate", "40"]) == 0
+    assert main([*args, "--arrival", "constant", "--rate", "40"]) == 0
     res = json.loads(out.read_text())
     assert res["request_rate"] == 40.0 and res["burstiness"] == "inf"
     starts = sorted(s.arrival for s in srv.served[-6:])
     assert starts[-1] - starts[0] >= 5 / 40 - 0.01  # fixed 25 ms gaps, never early
-    assert main([*args, "--profile", "poisson"]) == 2
+    assert main([*args, "--arrival", "poisson"]) == 2
     assert "finite --request-rate" in capsys.readouterr().err
+    # The old spelling (a cost-model file in simulate/tune, an arrival shape here) still works, and says so.
+    assert main([*args, "--profile", "poisson"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile is deprecated; write --arrival SHAPE" in err and "finite --request-rate" in err
+
+
+def test_json_to_stdout_is_the_result_and_the_table_goes_to_stderr(scripted, capsys):
+    srv = scripted(Script(ttft_s=0.01, itl_s=0.01))
+    assert main(["bench", "--endpoint", srv.url, "--model", "m", "--num-prompts", "3", "--random-input-len", "4",
+                 "--random-output-len", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    res = json.loads(captured.out)
+    assert res["completed"] == 3 and res["model_id"] == "m"
+    assert "Successful requests:" in captured.err

@@ -51,7 +51,7 @@ def test_exit_0_3_and_3_again_on_resume(fault_server, tmp_path):
     assert p.returncode == ExitCode.TASKS_FAILED, p.stderr
     ok_src, ok_out = tmp_path / "ok.jsonl", tmp_path / "ok-out.jsonl"
     write_tasks(ok_src, 3, metadata={"x": 1})
-    ok_src.write_text(ok_src.read_text().replace('"t', '"ok'))
+    ok_src.write_text(ok_src.read_text().replace('"custom_id": "t', '"custom_id": "ok'))
     p = cli(ok_src, "-o", ok_out, "--endpoint", srv.url, "--model", "m", "--cache", "off", "--quiet")
     assert p.returncode == ExitCode.OK, p.stderr
 

@@ -11,7 +11,7 @@ from carpool.cli import main
 
 
 def test_simulate_compare_json(capsys):
-    rc = main(["simulate", "--gpu", "a10", "--gpus", "2", "--model", "7b", "--qps", "4", "--num-requests", "80",
+    rc = main(["simulate", "--gpu", "a10", "--gpus", "2", "--model-size", "7b", "--qps", "4", "--num-requests", "80",
                "--compare", "batching=static", "--compare", "max_num_seqs=8,policy=priority", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -24,7 +24,7 @@ def test_simulate_compare_json(capsys):
 
 def test_simulate_table_and_html_report(tmp_path, capsys):
     report = tmp_path / "sim.html"
-    rc = main(["simulate", "--gpu", "h100", "--model", "8b", "--qps", "10", "--num-requests", "30",
+    rc = main(["simulate", "--gpu", "h100", "--model-size", "8b", "--qps", "10", "--num-requests", "30",
                "--compare", "gpu=l4", "--report", str(report), "--plots-dir", str(tmp_path / "png")])
     assert rc == 0
     text = capsys.readouterr().out
@@ -45,7 +45,7 @@ def test_simulate_errors_name_the_flag(capsys):
 
 
 def test_tune_simulated_engine_emits_vllm(capsys):
-    rc = main(["tune", "--simulate", "--gpu", "a10", "--model", "7b", "--slo", "p99_e2e_ms=4000",
+    rc = main(["tune", "--simulate", "--gpu", "a10", "--model-size", "7b", "--slo", "p99_e2e_ms=4000",
                "--seqs", "4,32", "--tokens", "2048", "--qps", "2", "--duration-s", "6",
                "--prompt-len", "uniform:50,300", "--output-len", "uniform:10,60", "--emit", "vllm"])
     assert rc == 0
@@ -67,7 +67,7 @@ def test_tune_rejects_a_bad_slo(capsys):
 @pytest.mark.slow
 def test_tune_against_carpools_engine_restarts_it_per_setting(capsys):
     """The real engine (tiny-random, in-process): fit, prune with the simulator, measure 2 settings."""
-    rc = main(["tune", "--engine", "--engine-model", "tiny-random", "--slo", "p99_e2e_ms=1500",
+    rc = main(["tune", "--engine", "--model", "tiny-random", "--slo", "p99_e2e_ms=1500",
                "--seqs", "4,16", "--tokens", "256", "--qps", "4", "--duration-s", "2.5", "--top-k", "2",
                "--max-probes", "5", "--rtol", "0.2", "--prompt-len", "uniform:20,80", "--output-len", "fixed:8",
                "--json"])
@@ -83,7 +83,7 @@ def test_tune_against_carpools_engine_restarts_it_per_setting(capsys):
 
 
 def test_tune_concurrency_search_from_the_cli(capsys):
-    rc = main(["tune", "--simulate", "--gpu", "l4", "--model", "8b", "--slo", "p99_e2e_ms=8000",
+    rc = main(["tune", "--simulate", "--gpu", "l4", "--model-size", "8b", "--slo", "p99_e2e_ms=8000",
                "--search", "concurrency", "--max-concurrency", "64", "--seqs", "16,64", "--tokens", "2048",
                "--prompt-len", "uniform:50,300", "--output-len", "uniform:10,60", "--duration-s", "5", "--json"])
     assert rc == 0
@@ -104,7 +104,7 @@ def test_tune_restarts_carpool_serve_per_setting(tmp_path, capsys):
 
     profile = tmp_path / "profile.json"
     ProfiledCost({"base": 0.004, "prefill": 4e-5, "decode": 5e-4, "kv": 5e-7}, kv_tokens=65536).save(str(profile))
-    rc = main(["tune", "--serve", "--engine-model", "tiny-random", "--profile", str(profile),
+    rc = main(["tune", "--serve", "--model", "tiny-random", "--cost-profile", str(profile),
                "--serve-arg=--kv-cache-memory-gb=0.25", "--slo", "p99_e2e_ms=2000",
                "--seqs", "4,16", "--tokens", "256", "--qps", "4", "--duration-s", "2", "--top-k", "2",
                "--max-probes", "4", "--rtol", "0.25", "--prompt-len", "uniform:20,80", "--output-len", "fixed:8",
@@ -128,7 +128,7 @@ def test_simulate_speed_band_brackets_the_p99_and_widens_near_saturation(capsys)
     """--speed-band F reruns each configuration with steps F faster and F slower.  The P99
     lies inside the band, and near saturation the same 5% moves the tail far more than at
     light load (what the validation benchmark saw on the real engine)."""
-    rc = main(["simulate", "--gpu", "l4", "--model", "8b", "--num-requests", "200", "--qps", "1",
+    rc = main(["simulate", "--gpu", "l4", "--model-size", "8b", "--num-requests", "200", "--qps", "1",
                "--compare", "qps=5", "--speed-band", "0.05", "--json"])
     assert rc == 0
     light, busy = json.loads(capsys.readouterr().out)["results"]

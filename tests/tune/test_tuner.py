@@ -164,3 +164,69 @@ def test_concurrency_mode_finds_the_batch_jobs_best_setting_and_concurrency(knee
     assert len(res.best.probes) <= 9  # bisection over 1..64, not a scan
     with pytest.raises(ValueError, match="concurrency"):
         tune(settings, ev, [slo], start_rate=1.0, search="concurency")
+
+
+class CountingEvaluator:
+    """The simulator as the "real" engine, counting the runs it is asked for."""
+
+    def __init__(self, inner: SimEvaluator):
+        self.inner, self.runs = inner, []
+
+    def measure(self, setting, rate, concurrency=None):
+        self.runs.append((setting, rate))
+        return self.inner.measure(setting, rate, concurrency)
+
+
+def test_an_slo_no_setting_can_meet_measures_one_setting_briefly_and_says_why(linear_cost):
+    # Answers of up to 256 tokens at >= 11 ms a token: no setting meets a 2 s P99 at any rate.
+    # Before, every finalist was searched down to start/1024 for real: minutes on the engine.
+    reqs = synthetic(500, 1.0, "uniform:64,1024", "uniform:16,256", seed=3)
+    settings = grid(max_num_seqs=(8, 32), max_num_batched_tokens=(256, 1024))
+    slo = SLO.parse("p99_e2e_ms=2000")
+    engine = CountingEvaluator(SimEvaluator(linear_cost, reqs, duration_s=10.0))
+    logged: list[str] = []
+    res = tune(settings, engine, [slo], 1.0, SimEvaluator(linear_cost, reqs, duration_s=10.0), top_k=3,
+               max_probes=10, log=logged.append)
+    assert res.best is None and all(not r.feasible for r in res.pruned)
+    assert {s for s, _ in engine.runs} == {res.pruned[0].setting} and len(engine.runs) <= 3
+    why = next(line for line in logged if line.startswith("simulated: no setting meets"))
+    assert "p99_e2e_ms" in why and "too long for that SLO" in why and "--output-len" in why
+
+
+def test_the_time_budget_stops_the_real_measurements(linear_cost):
+    import time
+
+    reqs = synthetic(500, 1.0, "uniform:16,64", "uniform:4,16", seed=3)
+    settings = grid(max_num_seqs=(8, 32), max_num_batched_tokens=(256,))
+    slo = SLO.parse("p99_e2e_ms=2000")
+    engine = CountingEvaluator(SimEvaluator(linear_cost, reqs, duration_s=5.0))
+    logged: list[str] = []
+    res = tune(settings, engine, [slo], 1.0, SimEvaluator(linear_cost, reqs, duration_s=5.0), top_k=2,
+               log=logged.append, deadline=time.monotonic() - 1)
+    assert engine.runs == [] and res.best is None and res.measured == []
+    assert sum("time budget spent" in line for line in logged) == 2
+
+
+
+def test_a_rate_search_cut_short_by_its_deadline_keeps_the_best_passing_rate(monkeypatch):
+    from types import SimpleNamespace
+
+    from carpool.tune import tuner
+
+    clock = [0.0]
+    monkeypatch.setattr(tuner, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    rates: list[float] = []
+
+    def ev(rate):  # each run takes 10 "seconds"
+        rates.append(rate)
+        clock[0] += 10.0
+        return queue_measurement(rate)
+
+    slo = [SLO.parse("p99_e2e_ms=1000")]  # p99 = 1 s at rate 9
+    full = find_max_rate(ev, slo, start=1.0, rtol=0.001, max_probes=30)
+    assert full.rate == pytest.approx(9.0, rel=0.01) and len(rates) > 5
+    rates.clear()
+    clock[0] = 0.0
+    cut = find_max_rate(ev, slo, start=1.0, rtol=0.001, max_probes=30, deadline=35.0)
+    assert len(rates) == 4 and cut.out_of_time  # probes start at 0, 10, 20, 30; none after 35
+    assert cut.feasible and cut.rate == max(r for r in rates if queue_measurement(r).e2e_s["p99"] <= 1.0)
