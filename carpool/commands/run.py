@@ -23,6 +23,7 @@ from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
 from carpool.client.pool import Timeouts
 from carpool.jobs.readers import FORMATS
 from carpool.jobs.tasks import TaskDefaults, Template
+from carpool.redact import redact_doc, redact_text
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -283,12 +284,17 @@ def _original_argv() -> list[str]:
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A message on stderr; every message of a job passes here or ``_tell``."""
+    print(redact_text(msg), file=sys.stderr, flush=True)
+
+
+def _tell(msg: str) -> None:
+    print(redact_text(msg), file=sys.stderr)
 
 
 def write_summary_json(doc: dict, target: str) -> None:
     """``--summary-json PATH`` (indented) or ``-`` (one line on stdout)."""
-    text = json.dumps(doc, indent=None if target == "-" else 2)
+    text = json.dumps(redact_doc(doc), indent=None if target == "-" else 2)
     if target == "-":
         print(text)
     else:
@@ -304,7 +310,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return int(_main(args))
     except MissingExtra as e:  # e.g. the engine asked for on a slim install: a refused start
-        print(f"carpool run: {e}", file=sys.stderr)
+        _tell(f"carpool run: {e}")
         return int(ExitCode.REFUSED)
     except Exception:  # noqa: BLE001  (a bug: say so with the traceback, exit 1 as documented)
         import traceback
@@ -332,16 +338,16 @@ def _main(args: argparse.Namespace) -> int:
         runner = Runner(opts, notify=_say)
         stats = run_with_signals(runner)
     except (FileNotFoundError, ValueError) as e:  # StartRefused is a ValueError
-        print(f"carpool run: {e}", file=sys.stderr)
+        _tell(f"carpool run: {e}")
         return ExitCode.REFUSED
     except OSError as e:  # the output cannot be written (disk full, a path under a file, ...)
         what = str(e) if isinstance(e, OutputError) else f"cannot write the output: {e}"
-        print(f"carpool run: {what}", file=sys.stderr)
+        _tell(f"carpool run: {what}")
         return ExitCode.OUTPUT_FAILED
     if not args.quiet:
         render_summary(stats)
     for msg in runner.messages:
-        print(msg, file=sys.stderr)
+        _tell(msg)
     if args.summary_json:
         write_summary_json(stats.to_dict(), args.summary_json)
     if not args.quiet:
@@ -361,10 +367,10 @@ def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Awaita
     try:
         doc = asyncio.run(produce(options_from_args(args)))
     except (FileNotFoundError, ValueError) as e:
-        print(f"carpool run: {e}", file=sys.stderr)
+        _tell(f"carpool run: {e}")
         return None
     for msg in doc.get("messages", []):
-        print(msg, file=sys.stderr)
+        _tell(msg)
     if args.summary_json:
         write_summary_json(doc, args.summary_json)
     return doc
@@ -453,7 +459,7 @@ def _main_ray(args: argparse.Namespace) -> int:
         opts = options_from_args(args)
         result = run_on_ray(opts, ray_options_from_args(args), on_shard=shard_done)
     except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
-        print(f"carpool run --ray: {e}", file=sys.stderr)
+        _tell(f"carpool run --ray: {e}")
         return 2
     except KeyboardInterrupt:
         # Finished shards and the partial shard outputs (their journals) stay in the workdir.
@@ -461,7 +467,7 @@ def _main_ray(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     for msg in result.pop("messages", []):
-        print(msg, file=sys.stderr)
+        _tell(msg)
     if args.summary_json:
         write_summary_json(result, args.summary_json)
     if not args.quiet:
