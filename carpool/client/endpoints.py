@@ -65,6 +65,31 @@ def split_credentials(url: str) -> tuple[str, str | None]:
     return plain, "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
 
 
+# RFC 9110's token characters: what a header name may hold.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def header_problem(name: str, value: str) -> str | None:
+    """Why an HTTP header cannot be sent as given (with the fix), or None when it can.
+
+    Checked before a job sends anything: a header that the HTTP library refuses fails every
+    request of the job instead, each as an error line."""
+    if not _TOKEN.fullmatch(name):
+        bad = next((c for c in name if not _TOKEN.fullmatch(c)), "")
+        return (f"the name {name!r} holds {bad!r}, which a header name may not; names are letters, digits "
+                "and - (e.g. X-Request-Source)")
+    if "\r" in value or "\n" in value:
+        return ("the value holds a line break (CR or LF), which HTTP forbids; remove it (a value read from a "
+                "file or a variable often ends in a newline)")
+    for c in value:
+        if (ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F:
+            return f"the value holds the control character {c!r}, which HTTP forbids; remove it"
+        if ord(c) > 0xFF:
+            return (f"the value holds {c!r}, which is not Latin-1 (HTTP header values are bytes in Latin-1); "
+                    "percent-encode or base64 it as the server expects")
+    return None
+
+
 def has_authorization(headers: dict[str, str]) -> bool:
     return any(k.lower() == "authorization" for k in headers)
 

@@ -204,13 +204,19 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
 
 def _headers(values: list[str]) -> dict[str, str]:
     """``--header 'Name: value'`` flags as a mapping; raises ``StartRefused`` on a bad one."""
+    from carpool.client.endpoints import header_problem
     from carpool.jobs.exit_codes import StartRefused
+    from carpool.redact import redact_header
 
     out: dict[str, str] = {}
     for v in values:
         name, sep, value = v.partition(":")
         if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
-            raise StartRefused(f"--header {v!r}: write it as 'Name: value', e.g. --header 'OpenAI-Organization: org-1'")
+            raise StartRefused(f"--header {redact_header(v)!r}: write it as 'Name: value', e.g. "
+                               "--header 'OpenAI-Organization: org-1'")
+        problem = header_problem(name.strip(), value.strip())
+        if problem:
+            raise StartRefused(f"--header {redact_header(v)!r}: {problem}")
         out[name.strip()] = value.strip()
     return out
 
