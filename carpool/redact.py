@@ -145,7 +145,7 @@ def resume_command(argv: Iterable[str]) -> str:
 
     argv = [a for a in argv if a != "--fresh"]
     shown = redact_argv(argv, drop_secret_flags=True)
-    notes = [f"first: export {SECRET_FLAGS[f]}=<the key> ({f} is not shown)" for f in secret_flags_in(argv)]
+    notes = [f"{f} is not shown: export {SECRET_FLAGS[f]}=<the key> first" for f in secret_flags_in(argv)]
     if any(MASK in a for a in shown) and not any(MASK in a for a in argv):
         notes.append(f"put back the secrets shown as {MASK}")
     line = "carpool " + shlex.join(shown)
