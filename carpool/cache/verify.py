@@ -16,7 +16,9 @@ first, moves allowed), then
 * every word left unaligned must be *equivalent* to one left in the other text, or be
   ignorable: the same word misspelt (one edit for short words, two for long ones, and only
   when exactly one of the two is a word MiniLM's vocabulary knows, so "cat"/"car" or
-  "hypothyroidism"/"hyperthyroidism" are not typos), a British/American spelling, a regular
+  "hypothyroidism"/"hyperthyroidism" are not typos, and when the other is neither listed by
+  WordNet nor written as a name, so "Malta"/"Yalta" and "Paris"/"Paros" are other places),
+  a British/American spelling, a regular
   inflection (-s, -es, -ed, -ing), a verb form that only agrees in number (is/are, was/were,
   has/have, do/does), a contraction ("where's", "hasnt"), a hyphenated or split compound,
   a number written as a word, a synonym whose first WordNet sense is the same synset
