@@ -321,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
     except Exception:  # noqa: BLE001  (a bug: say so with the traceback, exit 1 as documented)
         import traceback
 
-        traceback.print_exc()
+        _tell(traceback.format_exc().rstrip())  # redacted: an exception's text may hold a URL
         print("carpool run: crashed (a bug in carpool; please report it with the traceback above). "
               "The complete lines already in the output are kept: the same command resumes.", file=sys.stderr)
         return int(ExitCode.CRASHED)
