@@ -432,6 +432,8 @@ def equivalent(a: str, b: str, names: frozenset[str] = frozenset()) -> bool:
         return _AGREEMENT.get(a) == _AGREEMENT.get(b)
     if a in _CLOSED or b in _CLOSED or not (a.isalpha() and b.isalpha()):
         return False  # numbers and closed-class words must match exactly
+    if a in names or b in names:
+        return False  # so must names: "Rhodes" is no plural of "Rhode", "Grey" no spelling of "Gray"
     short, long_ = sorted((a, b), key=len)
     if len(short) >= 3 and long_ in _inflections(short):
         return True
