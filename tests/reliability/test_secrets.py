@@ -230,3 +230,19 @@ def test_an_endpoints_file_header_that_cannot_be_sent_is_refused(logging_fault_s
     assert srv.server.total_requests == 0
     assert "abc\r\n" not in err
 
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"headers": {"X-Token": "abc\r\nInjected: 1"}}, "--header 'X-Token: ...'"),
+    ({"api_key": "sk-abc\ndef"}, "--api-key"),
+])
+def test_the_python_api_refuses_an_unsendable_header_before_sending(logging_fault_server, tmp_path, options, named):
+    from carpool.jobs.api import run_batch
+    from carpool.jobs.exit_codes import StartRefused
+
+    srv = logging_fault_server(FaultConfig(models=["m"]))
+    with pytest.raises(StartRefused) as refused:
+        run_batch([chat_task("a", "hi")], tmp_path / "out.jsonl", endpoints=[srv.url], model="m", **options)
+    assert named in str(refused.value) and "line break" in str(refused.value)
+    assert "abc" not in str(refused.value)
+    assert srv.server.total_requests == 0
