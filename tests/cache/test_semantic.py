@@ -209,9 +209,9 @@ def test_concurrent_threads_share_one_cache(tmp_path, embedder):
 
 
 def test_a_near_spelling_of_a_place_is_another_place_not_a_typo(tmp_path, embedder):
-    """Malta cached: Yalta (0.52 to it) and, with Paris cached, Paros (0.80) were hits that
-    served the other place's answer.  Each is a miss now, named as a different word; a
-    misspelt ordinary word still hits."""
+    """Malta cached: Yalta (0.52 to it) and, with Paris cached, Paros (0.58 to 0.80 by wording)
+    were hits that served the other place's answer.  Each is a miss now, named as a different
+    word; a misspelt ordinary word beside the name still hits."""
     sem = SemanticCache(tmp_path / "sem", embedder=embedder)  # the default threshold, 0.4
     stored = ["Is Malta an island? Answer yes or no.", "Is Paris an island? Answer yes or no.",
               "What is the population of Paris?"]
@@ -221,5 +221,5 @@ def test_a_near_spelling_of_a_place_is_another_place_not_a_typo(tmp_path, embedd
         assert sem.lookup("s", query) is None, query
     assert sem.stats()["verify_rejections_by_reason"].get("word", 0) >= 4
     hit = sem.lookup("s", "Is Malta an iland? Answer yes or no.")
-    assert hit is not None and hit.response == {"answer": 0}
+    assert hit is not None and hit[0] == {"answer": 0}
     sem.close()
