@@ -91,6 +91,13 @@ def _lemmas(word: str, pos: str) -> list[tuple[str, str]]:
     return out
 
 
+def dictionary_word(word: str) -> bool:
+    """Whether WordNet lists ``word`` (or the lemma of a regular or irregular inflection of it)
+    as a noun, verb or adjective: its nouns include places and people ("yalta", "malta").
+    Without the package no word is a dictionary word."""
+    return any(_lemmas(word, pos) for pos in _POS)
+
+
 def synonyms(a: str, b: str) -> bool:
     """Whether two different lower-case words say the same thing (the module docstring's rule)."""
     if a == b or not (a.isalpha() and b.isalpha()) or min(len(a), len(b)) < 3 or a in _BROAD or b in _BROAD:

@@ -16,7 +16,9 @@ first, moves allowed), then
 * every word left unaligned must be *equivalent* to one left in the other text, or be
   ignorable: the same word misspelt (one edit for short words, two for long ones, and only
   when exactly one of the two is a word MiniLM's vocabulary knows, so "cat"/"car" or
-  "hypothyroidism"/"hyperthyroidism" are not typos), a British/American spelling, a regular
+  "hypothyroidism"/"hyperthyroidism" are not typos, and when the other is neither listed by
+  WordNet nor written as a name, so "Malta"/"Yalta" and "Paris"/"Paros" are other places),
+  a British/American spelling, a regular
   inflection (-s, -es, -ed, -ing), a verb form that only agrees in number (is/are, was/were,
   has/have, do/does), a contraction ("where's", "hasnt"), a hyphenated or split compound,
   a number written as a word, a synonym whose first WordNet sense is the same synset
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from carpool.cache.synonyms import synonyms
+from carpool.cache.synonyms import dictionary_word, synonyms
 
 
 # --- closed word classes (English grammar, not a list of the labelled pairs) -------------
@@ -318,7 +320,9 @@ def _edit_distance(a: str, b: str, limit: int) -> int:
     return prev[-1]
 
 
-def _is_typo(a: str, b: str) -> bool:
+def _is_typo(a: str, b: str, names: frozenset[str] = frozenset()) -> bool:
+    """Whether ``a`` and ``b`` are one word, one of them misspelt.  ``names``: the words the two
+    texts write as names (see ``name_words``)."""
     if not (a.isalpha() and b.isalpha()) or min(len(a), len(b)) < 3:
         return False
     vocab = _vocabulary()
@@ -331,7 +335,44 @@ def _is_typo(a: str, b: str) -> bool:
         return len(short) >= 8 and len(long_) == len(short) + 1 and _edit_distance(a, b, 1) == 1
     if long_.endswith(short) and long_[: len(long_) - len(short)] in _NEGATING_PREFIXES:
         return False  # "safe"/"unsafe" is a negation, not a typo
+    if _another_entity(b if a in vocab else a, names):
+        return False
     return _edit_distance(a, b, 1 if len(long_) <= 5 else 2) <= (1 if len(long_) <= 5 else 2)
+
+
+def _another_entity(unknown: str, names: frozenset[str]) -> bool:
+    """A word the embedder's vocabulary lacks is a misspelling of a near word it has only when
+    nothing says it is a word of its own: it is not written as a name ("Is Yalta an island?",
+    "Paros") and the dictionary (WordNet, whose nouns hold places and people) does not list
+    it.  Else a near spelling is a near name -- Malta/Yalta, Paris/Paros -- and serving one's
+    answer for the other is a silent wrong answer, while a typo taken for a name costs only
+    a model call."""
+    return unknown in names or dictionary_word(unknown)
+
+
+_WORD = re.compile(r"[^\W\d_]+")
+_STARTS_AFTER = frozenset(".!?:;\"'(\n\u201c\u2018\u00bf\u00a1")
+
+
+def name_words(text: str) -> frozenset[str]:
+    """The words ``text`` writes as names: capitalised ("Yalta") where no sentence, line or
+    quotation begins, lower-cased.  A text that capitalises nearly all its words past a
+    sentence's start (a title, shouting) says nothing by its case: none."""
+    found: list[str] = []
+    inside = capitalised = 0  # words past a sentence's first ("I" aside), and those capitalised
+    end = None  # where the word before ended
+    for m in _WORD.finditer(text):
+        w = m.group(0)
+        gap = text[end:m.start()] if end is not None else None
+        end = m.end()
+        if gap is None or w == "I" or any(c in _STARTS_AFTER for c in gap):
+            continue
+        inside += 1
+        if w[0].isupper():
+            capitalised += 1
+            if len(w) >= 3 and w[1:].islower():
+                found.append(w.lower())
+    return frozenset() if inside >= 4 and capitalised >= 0.75 * inside else frozenset(found)
 
 
 _BRITISH = [("our", "or"), ("ise", "ize"), ("yse", "yze"), ("isation", "ization"), ("tre", "ter"),
@@ -382,18 +423,21 @@ def _inflections(base: str) -> set[str]:
 _CLOSED = NEGATIONS | QUANTIFIERS | MODALS | COMPARATIVES | frozenset(_AGREEMENT)
 
 
-def equivalent(a: str, b: str) -> bool:
-    """Two different tokens that never change what is asked (see the module docstring)."""
+def equivalent(a: str, b: str, names: frozenset[str] = frozenset()) -> bool:
+    """Two different tokens that never change what is asked (see the module docstring);
+    ``names``: the words the texts write as names (``name_words``)."""
     if a == b:
         return True
     if a in _AGREEMENT or b in _AGREEMENT:
         return _AGREEMENT.get(a) == _AGREEMENT.get(b)
     if a in _CLOSED or b in _CLOSED or not (a.isalpha() and b.isalpha()):
         return False  # numbers and closed-class words must match exactly
+    if a in names or b in names:
+        return False  # so must names: "Rhodes" is no plural of "Rhode", "Grey" no spelling of "Gray"
     short, long_ = sorted((a, b), key=len)
     if len(short) >= 3 and long_ in _inflections(short):
         return True
-    return _spelling_variant(a, b) or _is_typo(a, b) or synonyms(a, b)
+    return _spelling_variant(a, b) or _is_typo(a, b, names) or synonyms(a, b)
 
 
 def _kind(word: str) -> str:
@@ -514,7 +558,7 @@ def _order_change(a: list[str], runs: list[tuple[int, int, int]]) -> str:
 
 
 def _pair_up(left: list[str], right: list[str], left_spare: list[str],
-             right_spare: list[str]) -> tuple[list[str], list[str]]:
+             right_spare: list[str], names: frozenset[str]) -> tuple[list[str], list[str]]:
     """The words of ``left`` and ``right`` that find no equivalent on the other side.
 
     Each word pairs once; the spares (ignorable words left over) may be the partner of a
@@ -524,7 +568,7 @@ def _pair_up(left: list[str], right: list[str], left_spare: list[str],
     unmatched_left = []
     for w in left:
         for candidates in (pool, spare):
-            partner = next((o for o in candidates if equivalent(w, o)), None)
+            partner = next((o for o in candidates if equivalent(w, o, names)), None)
             if partner is not None:
                 candidates.remove(partner)
                 break
@@ -533,7 +577,7 @@ def _pair_up(left: list[str], right: list[str], left_spare: list[str],
     spare = list(left_spare)
     unmatched_right = []
     for w in pool:
-        partner = next((o for o in spare if equivalent(w, o)), None)
+        partner = next((o for o in spare if equivalent(w, o, names)), None)
         if partner is None:
             unmatched_right.append(w)
         else:
@@ -560,7 +604,8 @@ def verify(query: str, stored: str) -> Verdict:
         return _difference(left, right)
     # Pair each leftover word with an equivalent leftover of the other text (typo, inflection...).
     unmatched_left, unmatched_right = _pair_up(left, right, [w for w in left_all if w in IGNORABLE],
-                                               [w for w in right_all if w in IGNORABLE])
+                                               [w for w in right_all if w in IGNORABLE],
+                                               name_words(query) | name_words(stored))
     if unmatched_left or unmatched_right:
         return _difference(unmatched_left, unmatched_right)
     moved = _order_change(a, tiles(a, b))

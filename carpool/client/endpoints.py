@@ -22,6 +22,7 @@ end up here; nothing in this module reads files or the environment.
 
 from __future__ import annotations
 
+import base64
 import re
 import urllib.parse
 from dataclasses import dataclass, field
@@ -51,6 +52,48 @@ def auth_headers(kind: str, key: str | None) -> dict[str, str]:
     return {"api-key": key} if kind == "azure" else {"Authorization": f"Bearer {key}"}
 
 
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``user:password@`` part, and that part as the ``Authorization: Basic``
+    value it means (None when the URL holds none).  The credentials leave the URL at once so
+    that no message, summary or report that names the endpoint can show them."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.netloc.rpartition("@")[2]
+    plain = urllib.parse.urlunsplit(parts._replace(netloc=host))
+    pair = f"{urllib.parse.unquote(parts.username or '')}:{urllib.parse.unquote(parts.password or '')}"
+    return plain, "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+
+
+# RFC 9110's token characters: what a header name may hold.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def header_problem(name: str, value: str) -> str | None:
+    """Why an HTTP header cannot be sent as given (with the fix), or None when it can.
+
+    Checked before a job sends anything: a header that the HTTP library refuses fails every
+    request of the job instead, each as an error line."""
+    if not _TOKEN.fullmatch(name):
+        bad = next((c for c in name if not _TOKEN.fullmatch(c)), "")
+        return (f"the name {name!r} holds {bad!r}, which a header name may not; names are letters, digits "
+                "and - (e.g. X-Request-Source)")
+    if "\r" in value or "\n" in value:
+        return ("the value holds a line break (CR or LF), which HTTP forbids; remove it (a value read from a "
+                "file or a variable often ends in a newline)")
+    for c in value:
+        if (ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F:
+            return f"the value holds the control character {c!r}, which HTTP forbids; remove it"
+        if ord(c) > 0xFF:
+            return (f"the value holds {c!r}, which is not Latin-1 (HTTP header values are bytes in Latin-1); "
+                    "percent-encode or base64 it as the server expects")
+    return None
+
+
+def has_authorization(headers: dict[str, str]) -> bool:
+    return any(k.lower() == "authorization" for k in headers)
+
+
 @dataclass
 class EndpointSpec:
     url: str  # base URL: http://host:8000/v1 (openai) or https://NAME.openai.azure.com (azure)
@@ -67,7 +110,11 @@ class EndpointSpec:
     name: str = ""  # how messages and the summary name it (default: the URL)
 
     def __post_init__(self) -> None:
-        self.url = self.url.rstrip("/")
+        # http://user:pass@host: sent as the Basic credentials it means, unless an Authorization
+        # header is given as well (the more explicit of the two wins).
+        self.url, basic = split_credentials(self.url.rstrip("/"))
+        if basic is not None and not has_authorization(self.headers):
+            self.headers = {**self.headers, "Authorization": basic}
         if self.kind == "azure":
             self.url = self.url.removesuffix("/openai")
             self.api_version = self.api_version or AZURE_API_VERSION
@@ -107,11 +154,13 @@ class EndpointSpec:
 
 def plain_specs(urls: list[str], api_key: str | None = None, headers: dict[str, str] | None = None,
                 api_version: str | None = None, max_completion_tokens: bool | None = None) -> list[EndpointSpec]:
-    """The endpoints of ``--endpoint URL`` flags: one key and the same headers for all; an
-    Azure URL gets Azure's dialect."""
+    """The endpoints of ``--endpoint URL`` flags: one key and the same headers for all (an
+    endpoint whose URL holds ``user:password@`` is sent those instead of the key); an Azure
+    URL gets Azure's dialect."""
     out = []
     for url in urls:
         kind = "azure" if is_azure_url(url) else "openai"
-        out.append(EndpointSpec(url, headers={**auth_headers(kind, api_key), **(headers or {})}, kind=kind,
+        key = None if kind == "openai" and split_credentials(url)[1] is not None else api_key
+        out.append(EndpointSpec(url, headers={**auth_headers(kind, key), **(headers or {})}, kind=kind,
                                 api_version=api_version, max_completion_tokens=max_completion_tokens))
     return out

@@ -94,16 +94,20 @@ async def list_models(session: aiohttp.ClientSession, base_url: str, headers: di
 
     try:
         status, raw = await asyncio.wait_for(get(), timeout_s)
-        if status != 200:
-            out.error = f"HTTP {status}"
-            return out
-        doc = json.loads(raw)
     except (TimeoutError, asyncio.TimeoutError):
         out.error = f"no answer within {timeout_s:g}s"
         return out
     except aiohttp.ClientError as e:
         out.error = f"cannot connect: {e}"
         return out
+    except ValueError as e:  # the HTTP library refused the request itself (a header, the URL)
+        out.error = f"the request could not be sent: {e}"
+        return out
+    if status != 200:
+        out.error = f"HTTP {status}"
+        return out
+    try:
+        doc = json.loads(raw)
     except ValueError:
         out.error = "the answer is not JSON"
         return out

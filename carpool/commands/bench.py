@@ -176,7 +176,9 @@ async def _run(args: argparse.Namespace) -> int:
         for _ in range(max(1, args.num_warmups)):
             rec = await backend.send(probe)
             if not rec.success:
-                where = args.endpoint or "the embedded engine"
+                from carpool.redact import redact_url
+
+                where = redact_url(args.endpoint) if args.endpoint else "the embedded engine"
                 print(f"carpool bench: the test request to {where} failed: {rec.error}", file=sys.stderr)
                 return 1
 

@@ -24,6 +24,7 @@ from carpool.client.pool import Timeouts
 from carpool.commands import flags
 from carpool.jobs.readers import FORMATS
 from carpool.jobs.tasks import TaskDefaults, Template
+from carpool.redact import redact_doc, redact_text
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -183,13 +184,19 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
 
 def _headers(values: list[str]) -> dict[str, str]:
     """``--header 'Name: value'`` flags as a mapping; raises ``StartRefused`` on a bad one."""
+    from carpool.client.endpoints import header_problem
     from carpool.jobs.exit_codes import StartRefused
+    from carpool.redact import redact_header
 
     out: dict[str, str] = {}
     for v in values:
         name, sep, value = v.partition(":")
         if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
-            raise StartRefused(f"--header {v!r}: write it as 'Name: value', e.g. --header 'OpenAI-Organization: org-1'")
+            raise StartRefused(f"--header {redact_header(v)!r}: write it as 'Name: value', e.g. "
+                               "--header 'OpenAI-Organization: org-1'")
+        problem = header_problem(name.strip(), value.strip())
+        if problem:
+            raise StartRefused(f"--header {redact_header(v)!r}: {problem}")
         out[name.strip()] = value.strip()
     return out
 
@@ -263,7 +270,12 @@ def _original_argv() -> list[str]:
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A message on stderr; every message of a job passes here or ``_tell``."""
+    print(redact_text(msg), file=sys.stderr, flush=True)
+
+
+def _tell(msg: str) -> None:
+    print(redact_text(msg), file=sys.stderr)
 
 
 def _say_all(msgs: list[str]) -> None:
@@ -281,7 +293,7 @@ def start_checks(opts: RunOptions, args: argparse.Namespace, probe: bool = True)
 
 def write_summary_json(doc: dict, target: str) -> None:
     """``--summary-json PATH`` (indented) or ``-`` (one line on stdout)."""
-    text = json.dumps(doc, indent=None if target == "-" else 2)
+    text = json.dumps(redact_doc(doc), indent=None if target == "-" else 2)
     if target == "-":
         print(text)
     else:
@@ -297,12 +309,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         return int(_main(args))
     except MissingExtra as e:  # e.g. the engine asked for on a slim install: a refused start
-        print(f"carpool run: {e}", file=sys.stderr)
+        _tell(f"carpool run: {e}")
         return int(ExitCode.REFUSED)
     except Exception:  # noqa: BLE001  (a bug: say so with the traceback, exit 1 as documented)
         import traceback
 
-        traceback.print_exc()
+        _tell(traceback.format_exc().rstrip())  # redacted: an exception's text may hold a URL
         print("carpool run: crashed (a bug in carpool; please report it with the traceback above). "
               "The complete lines already in the output are kept: the same command resumes.", file=sys.stderr)
         return int(ExitCode.CRASHED)
@@ -326,16 +338,16 @@ def _main(args: argparse.Namespace) -> int:
         runner = Runner(opts, notify=_say)
         stats = run_with_signals(runner)
     except (FileNotFoundError, ValueError) as e:  # StartRefused is a ValueError
-        print(f"carpool run: {e}", file=sys.stderr)
+        _tell(f"carpool run: {e}")
         return ExitCode.REFUSED
     except OSError as e:  # the output cannot be written (disk full, a path under a file, ...)
         what = str(e) if isinstance(e, OutputError) else f"cannot write the output: {e}"
-        print(f"carpool run: {what}", file=sys.stderr)
+        _tell(f"carpool run: {what}")
         return ExitCode.OUTPUT_FAILED
     if not args.quiet:
         render_summary(stats)
     for msg in runner.messages:
-        print(msg, file=sys.stderr)
+        _tell(msg)
     if args.summary_json:
         write_summary_json(stats.to_dict(), args.summary_json)
     if not args.quiet:
@@ -357,10 +369,10 @@ def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Awaita
         _say_all(start_checks(opts, args, probe=not args.estimate))
         doc = asyncio.run(produce(opts))
     except (FileNotFoundError, ValueError) as e:
-        print(f"carpool run: {e}", file=sys.stderr)
+        _tell(f"carpool run: {e}")
         return None
     for msg in doc.get("messages", []):
-        print(msg, file=sys.stderr)
+        _tell(msg)
     if args.summary_json:
         write_summary_json(doc, args.summary_json)
     return doc
@@ -451,7 +463,7 @@ def _main_ray(args: argparse.Namespace) -> int:
         _say_all(start_checks(opts, args, probe=False))
         result = run_on_ray(opts, ray_options_from_args(args), on_shard=shard_done)
     except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
-        print(f"carpool run --ray: {e}", file=sys.stderr)
+        _tell(f"carpool run --ray: {e}")
         return 2
     except KeyboardInterrupt:
         # Finished shards and the partial shard outputs (their journals) stay in the workdir.
@@ -459,7 +471,7 @@ def _main_ray(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     for msg in result.pop("messages", []):
-        print(msg, file=sys.stderr)
+        _tell(msg)
     if args.summary_json:
         write_summary_json(result, args.summary_json)
     if not args.quiet:

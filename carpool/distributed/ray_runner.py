@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
 from carpool.extras import require
+from carpool.redact import redact_url
 
 if TYPE_CHECKING:
     from carpool.jobs.options import RunOptions
@@ -232,7 +233,7 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
                                   result["saved_prompt_tokens"], result["saved_completion_tokens"])
         result.update(shards=len(shards), shards_done=len(summaries), workers=workers, workdir=str(workdir),
                       complete=not missing, elapsed_s=round(time.monotonic() - started, 3),
-                      backend=f"ray x{workers}: " + (f"http {', '.join(opts.endpoints)}" if opts.endpoints
+                      backend=f"ray x{workers}: " + (f"http {redact_url(', '.join(opts.endpoints))}" if opts.endpoints
                                                      else "echo" if opts.echo else f"engine {opts.engine_model}"))
         result["messages"] = notes + [m for s in summaries for m in s.get("messages", [])]
         if opts.report:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from carpool.client.endpoints import split_credentials
 from carpool.client.retry import ErrorKind
 from carpool.distributed.shards import Shard, iter_shard_lines
 from carpool.jobs.endpoints_file import job_endpoints
@@ -54,7 +55,8 @@ class SharedState:
 
 def default_budget_name(opts: RunOptions) -> str:
     """Jobs against the same endpoints and model share one budget (it is the provider's)."""
-    ident = json.dumps([sorted(opts.endpoints), opts.defaults.model or opts.engine_model])
+    urls = sorted(split_credentials(u)[0] for u in opts.endpoints)  # a password is no part of a name
+    ident = json.dumps([urls, opts.defaults.model or opts.engine_model])
     return "job-" + hashlib.sha1(ident.encode()).hexdigest()[:12]
 
 

@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from carpool.client.endpoints import EndpointSpec, auth_headers, is_azure_url, plain_specs
+from carpool.client.endpoints import EndpointSpec, auth_headers, header_problem, is_azure_url, plain_specs
 from carpool.jobs.exit_codes import StartRefused
 
 if TYPE_CHECKING:
@@ -131,6 +131,9 @@ def _entry(path: str, i: int, e: object, env: Mapping[str, str]) -> EndpointSpec
         if not key:
             raise bad("api_key_env", f"the environment variable {var} is not set (or empty); export it "
                                      "or remove api_key_env for an endpoint without a key")
+        problem = header_problem("Authorization", key)
+        if problem:
+            raise bad("api_key_env", f"the key in ${var} cannot be sent: {problem.replace('the value', 'it')}")
     headers = _headers(e, bad, env)
     return EndpointSpec(
         url, model=model, headers={**auth_headers(kind, key), **headers}, kind=kind,
@@ -151,6 +154,7 @@ def _headers(e: dict, bad: Any, env: Mapping[str, str]) -> dict[str, str]:
         if str(name).lower() in _SECRET_HEADERS:
             raise bad(f"headers.{name}", "holds a key; name its variable instead: api_key_env: VAR, or "
                                          f"headers_env: {{{name}: VAR}}")
+        _check(f"headers.{name}", str(name), str(value), bad)
         out[str(name)] = str(value)
     from_env = e.get("headers_env", {})
     if not isinstance(from_env, dict):
@@ -158,8 +162,15 @@ def _headers(e: dict, bad: Any, env: Mapping[str, str]) -> dict[str, str]:
     for name, var in from_env.items():
         if not isinstance(var, str) or not env.get(var):
             raise bad(f"headers_env.{name}", f"the environment variable {var!r} is not set (or empty)")
+        _check(f"headers_env.{name}", str(name), env[var], bad)
         out[str(name)] = env[var]
     return out
+
+
+def _check(fld: str, name: str, value: str, bad: Any) -> None:
+    problem = header_problem(name, value)
+    if problem:
+        raise bad(fld, problem)
 
 
 def _number(e: dict, fld: str, default: float | None, bad: Any, positive: bool = False) -> Any:
@@ -197,10 +208,30 @@ def job_endpoints(opts: RunOptions) -> list[EndpointSpec]:
     """The endpoints a job sends to: those of its endpoints file, else its ``--endpoint`` URLs
     with ``--api-key``, ``--header`` and ``--api-version`` (``--header`` applies to the file's too)."""
     if opts.endpoint_specs:
-        if not opts.headers:
-            return opts.endpoint_specs
-        return [_with_headers(s, opts.headers) for s in opts.endpoint_specs]
-    return plain_specs(opts.endpoints, opts.api_key, opts.headers, opts.api_version)
+        specs = [_with_headers(s, opts.headers) for s in opts.endpoint_specs] if opts.headers else opts.endpoint_specs
+    else:
+        specs = plain_specs(opts.endpoints, opts.api_key, opts.headers, opts.api_version)
+    check_headers(specs, opts)
+    return specs
+
+
+def check_headers(specs: list[EndpointSpec], opts: RunOptions) -> None:
+    """Refuse the start (exit 2, before anything is sent) when a header cannot go out as HTTP:
+    a line break, a control character, a character beyond Latin-1, a bad name.  Without this,
+    the HTTP library refuses each request and every task becomes an error line.  The message
+    names where the header came from, never its value."""
+    for spec in specs:
+        for name, value in spec.headers.items():
+            problem = header_problem(name, value)
+            if problem is None:
+                continue
+            if name in opts.headers:
+                origin = f"--header '{name}: ...'"
+            elif opts.endpoint_specs:
+                origin = f"endpoint {spec.name} of --endpoints"
+            else:
+                origin = "--api-key (or $CARPOOL_API_KEY / $OPENAI_API_KEY)"
+            raise StartRefused(f"{origin}: header {name}: {problem}")
 
 
 def _with_headers(spec: EndpointSpec, headers: dict[str, str]) -> EndpointSpec:

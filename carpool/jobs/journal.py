@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from carpool.jobs.writer import Appender, ResultWriter
+from carpool.redact import redact_argv
 
 _DECODER = json.JSONDecoder()
 _HEAD = '{"custom_id":'
@@ -407,7 +408,7 @@ class Journal:
             self.recovered = Recovered(self.done)
         doc: dict[str, object] = {"input": os.path.abspath(input_path) if input_path is not None else None,
                "input_size": os.stat(input_path).st_size if input_path is not None else None,
-               "finished": finished, "argv": argv if argv is not None else sys.argv}
+               "finished": finished, "argv": redact_argv(argv if argv is not None else sys.argv)}
         if self.fingerprint is not None:
             doc["fingerprint"] = self.fingerprint
         tmp = self.state_path.with_suffix(".tmp")

@@ -21,12 +21,12 @@ is then done on resume).
 from __future__ import annotations
 
 import asyncio
-import shlex
 import sys
 import time
 from collections.abc import Callable
 from typing import Literal
 
+from carpool import redact
 from carpool.cache.audit import AuditItem, SemanticAudit
 from carpool.client.base import CallResult, Request
 from carpool.client.breaker import OutageTimeout
@@ -166,8 +166,7 @@ class Pipeline:
         self._slots.release()  # the reader may wait for a slot no cancelled task will free
 
     def resume_command(self) -> str:
-        argv = self.opts.argv if self.opts.argv is not None else sys.argv[1:]
-        return "carpool " + shlex.join(a for a in argv if a != "--fresh")
+        return redact.resume_command(self.opts.argv if self.opts.argv is not None else sys.argv[1:])
 
     # -- the run --------------------------------------------------------------------------
     async def run(self) -> JobStats:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from carpool.jobs.prices import Prices, cost_doc
+from carpool.redact import redact_text
 
 
 class Reservoir:
@@ -159,7 +160,8 @@ class JobStats:
             "saved_time_s": round(self.saved_time_s(), 2), "interrupted": self.interrupted,
             "stopped_by_outage": self.stopped_by_outage,
             **({"outages": self.outages} if self.outages is not None else {}),
-            "backend": self.backend, "cache": self.cache_backend, "engine_start_s": self.engine_start_s,
+            "backend": redact_text(self.backend), "cache": redact_text(self.cache_backend),
+            "engine_start_s": self.engine_start_s,
             "engine_start_overlap_s": self.engine_start_overlap_s,
             "cache_ttl_s": self.cache_ttl_s,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),

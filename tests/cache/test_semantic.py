@@ -206,3 +206,20 @@ def test_concurrent_threads_share_one_cache(tmp_path, embedder):
     # The number guard keeps every ticket on its own entry.
     assert [f[0]["label"] if f else None for f in found] == list(range(len(texts)))
     sem.close()
+
+
+def test_a_near_spelling_of_a_place_is_another_place_not_a_typo(tmp_path, embedder):
+    """Malta cached: Yalta (0.52 to it) and, with Paris cached, Paros (0.58 to 0.80 by wording)
+    were hits that served the other place's answer.  Each is a miss now, named as a different
+    word; a misspelt ordinary word beside the name still hits."""
+    sem = SemanticCache(tmp_path / "sem", embedder=embedder)  # the default threshold, 0.4
+    stored = ["Is Malta an island? Answer yes or no.", "Is Paris an island? Answer yes or no.",
+              "What is the population of Paris?"]
+    sem.add_many([("s", t, {"answer": i}) for i, t in enumerate(stored)])
+    for query in ("Is Yalta an island? Answer yes or no.", "is yalta an island? answer yes or no.",
+                  "Is Paros an island? Answer yes or no.", "What is the population of Paros?"):
+        assert sem.lookup("s", query) is None, query
+    assert sem.stats()["verify_rejections_by_reason"].get("word", 0) >= 4
+    hit = sem.lookup("s", "Is Malta an iland? Answer yes or no.")
+    assert hit is not None and hit[0] == {"answer": 0}
+    sem.close()

@@ -146,3 +146,51 @@ def test_synonyms_are_first_senses_of_one_synset_and_never_antonyms():
     for pair in NOT_SYNONYMS:
         a, b = pair.split()
         assert not synonyms(a, b) and not synonyms(b, a), pair
+
+
+# A near spelling of a place or a name is another place or name: the word the embedder's
+# vocabulary lacks is only a typo when neither the dictionary (WordNet) lists it nor the text
+# writes it as a name.  Each pair is checked both ways round.
+OTHER_ENTITIES = [
+    ("Is Malta an island? Answer yes or no.", "Is Yalta an island? Answer yes or no."),
+    ("is malta an island? answer yes or no.", "is yalta an island? answer yes or no."),  # lower case: WordNet
+    ("What is the capital of Paris?", "What is the capital of Paros?"),
+    ("Is Paris an island?", "Is Paros an island?"),
+    ("Should I visit Paris or Rome?", "Should I visit Paros or Rome?"),
+    ("How far is it from Athens to Malta?", "How far is it from Athens to Yalta?"),
+    ("Is Crete in Greece?", "Is Crote in Greece?"),  # a name written as one: not forgiven as a typo
+    ("Did Marco sign the form?", "Did Marko sign the form?"),
+    ("Is Crete bigger than Rhodes?", "Is Crete bigger than Rhode?"),  # a name is no plural of another
+]
+# Typos of ordinary words stay forgiven, capitalised at the start of a sentence or not.
+STILL_TYPOS = [
+    ("Is the museum accessible by wheelchair?", "Is the museum acessible by wheelchair?"),
+    ("How do I change the language of the app?", "How do I chnage the language of the app?"),
+    ("The screen cracked.", "Teh screen cracked."),
+    ("Change the language of the app.", "Chnage the language of the app."),
+    ("Is Malta an island?", "Is Malta an iland?"),
+    ("The seller was very responsive and helpful.", "The seller was very responsive and helpfull."),
+    ("HOW DO I CHANGE THE LANGUAGE?", "How Do I Chnage The Language?"),  # a title's case tells nothing
+]
+
+
+@pytest.mark.parametrize("stored,query", OTHER_ENTITIES)
+def test_a_near_spelling_of_a_name_is_another_entity(stored, query):
+    for a, b in ((query, stored), (stored, query)):
+        verdict = verify(a, b)
+        assert not verdict.same and verdict.reason == "word", (a, b, verdict)
+
+
+@pytest.mark.parametrize("stored,query", STILL_TYPOS)
+def test_typos_of_ordinary_words_are_still_forgiven(stored, query):
+    assert verify(query, stored).same
+    assert verify(stored, query).same
+
+
+def test_name_words_are_capitalised_words_not_starting_a_sentence():
+    from carpool.cache.verify import name_words
+
+    assert name_words("Is Yalta an island? Paros is.") == {"yalta"}
+    assert name_words("Teh screen cracked. Then it died.") == frozenset()
+    assert name_words("The Blender Is Loud But Powerful.") == frozenset()  # a title: case says nothing
+    assert name_words("IS THIS REVIEW POSITIVE: LOVED IT") == frozenset()
