@@ -27,6 +27,10 @@ class ThreadedServer:
         return asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(10)
 
     def stop(self) -> None:
+        """Stops the server and its loop; a second call (a test that took a server down, then
+        the fixture's own stop) does nothing."""
+        if not self._loop.is_running():
+            return
         asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)

@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
-from reliability_helpers import FaultConfig, chat_task, read_jsonl, run_cli, write_jsonl
+from reliability_helpers import FaultConfig, chat_task, read_jsonl, run_cli, run_cmd, write_jsonl
 
 from carpool.redact import MASK, is_secret_header, redact_argv, redact_text, resume_command
 from carpool.testing.fixtures import free_port
@@ -89,22 +94,43 @@ def test_a_finished_run_writes_and_prints_no_secret(logging_fault_server, tmp_pa
     assert PASSWORD not in summary["backend"] and "127.0.0.1" in summary["backend"]
 
 
+def _requests_seen(url: str) -> int:
+    with urllib.request.urlopen(f"{url.removesuffix('/v1')}/stats", timeout=10) as r:
+        return int(json.load(r)["total_requests"])
+
+
 def test_the_resume_hint_holds_no_secret_and_the_resume_it_describes_finishes(logging_fault_server, tmp_path, tasks):
-    """The job stops in an outage (nothing listens), printing "Resume once the endpoint is
-    back with:".  The hint has no ``--api-key``, says to export ``$CARPOOL_API_KEY``, masks
-    the header and URL password; the same command with the key in that variable, once a
-    server answers, finishes every task."""
-    dead = f"http://127.0.0.1:{free_port()}/v1"
-    common = [str(tasks), *_outputs(tmp_path), "--model", "m", "--header", f"X-Token: {XTOKEN}"]
-    p = run_cli([*common, "--endpoint", _with_userinfo(dead), "--api-key", KEY, "--outage-timeout", "1s"],
-                env=_env(tmp_path))
-    err = p.stderr.decode()
+    """The job stops in an outage (the server takes the first requests, then vanishes),
+    printing "Resume once the endpoint is back with:".  The hint has no
+    ``--api-key``, says to export ``$CARPOOL_API_KEY``, masks the header and URL password; the
+    same command with the key in that variable, once a server answers, finishes every task."""
+    # The server runs in a process of its own so it can vanish at once, requests in flight.
+    server = subprocess.Popen([sys.executable, "-m", "carpool.testing.fault_server", "--latency", "60"],
+                              stdout=subprocess.PIPE, text=True)
+    p: subprocess.Popen | None = None
+    try:
+        url = json.loads(server.stdout.readline())["url"]  # type: ignore[union-attr]
+        common = [str(tasks), *_outputs(tmp_path), "--model", "m", "--header", f"X-Token: {XTOKEN}"]
+        p = subprocess.Popen(run_cmd([*common, "--endpoint", _with_userinfo(url), "--api-key", KEY,
+                                      "--outage-timeout", "1s"]),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **_env(tmp_path)})
+        deadline = time.monotonic() + 120
+        while _requests_seen(url) == 0 and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.kill()  # the tasks are in flight: the endpoint goes away under them
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        server.kill()
+        server.wait()
+        if p is not None and p.poll() is None:
+            p.kill()
+    err = stderr.decode()
     assert p.returncode == 4, err
     assert "Resume once the endpoint is back with:" in err
     command, note = err.split("back with:", 1)[1].strip().splitlines()[:2]
     assert command.startswith("carpool run ") and "--api-key" not in command and f"X-Token: {MASK}" in command
     assert "export CARPOOL_API_KEY=" in note
-    assert _leaks(tmp_path, p.stdout.decode(), err) == []
+    assert _leaks(tmp_path, stdout.decode(), err) == []
 
     srv = logging_fault_server(FaultConfig(models=["m"], require_headers={"Authorization": f"Bearer {KEY}",
                                                                           "X-Token": XTOKEN}))
@@ -118,7 +144,7 @@ def test_the_resume_hint_holds_no_secret_and_the_resume_it_describes_finishes(lo
 
 def test_an_endpoints_file_with_secrets_leaks_none_in_its_warnings(tmp_path, tmp_path_factory, tasks):
     """The file form: a password in ``base_url``, the key and a header in variables.  The
-    endpoint is down, so the warnings and the outage stop name it: by its URL without the
+    endpoint is down, so the refusal at start names it: by its URL without the
     password.  (The file is the user's, kept outside the directory searched.)"""
     dead = f"http://127.0.0.1:{free_port()}/v1"
     config = tmp_path_factory.mktemp("config") / "endpoints.yaml"
@@ -128,15 +154,16 @@ def test_an_endpoints_file_with_secrets_leaks_none_in_its_warnings(tmp_path, tmp
     p = run_cli([str(tasks), *_outputs(tmp_path), "--endpoints", str(config), "--outage-timeout", "1s"],
                 env=_env(tmp_path, MY_KEY=KEY, MY_TOKEN=XTOKEN))
     err = p.stderr.decode()
-    assert p.returncode == 4, err
-    assert "could not list the models of " in err and dead.removeprefix("http://") in err
+    assert p.returncode == 2, err  # nothing answers at start: refused before anything is sent
+    assert "nothing answers at " in err and dead.removeprefix("http://") in err
     assert _leaks(tmp_path, p.stdout.decode(), err) == []
 
 
 @pytest.mark.parametrize("mode", ["--dry-run", "--estimate"])
-def test_look_ahead_summaries_leak_nothing(tmp_path, tasks, mode):
+def test_look_ahead_summaries_leak_nothing(logging_fault_server, tmp_path, tasks, mode):
+    srv = logging_fault_server(FaultConfig(models=["m"]))  # --dry-run asks the endpoint at start
     p = run_cli([str(tasks), "-o", str(tmp_path / "out.jsonl"), "--summary-json", "-", mode,
-                 "--endpoint", _with_userinfo(f"http://127.0.0.1:{free_port()}/v1"), "--model", "m",
+                 "--endpoint", _with_userinfo(srv.url), "--model", "m",
                  "--api-key", KEY, "--header", f"Authorization: {AUTH}", "--header", f"X-Token: {XTOKEN}",
                  "--price-in", "1", "--price-out", "1"], env=_env(tmp_path))
     assert p.returncode == 0, p.stderr.decode()
