@@ -21,6 +21,7 @@ is then done on resume).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shlex
 import sys
 import time
@@ -53,19 +54,37 @@ class OutputError(OSError):
 class _TaskWriter:
     """One task's view of the writer: its first line goes through and frees the task's slot,
     any later one is dropped, so the catch-all in ``Pipeline._handle`` can never write a
-    task twice (or free its slot twice)."""
+    task twice (or free its slot twice).
 
-    __slots__ = ("done", "seq", "tail", "used", "writer")
+    A task can also end with no line (``drop``): stopped before it was sent, or cancelled.
+    An error met once the job cancels its tasks is the cancellation's doing, not the task's
+    outcome (code under a cancelled task may turn the cancellation into another exception),
+    so it is dropped too: written, it would mark a task that never ran as done, and a resume
+    would never send it."""
 
-    def __init__(self, writer: ResultWriter, seq: int, done: Callable[[], None], tail: bytes = b""):
-        """``tail``: the task's own fields every line of it ends with (``writer.line_tail``)."""
-        self.writer, self.seq, self.done, self.tail = writer, seq, done, tail
+    __slots__ = ("cancelled", "done", "release", "seq", "tail", "used", "writer")
+
+    def __init__(self, writer: ResultWriter, seq: int, done: Callable[[], None], release: Callable[[], None],
+                 cancelled: Callable[[], bool], tail: bytes = b""):
+        """``done``: called once its line is written; ``release``: once it ends without one;
+        ``cancelled``: whether the job cancels its tasks; ``tail``: the task's own fields every
+        line of it ends with (``writer.line_tail``)."""
+        self.writer, self.seq, self.done, self.release, self.tail = writer, seq, done, release, tail
+        self.cancelled = cancelled
         self.used = False
 
     def emit(self, line: bytes, is_error: bool = False) -> None:
-        if not self.used:
+        if is_error and self.cancelled():
+            self.drop()
+        elif not self.used:
             self.used = True
             self.writer.emit(self.seq, with_tail(line, self.tail), is_error, self.done)
+
+    def drop(self) -> None:
+        """The task ends unwritten: it is not done, so a resume runs it."""
+        if not self.used:
+            self.used = True
+            self.writer.skip(self.seq, self.release)
 
 
 def _usage_tokens(body: dict | None) -> tuple[int, int]:
@@ -98,6 +117,7 @@ class Pipeline:
         self._slots = asyncio.Semaphore(opts.max_pending)
         self._pending: set[asyncio.Task] = set()
         self._stop = False
+        self._cancelled = False  # the job cancels its tasks: their errors are not outcomes
         self._write_failed = False
         self._seen = SeenIds()
         self._seq = 0
@@ -160,7 +180,11 @@ class Pipeline:
             self._stop_for_outage()
         return status
 
+    def _cancelling(self) -> bool:
+        return self._cancelled
+
     def _cancel_all(self) -> None:
+        self._cancelled = True
         for t in list(self._pending):
             t.cancel()
         self._slots.release()  # the reader may wait for a slot no cancelled task will free
@@ -201,10 +225,12 @@ class Pipeline:
                 await asyncio.gather(*list(self._pending), return_exceptions=True)
             if parts.caches.audit is not None and not self._stop:
                 await self._run_audit(parts.caches.audit)
+        except asyncio.CancelledError:  # the caller's Ctrl-C (``asyncio.run``): unfinished, resumable
+            st.interrupted = True
+            raise
         finally:
             ticker.cancel()
-            for t in list(self._pending):
-                t.cancel()
+            await self._end_pending()
             writer.close()
             st.finished = time.monotonic()
             st.retries.update(self.executor.retries)
@@ -235,6 +261,20 @@ class Pipeline:
             self.messages.append(f"interrupted: {st.done + st.skipped:,} tasks are in {parts.journal.output}. "
                                  f"Resume with:\n  {self.resume_command()}")
         return st
+
+    async def _end_pending(self) -> None:
+        """Cancel the tasks still running (the job itself was cancelled, or stops at once) and
+        let them unwind before the writer closes: each ends unwritten, or with the answer it
+        already had, never with a line its cancellation made up."""
+        pending = list(self._pending)
+        if pending:
+            self._cancelled = True
+        for t in pending:
+            t.cancel()
+        if pending:
+            # A second cancellation of the job itself must not skip closing the journal.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(pending, timeout=10)
 
     async def _run_audit(self, audit: SemanticAudit) -> None:
         """Re-ask the sampled semantic hits, bypassing both caches; the output file is not changed."""
@@ -296,7 +336,7 @@ class Pipeline:
             await self._slots.acquire()
             if self._stop:
                 break
-            out = _TaskWriter(writer, self._seq, self._written, self._tail(item))
+            out = _TaskWriter(writer, self._seq, self._written, self._slots.release, self._cancelling, self._tail(item))
             self._seq += 1
             task = self._admit(item, out)
             if task is None:
@@ -368,10 +408,14 @@ class Pipeline:
         try:
             await self._run_task(out, task)
         except asyncio.CancelledError:
+            out.drop()  # cancelled before its line: it runs on resume
             raise
-        except Exception as e:  # noqa: BLE001 - one task's failure must not hang or end the job
+        except Exception as e:  # one task's failure must not hang or end the job
             # Without this line the task's slot would never be released (the job would stall
             # once max_pending tasks had failed) and the task would be lost, not recorded.
+            if self._cancelled:  # the cancellation's doing (see ``_TaskWriter``): not an outcome
+                out.drop()
+                raise asyncio.CancelledError from e
             if out.used:  # its line is written already: the failure came after (a stats update)
                 self.messages.append(f"line {task.line_no}: internal error after writing its result: {e!r}")
                 return
@@ -428,7 +472,7 @@ class Pipeline:
             except asyncio.CancelledError:
                 if not found.cancelled():
                     raise  # we are cancelled ourselves
-                self._slots.release()  # the leader stopped unsent: so do we (resume redoes both)
+                out.drop()  # the leader stopped unsent: so do we (resume redoes both)
                 return "done"
         if not res.ok:
             return "alone"
@@ -444,11 +488,11 @@ class Pipeline:
                                                   probe.store if probe else None)
         except OutageTimeout:
             self._stop_for_outage()
-            self._slots.release()
-            return  # not written: it runs on resume
+            out.drop()  # not written: it runs on resume
+            return
         except Stopped:
-            self._slots.release()
-            return  # not written: it is done on resume
+            out.drop()  # not written: it is done on resume
+            return
         res = outcome.result
         if outcome.attempts == 0 and probe is not None and probe.hit is not None:  # the semantic cache answered
             hit, st = probe.hit, self.stats
