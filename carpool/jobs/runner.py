@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from carpool.extras import require
 from carpool.jobs.options import RunOptions
-from carpool.jobs.output_format import output_target, write_parquet
+from carpool.jobs.output_format import OutputTarget, output_target, write_parquet
+from carpool.jobs.output_lock import OutputLock
 from carpool.jobs.parts import build_parts
 from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.prices import Prices, resolve_prices
@@ -52,17 +53,27 @@ class Runner:
             self.pipeline.request_stop()
 
     async def run(self) -> JobStats:
+        """The job to its end; ``OutputLocked`` (a ``StartRefused``) at once when another run
+        holds the output, before anything is read or sent."""
         target = output_target(self.opts.output)  # a suffix carpool cannot write: refused before anything
         if self.opts.report:  # refused before the job, not after it
             require("report", "--report")
         prices = job_prices(self.opts)  # before anything is sent: a bad --price-in refuses the start
+        lock = OutputLock(target.journal)
+        lock.acquire()
+        try:
+            return await self._run_locked(target, prices, lock.note)
+        finally:
+            lock.release()
+
+    async def _run_locked(self, target: OutputTarget, prices: Prices | None, lock_note: str | None) -> JobStats:
         peek = self.make_source(self.opts) if self.make_source is not None else None
         self.opts, notes = await resolve_target(self.opts, peek)
         source = self.make_source(self.opts) if self.make_source is not None else None
         parts = build_parts(self.opts, source=source)
         if target.kind == "parquet" and self.opts.fresh:  # the table of the run --fresh throws away
             target.path.unlink(missing_ok=True)
-        parts.messages[:0] = notes
+        parts.messages[:0] = notes if lock_note is None else [lock_note, *notes]
         self.messages = parts.messages
         self.pipeline = Pipeline(parts, self.opts, self.notify)
         self.pipeline.stats.prices = prices
