@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from carpool.jobs.readers import RecordSource
-from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_record
+from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_record, repeat_id
 
 # The columns a DataFrame or Dataset gains: the answer's text (or embedding), why it stopped,
 # its tokens, and the error message of a task that failed (None when it succeeded).
@@ -71,16 +71,28 @@ class MemorySource(RecordSource):
 
     def __iter__(self) -> Iterator[Task | BadLine]:
         seen: set[str] = set()
+        repeats: list[tuple[int, str]] = []
         for line_no, row in self.records:
             if self.template is not None:
                 item = build_from_row(row, line_no, self.template, self.defaults)
             else:
                 item = build_record(row, line_no, self.defaults)
             cid = item.custom_id
-            # The pipeline writes a repeated custom_id's error under <id>#line-<n>.
-            self.ids[line_no - 1] = f"{cid}#line-{line_no}" if cid in seen else cid
-            seen.add(cid)
+            if cid in seen:
+                repeats.append((line_no, cid))
+            else:
+                self.ids[line_no - 1] = cid
+                seen.add(cid)
             yield item
+        def take(name: str) -> bool:
+            if name in seen:
+                return False
+            seen.add(name)
+            return True
+
+        # Named as the pipeline names a repeat's error line, once every id is known.
+        for line_no, cid in repeats:
+            self.ids[line_no - 1] = repeat_id(cid, line_no, take)
 
 
 def read_lines(path: str) -> dict[str, dict]:

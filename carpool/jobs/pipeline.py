@@ -25,7 +25,7 @@ import contextlib
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 from carpool.cache.audit import AuditItem, SemanticAudit
@@ -40,7 +40,7 @@ from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import JobParts
 from carpool.jobs.progress import Progress
 from carpool.jobs.summary import JobStats
-from carpool.jobs.tasks import BadLine, Task, prefix_key
+from carpool.jobs.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
 from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
 
@@ -323,13 +323,13 @@ class Pipeline:
         o = self.opts
         window: list[tuple[_TaskWriter, Task]] = []
         n = 0
-        for item in self.parts.source:
+        repeats: list[BadLine] = []
+        for item in self._read_then_repeats(repeats):
             if self._stop:
                 break
             n += 1
             if n % 64 == 0:
                 await asyncio.sleep(0)  # let responses in while a fast reader runs ahead
-            item = self._refuse_repeat(item)
             if len(done) and item.custom_id in done:
                 self.stats.skipped += 1
                 continue
@@ -356,18 +356,24 @@ class Pipeline:
         ``--retry-errors`` answers it again, the ``id`` of the error line it supersedes."""
         return line_tail(item.metadata, self.parts.journal.supersedes(item.custom_id))
 
-    def _refuse_repeat(self, item: Task | BadLine) -> Task | BadLine:
-        """A custom_id seen on an earlier line becomes an error under an id of its own.
+    def _read_then_repeats(self, repeats: list[BadLine]) -> Iterator[Task | BadLine]:
+        """The source's items, then the error lines of its repeated custom_ids.
 
         The custom_id is the journal's key, so a repeat could not be resumed safely; it is
-        refused (as OpenAI's Batch API refuses it) as ``<id>#line-<n>``, so a resumed run
-        finds that error line done too."""
-        cid = item.custom_id
-        if self._seen.add(cid):
-            return item
-        return BadLine(item.line_no, f"{cid}#line-{item.line_no}", "custom_id",
-                       f"duplicate custom_id {cid!r}: it was used on an earlier line; "
-                       "custom_ids must be unique in a file")
+        refused (as OpenAI's Batch API refuses it) under an id of its own, ``<id>#line-<n>``
+        (``tasks.repeat_id``), so a resumed run finds that error line done too.  Those ids
+        are made up once the whole input was read: a later line may use ``a#line-2`` itself,
+        and a made-up id equal to a user's would write two lines under one id and hide the
+        user's task from a resume.  Until then a repeat costs its id and metadata (its
+        request is not kept)."""
+        for item in self.parts.source:
+            if self._seen.add(item.custom_id):
+                yield item
+            else:
+                repeats.append(BadLine(item.line_no, item.custom_id, "custom_id", "", item.metadata))
+        for bad in repeats:
+            name = repeat_id(bad.custom_id, bad.line_no, self._seen.add)
+            yield BadLine(bad.line_no, name, "custom_id", repeat_reason(bad.custom_id), bad.metadata)
 
     def _admit(self, item: Task | BadLine, out: _TaskWriter) -> Task | None:
         """The task, or None when its line is written already: a bad line, or a request the
