@@ -124,15 +124,22 @@ class Pipeline:
         self._input = opts.input or None  # the state file's input ("": records in memory)
 
     # -- control --------------------------------------------------------------------------
-    def request_stop(self) -> None:
-        """First Ctrl-C: stop reading, let in-flight requests finish.  Second: stop now."""
+    def request_stop(self, grace_s: float | None = None) -> None:
+        """First Ctrl-C: stop reading, let in-flight requests finish.  Second: stop now.
+
+        ``grace_s`` (SIGTERM): requests in flight get that long, then stop unwritten (they
+        run on resume), so the job ends in seconds even when a stream sends only keep-alives
+        until the total timeout; answers that came meanwhile are written."""
         self.stats.interrupted = True
         if not self._stop:
             self._stop = True
-            self.executor.stopping = True
+            self.executor.stop()
+            if grace_s is not None:
+                asyncio.get_running_loop().call_later(grace_s, self._cancel_all)
             if self.notify is not None:
+                limit = f"at most {grace_s:g} s" if grace_s is not None else "Ctrl-C again to stop at once"
                 self.notify(f"\ncarpool run: stopping; finishing {self.parts.limiter.in_flight} requests in flight "
-                            "(Ctrl-C again to stop at once)")
+                            f"({limit})")
             return
         self._cancel_all()
 
@@ -142,7 +149,7 @@ class Pipeline:
         self._write_failed = True
         self.stats.interrupted = True
         self._stop = True
-        self.executor.stopping = True
+        self.executor.stop()
         self._cancel_all()
 
     def _stop_for_outage(self) -> None:
@@ -155,7 +162,7 @@ class Pipeline:
         gate = self.executor.gate
         self.stats.outage_stop = gate.status() if gate is not None else ""
         self._stop = True
-        self.executor.stopping = True
+        self.executor.stop()
         self._slots.release()  # the reader may wait for a slot
         if self.notify is not None:
             self.notify(f"\ncarpool run: stopping: {self.stats.outage_stop}, longer than --outage-timeout "

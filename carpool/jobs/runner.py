@@ -25,6 +25,8 @@ from carpool.jobs.readers import TaskSource
 from carpool.jobs.summary import JobStats
 from carpool.jobs.target import resolve_target
 
+TERM_GRACE_S = 5.0  # how long SIGTERM lets requests in flight finish
+
 
 def job_prices(opts: RunOptions) -> Prices | None:
     """The prices of the job's model: the flags, else the built-in table (an endpoint's
@@ -43,14 +45,22 @@ class Runner:
         self.notify = notify
         self.pipeline: Pipeline | None = None
         self.messages: list[str] = []  # what the user should read after the run (warnings, resume)
-        self._stops = 0  # stop requests that came before the pipeline existed
+        # stop requests that came before the pipeline existed (with their grace, if any)
+        self._stops: list[float | None] = []
 
-    def request_stop(self) -> None:
-        """First call (Ctrl-C, SIGTERM): stop reading and let in-flight requests finish; second: stop now."""
+    def request_stop(self, grace_s: float | None = None) -> None:
+        """First call (Ctrl-C): stop reading and let in-flight requests finish; second: stop now.
+        ``grace_s``: in-flight requests get that long, then stop unwritten."""
         if self.pipeline is None:
-            self._stops += 1
+            self._stops.append(grace_s)
         else:
-            self.pipeline.request_stop()
+            self.pipeline.request_stop(grace_s)
+
+    def terminate(self) -> None:
+        """SIGTERM: stop within seconds whatever the requests in flight are doing (a stream
+        of keep-alives, a long Retry-After): they get ``TERM_GRACE_S`` to finish, then run on
+        resume; a process manager that kills after 10 s loses no finished answer."""
+        self.request_stop(TERM_GRACE_S)
 
     async def run(self) -> JobStats:
         """The job to its end; ``OutputLocked`` (a ``StartRefused``) at once when another run
@@ -77,8 +87,8 @@ class Runner:
         self.messages = parts.messages
         self.pipeline = Pipeline(parts, self.opts, self.notify)
         self.pipeline.stats.prices = prices
-        for _ in range(self._stops):
-            self.pipeline.request_stop()
+        for grace_s in self._stops:
+            self.pipeline.request_stop(grace_s)
         stats = await self.pipeline.run()
         if target.kind == "parquet" and not (stats.interrupted or stats.stopped_by_outage):
             rows = await asyncio.to_thread(write_parquet, target.journal, target.path)
