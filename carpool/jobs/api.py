@@ -75,7 +75,8 @@ async def _look(tasks: Any, kind: str, output: str | os.PathLike | None, want_es
         opts = make_options(path, journal, **options)
         source = None
         if kind != "path":
-            source = MemorySource(rows_of(tasks, kind), opts.template, job_defaults(opts))
+            source = MemorySource(rows_of(tasks, kind, keep_empty=opts.template is not None), opts.template,
+                                  job_defaults(opts))
         if want_estimate:
             return await estimate(opts, source)
         return await plan(opts, source)
@@ -99,7 +100,7 @@ async def arun_batch(tasks: Any, output: str | os.PathLike | None = None, *, wit
             summary = await _run_file(opts)
             results: Any = list(read_lines(journal).values())
         else:
-            rows = rows_of(tasks, kind)
+            rows = rows_of(tasks, kind, keep_empty=options.get("template") is not None)
             if kind != "list":
                 check_columns(list(rows[0]) if rows else [])
             opts = make_options("", journal, **options)

@@ -258,6 +258,10 @@ class Template:
         if missing:
             return _bad(line_no, cid, "template", f"column {missing[0]!r} is not in the file "
                                                   f"(columns: {', '.join(map(str, row))})")
+        empty = [c for c in self.columns if row[c] is None]
+        if empty:  # a NaN or null cell: a prompt with a hole is not what the row meant
+            return _bad(line_no, cid, "template", f"the cell of column {empty[0]!r} is empty in this row "
+                                                  "(null or NaN): fill it, or leave the row out")
         values = {k: "" if v is None else v for k, v in row.items()}
         try:
             text = self.text.format_map(values)
