@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -78,3 +79,41 @@ def test_sigterm_ends_the_job_in_seconds_and_keeps_every_answer(logging_fault_se
     again = run_cli(args, timeout=300)  # each fault fired once: the resume gets answers
     assert again.returncode == 0, again.stderr.decode()[-2000:]
     assert sorted(complete_ids(out)) == sorted(f"t{i}" for i in range(n))
+
+
+@pytest.mark.parametrize("case", ["keepalive_stream", "retry_after_429"])
+def test_sigterm_ends_run_batch_and_keeps_every_answer(logging_fault_server, tmp_path, case):
+    # The Python API in a script that left SIGTERM to the default: before, the process died
+    # on the spot (lines still buffered were lost); now the job stops, writes what it has,
+    # and the process then ends by the SIGTERM.
+    faults = CASES[case]
+    stuck = {f.match for f in faults}
+    srv = logging_fault_server(FaultConfig(faults=faults))
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_task(f"t{i}", f"task {i}") for i in range(N)])
+    out = tmp_path / "out.jsonl"
+    code = ("import carpool\n"
+            f"carpool.run_batch({str(src)!r}, output={str(out)!r}, endpoints=[{srv.url!r}], model='m', "
+            "cache='off', concurrency=4, progress=False)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            # every other task answered by the server: the job waits only on the stuck one
+            if len(srv.server.completed) >= N - len(stuck) and all(srv.server.seen[s] for s in stuck):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGTERM, err.decode()[-2000:]
+    written = set(complete_ids(out))
+    assert set(srv.server.completed) <= written, "an answer the server gave was not kept"
+    assert stuck.isdisjoint(written)
+    srv.quiesce()
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stderr.decode()[-2000:]
+    assert sorted(complete_ids(out)) == sorted(f"t{i}" for i in range(N))
