@@ -169,9 +169,7 @@ class Executor:
             if kind == ErrorKind.CONNECT and res.endpoint_down:
                 # Never reached a server that is down: not an attempt; wait at the gate.
                 attempt -= 1
-                self.retries[kind] += 1
-                if len(retried) < 100:
-                    retried.append(kind)
+                self._count_retry(kind, retried)
                 continue
             if not decision.retry or attempt >= self.policy.max_attempts:
                 res.error_kind = decision.kind
@@ -179,12 +177,15 @@ class Executor:
                     res.error_message = ("not retried: a non-idempotent request may already have run "
                                          f"({res.error_message}); rerun it explicitly if wanted")
                 return Outcome(req, res, attempt, retried)
-            self.retries[kind] += 1
-            if len(retried) < 100:
-                retried.append(kind)
+            self._count_retry(kind, retried)
             await self._pause(self.policy.backoff(attempt, res.retry_after, self._rng))
             if self.stopping:
                 raise Stopped(req.custom_id)
+
+    def _count_retry(self, kind: ErrorKind, retried: list[ErrorKind]) -> None:
+        self.retries[kind] += 1
+        if len(retried) < 100:  # the outcome lists the first ones
+            retried.append(kind)
 
 
 def outage_gate(backend: object) -> OutageGate | None:
