@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import shlex
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Literal
 
 from carpool.cache.audit import AuditItem, SemanticAudit
@@ -39,6 +40,7 @@ from carpool.jobs.journal import DoneSet, SeenIds
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import JobParts
 from carpool.jobs.progress import Progress
+from carpool.jobs.readers import TaskSource
 from carpool.jobs.summary import JobStats
 from carpool.jobs.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
 from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
@@ -87,6 +89,14 @@ class _TaskWriter:
             self.writer.skip(self.seq, self.release)
 
 
+def _every_id(source: TaskSource) -> SeenIds:
+    """The custom_ids of every item of ``source`` (a pass of its own over it)."""
+    ids = SeenIds()
+    for item in source:
+        ids.add(item.custom_id)
+    return ids
+
+
 def _usage_tokens(body: dict | None) -> tuple[int, int]:
     """(prompt, completion) tokens of an answer body's ``usage`` (an embedding has no completion)."""
     u = body.get("usage") if isinstance(body, dict) else None
@@ -120,6 +130,8 @@ class Pipeline:
         self._cancelled = False  # the job cancels its tasks: their errors are not outcomes
         self._write_failed = False
         self._seen = SeenIds()
+        self._all_ids: SeenIds | None = None  # every id of the input, read at the first repeat
+        self._made_up = SeenIds()  # the ids made up for repeats
         self._seq = 0
         self._input = opts.input or None  # the state file's input ("": records in memory)
 
@@ -330,13 +342,14 @@ class Pipeline:
         o = self.opts
         window: list[tuple[_TaskWriter, Task]] = []
         n = 0
-        repeats: list[BadLine] = []
-        for item in self._read_then_repeats(repeats):
+        for item in self.parts.source:
             if self._stop:
                 break
             n += 1
             if n % 64 == 0:
                 await asyncio.sleep(0)  # let responses in while a fast reader runs ahead
+            if not self._seen.add(item.custom_id):
+                item = await self._refuse_repeat(item)
             if len(done) and item.custom_id in done:
                 self.stats.skipped += 1
                 continue
@@ -363,24 +376,27 @@ class Pipeline:
         ``--retry-errors`` answers it again, the ``id`` of the error line it supersedes."""
         return line_tail(item.metadata, self.parts.journal.supersedes(item.custom_id))
 
-    def _read_then_repeats(self, repeats: list[BadLine]) -> Iterator[Task | BadLine]:
-        """The source's items, then the error lines of its repeated custom_ids.
+    async def _refuse_repeat(self, item: Task | BadLine) -> BadLine:
+        """A custom_id seen on an earlier line becomes an error under an id of its own.
 
         The custom_id is the journal's key, so a repeat could not be resumed safely; it is
-        refused (as OpenAI's Batch API refuses it) under an id of its own, ``<id>#line-<n>``
-        (``tasks.repeat_id``), so a resumed run finds that error line done too.  Those ids
-        are made up once the whole input was read: a later line may use ``a#line-2`` itself,
-        and a made-up id equal to a user's would write two lines under one id and hide the
-        user's task from a resume.  Until then a repeat costs its id and metadata (its
-        request is not kept)."""
-        for item in self.parts.source:
-            if self._seen.add(item.custom_id):
-                yield item
-            else:
-                repeats.append(BadLine(item.line_no, item.custom_id, "custom_id", "", item.metadata))
-        for bad in repeats:
-            name = repeat_id(bad.custom_id, bad.line_no, self._seen.add)
-            yield BadLine(bad.line_no, name, "custom_id", repeat_reason(bad.custom_id), bad.metadata)
+        refused (as OpenAI's Batch API refuses it) under ``<id>#line-<n>`` (``tasks.repeat_id``),
+        so a resumed run finds that error line done too.  That name must be one no line of
+        the input uses, later lines included: a made-up id equal to a user's would write two
+        lines under one id and hide the user's task from a resume.  So the first repeat reads
+        every id of the input once (on a thread; 8 bytes an id), which an input without
+        repeats never pays."""
+        if self._all_ids is None:
+            # A copy: a source that counts what it yields (a Ray shard) counts the job's pass only.
+            self._all_ids = await asyncio.to_thread(_every_id, copy.copy(self.parts.source))
+        name = repeat_id(item.custom_id, item.line_no, self._take_name)
+        return BadLine(item.line_no, name, "custom_id", repeat_reason(item.custom_id), item.metadata)
+
+    def _take_name(self, name: str) -> bool:
+        """Reserve a made-up id: free when no line of the input and no earlier repeat uses it."""
+        if self._all_ids is not None and name in self._all_ids:
+            return False
+        return self._made_up.add(name)
 
     def _admit(self, item: Task | BadLine, out: _TaskWriter) -> Task | None:
         """The task, or None when its line is written already: a bad line, or a request the

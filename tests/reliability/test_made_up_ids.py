@@ -103,3 +103,16 @@ def test_an_interrupted_run_resumes_every_user_task(logging_fault_server, tmp_pa
     again = run_cli(args, timeout=300)
     assert again.returncode == 3, again.stderr.decode()[-2000:]  # the repeat's error line
     _check(ids, read_jsonl(out), Counter(srv.server.seen))
+
+
+def test_ordered_output_keeps_each_repeat_in_its_place(logging_fault_server, tmp_path):
+    # --ordered: the error line of a repeat sits where the repeat was in the input, under a
+    # name no line uses, even when the name it would have had comes on a later line.
+    ids = ["a", "b", "a", "c", "a#line-3", "a"]
+    srv = logging_fault_server(FaultConfig())
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_task(cid, f"task {i}") for i, cid in enumerate(ids)])
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, endpoints=[srv.url], model="m", cache="off", progress=False, ordered=True)
+    got = [d["custom_id"] for d in read_jsonl(out)]
+    assert got == ["a", "b", "a#line-3#2", "c", "a#line-3", "a#line-6"]
+    _check(ids, read_jsonl(out), Counter(srv.server.seen))
