@@ -48,7 +48,8 @@ def _holds_lock(out: Path) -> bool:
 
 @pytest.mark.parametrize("second_at", ["lock_taken", "first_lines", "half_done"])
 def test_a_second_run_on_the_same_output_is_refused(logging_fault_server, tmp_path, second_at):
-    srv = logging_fault_server(FaultConfig(latency_s=0.25))
+    # Slow enough that the first run outlasts the second's start even half-way on a busy machine.
+    srv = logging_fault_server(FaultConfig(latency_s=0.5))
     args, out = _job(srv, tmp_path)
     first = subprocess.Popen(run_cmd(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -84,8 +84,8 @@ def test_sigterm_ends_the_job_in_seconds_and_keeps_every_answer(logging_fault_se
 @pytest.mark.parametrize("case", ["keepalive_stream", "retry_after_429"])
 def test_sigterm_ends_run_batch_and_keeps_every_answer(logging_fault_server, tmp_path, case):
     # The Python API in a script that left SIGTERM to the default: before, the process died
-    # on the spot (lines still buffered were lost); now the job stops, writes what it has,
-    # and the process then ends by the SIGTERM.
+    # on the spot (lines still in the writer's buffer were lost); now the job stops, writes
+    # what it has, and the process then ends by the SIGTERM.
     faults = CASES[case]
     stuck = {f.match for f in faults}
     srv = logging_fault_server(FaultConfig(faults=faults))
@@ -98,8 +98,8 @@ def test_sigterm_ends_run_batch_and_keeps_every_answer(logging_fault_server, tmp
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            # every other task answered by the server: the job waits only on the stuck one
-            if len(srv.server.completed) >= N - len(stuck) and all(srv.server.seen[s] for s in stuck):
+            # every other task written: the job waits only on the stuck one
+            if len(complete_ids(out)) >= N - len(stuck) and all(srv.server.seen[s] for s in stuck):
                 break
             time.sleep(0.05)
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
@@ -110,7 +110,9 @@ def test_sigterm_ends_run_batch_and_keeps_every_answer(logging_fault_server, tmp
             proc.kill()
             proc.wait()
     assert proc.returncode == -signal.SIGTERM, err.decode()[-2000:]
-    written = set(complete_ids(out))
+    lines = read_jsonl(out)
+    assert all(d["error"] is None for d in lines), [d["error"] for d in lines if d["error"]]
+    written = {d["custom_id"] for d in lines}
     assert set(srv.server.completed) <= written, "an answer the server gave was not kept"
     assert stuck.isdisjoint(written)
     srv.quiesce()
