@@ -47,6 +47,8 @@ class Runner:
         self.messages: list[str] = []  # what the user should read after the run (warnings, resume)
         # stop requests that came before the pipeline existed (with their grace, if any)
         self._stops: list[float | None] = []
+        self._task: asyncio.Task | None = None  # the task running ``run``
+        self._start_cancelled = False
 
     def request_stop(self, grace_s: float | None = None) -> None:
         """First call (Ctrl-C): stop reading and let in-flight requests finish; second: stop now.
@@ -59,8 +61,17 @@ class Runner:
     def terminate(self) -> None:
         """SIGTERM: stop within seconds whatever the requests in flight are doing (a stream
         of keep-alives, a long Retry-After): they get ``TERM_GRACE_S`` to finish, then run on
-        resume; a process manager that kills after 10 s loses no finished answer."""
+        resume; a process manager that kills after 10 s loses no finished answer.  Before the
+        job started (the endpoints' ``/models`` can take a minute to answer), the start is
+        given as long, then abandoned: nothing was sent."""
         self.request_stop(TERM_GRACE_S)
+        if self.pipeline is None and self._task is not None:
+            asyncio.get_running_loop().call_later(TERM_GRACE_S, self._cancel_start)
+
+    def _cancel_start(self) -> None:
+        if self.pipeline is None and self._task is not None and not self._task.done():
+            self._start_cancelled = True
+            self._task.cancel()
 
     async def run(self) -> JobStats:
         """The job to its end; ``OutputLocked`` (a ``StartRefused``) at once when another run
@@ -71,8 +82,20 @@ class Runner:
         prices = job_prices(self.opts)  # before anything is sent: a bad --price-in refuses the start
         lock = OutputLock(target.journal)
         lock.acquire()
+        self._task = asyncio.current_task()
         try:
             return await self._run_locked(target, prices, lock.note)
+        except asyncio.CancelledError:
+            if not self._start_cancelled:
+                raise
+            uncancel = getattr(self._task, "uncancel", None)  # 3.11+: the task goes on, not cancelled
+            if uncancel is not None:
+                uncancel()
+            stats = JobStats()
+            stats.interrupted = True
+            self.messages.append("interrupted before the job started: nothing was sent or written; "
+                                 "run the same command again")
+            return stats
         finally:
             lock.release()
 

@@ -12,8 +12,10 @@ sends SIGTERM once the job reached the state under test, and resumes.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -119,3 +121,44 @@ def test_sigterm_ends_run_batch_and_keeps_every_answer(logging_fault_server, tmp
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300, check=False)
     assert again.returncode == 0, again.stderr.decode()[-2000:]
     assert sorted(complete_ids(out)) == sorted(f"t{i}" for i in range(N))
+
+
+def test_sigterm_while_the_start_waits_for_models(tmp_path):
+    # A server that accepts the connection and never answers: the start waits on /models (up to
+    # --read-timeout, 300 s here).  SIGTERM ends it in seconds, nothing sent or written.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+
+    threading.Thread(target=hold, daemon=True).start()
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_task("t0", "x")])
+    out = tmp_path / "out.jsonl"
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    proc = subprocess.Popen(run_cmd([str(src), "-o", str(out), "--endpoint", url, "--model", "m", "--cache", "off",
+                                     "--read-timeout", "300", "--no-progress"]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not held and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert held and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert proc.returncode == 130 and "nothing was sent" in err.decode(), err.decode()[-2000:]
+    assert not out.exists() or out.read_text() == ""
