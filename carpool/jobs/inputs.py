@@ -54,7 +54,7 @@ def _is_empty(v: Any) -> bool:
     return name in ("NaTType", "NAType") or (name == "datetime64" and str(v) == "NaT")
 
 
-def _integral_with_gaps(frame: Any) -> list[str]:
+def _integral_with_gaps(frame: Any) -> list[Any]:
     """The float columns of a DataFrame that hold NaN and otherwise only whole numbers: pandas
     made an integer column (``max_tokens``, a seed) float to hold its gaps, and its values
     are meant as the integers they were."""
@@ -118,6 +118,7 @@ class MemorySource(RecordSource):
                 self.ids[line_no - 1] = cid
                 seen.add(cid)
             yield item
+
         def take(name: str) -> bool:
             if name in seen:
                 return False
