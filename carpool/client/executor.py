@@ -14,6 +14,7 @@ when the outage outlasts ``RetryPolicy.outage_timeout_s`` does the gate raise
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
@@ -65,7 +66,25 @@ class Executor:
         self.retries: Counter[ErrorKind] = Counter()  # error kind -> retries made
         self.attempts = 0
         self._rng = random.Random(seed)
-        self.stopping = False  # set on Ctrl-C: requests not yet sent are not sent
+        self.stopping = False  # set by ``stop``: requests not yet sent are not sent
+        self._stopped: asyncio.Event | None = None  # set with it: wakes waits before a retry
+
+    def stop(self) -> None:
+        """Send nothing more: a request not yet sent raises ``Stopped``, and one waiting before
+        its retry (a Retry-After of minutes) stops waiting and raises it at once."""
+        self.stopping = True
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep before a retry; ``Stopped`` at once when the job stops meanwhile (the task
+        is then not written: it runs again on resume)."""
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+            if self.stopping:
+                self._stopped.set()
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopped.wait(), seconds)
 
     def _latency(self, res: CallResult) -> float | None:
         if self.latency_signal == "ttft":
@@ -150,9 +169,7 @@ class Executor:
             if kind == ErrorKind.CONNECT and res.endpoint_down:
                 # Never reached a server that is down: not an attempt; wait at the gate.
                 attempt -= 1
-                self.retries[kind] += 1
-                if len(retried) < 100:
-                    retried.append(kind)
+                self._count_retry(kind, retried)
                 continue
             if not decision.retry or attempt >= self.policy.max_attempts:
                 res.error_kind = decision.kind
@@ -160,10 +177,15 @@ class Executor:
                     res.error_message = ("not retried: a non-idempotent request may already have run "
                                          f"({res.error_message}); rerun it explicitly if wanted")
                 return Outcome(req, res, attempt, retried)
-            self.retries[kind] += 1
-            if len(retried) < 100:
-                retried.append(kind)
-            await asyncio.sleep(self.policy.backoff(attempt, res.retry_after, self._rng))
+            self._count_retry(kind, retried)
+            await self._pause(self.policy.backoff(attempt, res.retry_after, self._rng))
+            if self.stopping:
+                raise Stopped(req.custom_id)
+
+    def _count_retry(self, kind: ErrorKind, retried: list[ErrorKind]) -> None:
+        self.retries[kind] += 1
+        if len(retried) < 100:  # the outcome lists the first ones
+            retried.append(kind)
 
 
 def outage_gate(backend: object) -> OutageGate | None:

@@ -82,7 +82,7 @@ class FixedLimiter:
                 self.in_flight -= 1  # we were granted a slot but are leaving: give it back
                 self._observe()
                 self._wake()
-            else:
+            elif fut in self._waiters:  # ``_wake`` may have dropped it already (it skips cancelled ones)
                 self._waiters.remove(fut)
             raise
 

@@ -435,9 +435,9 @@ def run_with_signals(runner: Runner) -> JobStats:
 
     async def main() -> JobStats:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig, stop in ((signal.SIGINT, runner.request_stop), (signal.SIGTERM, runner.terminate)):
             with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-                loop.add_signal_handler(sig, runner.request_stop)
+                loop.add_signal_handler(sig, stop)
         return await runner.run()
 
     return asyncio.run(main())

@@ -25,7 +25,10 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import os
+import signal
 import tempfile
+import threading
+from collections.abc import Coroutine
 from typing import Any
 
 from carpool.jobs.inputs import MemorySource, check_columns, in_order, input_kind, read_lines, results_as, rows_of
@@ -75,7 +78,8 @@ async def _look(tasks: Any, kind: str, output: str | os.PathLike | None, want_es
         opts = make_options(path, journal, **options)
         source = None
         if kind != "path":
-            source = MemorySource(rows_of(tasks, kind), opts.template, job_defaults(opts))
+            source = MemorySource(rows_of(tasks, kind, keep_empty=opts.template is not None), opts.template,
+                                  job_defaults(opts))
         if want_estimate:
             return await estimate(opts, source)
         return await plan(opts, source)
@@ -99,7 +103,7 @@ async def arun_batch(tasks: Any, output: str | os.PathLike | None = None, *, wit
             summary = await _run_file(opts)
             results: Any = list(read_lines(journal).values())
         else:
-            rows = rows_of(tasks, kind)
+            rows = rows_of(tasks, kind, keep_empty=options.get("template") is not None)
             if kind != "list":
                 check_columns(list(rows[0]) if rows else [])
             opts = make_options("", journal, **options)
@@ -116,12 +120,52 @@ async def arun_batch(tasks: Any, output: str | os.PathLike | None = None, *, wit
     return (results, summary) if with_summary else results
 
 
+class _Terminated(Exception):
+    """The job was cancelled by SIGTERM (see ``_run_stopped_by_sigterm``)."""
+
+
+def _run_stopped_by_sigterm(job: Coroutine[Any, Any, Any]) -> Any:
+    """``asyncio.run(job)``; SIGTERM, when the program left it to the default (which ends the
+    process on the spot, with lines still in the writer's buffer), stops the job as Ctrl-C
+    does: its answers so far are written and its journal closed (a resume runs the rest),
+    then the process ends by the SIGTERM it was sent."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        return asyncio.run(job)
+
+    async def main() -> Any:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        terminated: list[bool] = []
+
+        def on_sigterm() -> None:
+            terminated.append(True)
+            if task is not None:
+                task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        try:
+            return await job
+        except asyncio.CancelledError:
+            if terminated:
+                raise _Terminated from None
+            raise
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)  # back to the default
+
+    try:
+        return asyncio.run(main())
+    except _Terminated:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise SystemExit(128 + signal.SIGTERM) from None  # not reached: the signal ends the process
+
+
 def run_batch(tasks: Any, output: str | os.PathLike | None = None, **options) -> Any:
     """Run a job to the end (blocking); inside a running event loop, on a thread of its own."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(arun_batch(tasks, output, **options))
+        return _run_stopped_by_sigterm(arun_batch(tasks, output, **options))
     # A loop runs in this thread (Jupyter): asyncio.run cannot nest, so the job gets a thread
     # and a loop of its own while this call waits for it.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="carpool-run-batch") as pool:

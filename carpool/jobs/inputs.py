@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from carpool.jobs.readers import RecordSource
-from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_record
+from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_record, repeat_id
 
 # The columns a DataFrame or Dataset gains: the answer's text (or embedding), why it stopped,
 # its tokens, and the error message of a task that failed (None when it succeeded).
@@ -44,19 +44,53 @@ def input_kind(data: object) -> str:
 
 
 def _is_empty(v: Any) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
+    """A missing cell of a table: None, NaN, and pandas' NaT and NA (whose text, "NaT", must
+    never be sent as if it were a value)."""
+    if v is None:
+        return True
+    if isinstance(v, float):  # numpy's float64 too
+        return math.isnan(v)
+    name = type(v).__name__
+    return name in ("NaTType", "NAType") or (name == "datetime64" and str(v) == "NaT")
 
 
-def rows_of(data: Any, kind: str) -> list[dict]:
-    """The rows as plain dicts (Python values; a DataFrame's NaN cells are left out)."""
+def _integral_with_gaps(frame: Any) -> list[Any]:
+    """The float columns of a DataFrame that hold NaN and otherwise only whole numbers: pandas
+    made an integer column (``max_tokens``, a seed) float to hold its gaps, and its values
+    are meant as the integers they were."""
+    cols = []
+    for c in frame.columns:
+        col = frame[c]
+        if col.dtype.kind == "f" and col.isna().any():
+            values = col.dropna()
+            if len(values) and bool(((values % 1) == 0).all()) and bool((values.abs() < 2**53).all()):
+                cols.append(c)
+    return cols
+
+
+def rows_of(data: Any, kind: str, keep_empty: bool = False) -> list[dict]:
+    """The rows as plain dicts (Python values).  A table's empty cells (NaN, NaT, None) are
+    left out, or kept as None with ``keep_empty`` (a template then says which cell is
+    empty); an integer column pandas made float to hold NaN gives its values back as ints."""
     if kind == "list":
         for i, row in enumerate(data):
             if not isinstance(row, dict):
                 raise TypeError(f"run_batch input: item {i} is a {type(row).__name__}; every item must be "
                                 "a dict (a task record)")
         return list(data)
+    whole = set(_integral_with_gaps(data)) if kind == "pandas" else set()
     records = data.to_dict("records") if kind == "pandas" else data.to_list()
-    return [{str(k): v for k, v in row.items() if not _is_empty(v)} for row in records]
+    rows = []
+    for record in records:
+        row = {}
+        for k, v in record.items():
+            if _is_empty(v):
+                if keep_empty:
+                    row[str(k)] = None
+                continue
+            row[str(k)] = int(v) if k in whole else v
+        rows.append(row)
+    return rows
 
 
 class MemorySource(RecordSource):
@@ -71,16 +105,29 @@ class MemorySource(RecordSource):
 
     def __iter__(self) -> Iterator[Task | BadLine]:
         seen: set[str] = set()
+        repeats: list[tuple[int, str]] = []
         for line_no, row in self.records:
             if self.template is not None:
                 item = build_from_row(row, line_no, self.template, self.defaults)
             else:
                 item = build_record(row, line_no, self.defaults)
             cid = item.custom_id
-            # The pipeline writes a repeated custom_id's error under <id>#line-<n>.
-            self.ids[line_no - 1] = f"{cid}#line-{line_no}" if cid in seen else cid
-            seen.add(cid)
+            if cid in seen:
+                repeats.append((line_no, cid))
+            else:
+                self.ids[line_no - 1] = cid
+                seen.add(cid)
             yield item
+
+        def take(name: str) -> bool:
+            if name in seen:
+                return False
+            seen.add(name)
+            return True
+
+        # Named as the pipeline names a repeat's error line, once every id is known.
+        for line_no, cid in repeats:
+            self.ids[line_no - 1] = repeat_id(cid, line_no, take)
 
 
 def read_lines(path: str) -> dict[str, dict]:

@@ -82,6 +82,10 @@ class SeenIds:
         self._new: set[int] = set()
         self._batch = batch
 
+    def __contains__(self, custom_id: str) -> bool:
+        h = id_hash(custom_id)
+        return h in self._new or self._old.has_hash(h)
+
     def add(self, custom_id: str) -> bool:
         """Remember the id; False when it was seen before."""
         h = id_hash(custom_id)

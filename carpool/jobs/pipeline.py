@@ -21,6 +21,8 @@ is then done on resume).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import sys
 import time
 from collections.abc import Callable
@@ -38,8 +40,9 @@ from carpool.jobs.journal import DoneSet, SeenIds
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import JobParts
 from carpool.jobs.progress import Progress
+from carpool.jobs.readers import TaskSource
 from carpool.jobs.summary import JobStats
-from carpool.jobs.tasks import BadLine, Task, prefix_key
+from carpool.jobs.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
 from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
 
@@ -53,19 +56,45 @@ class OutputError(OSError):
 class _TaskWriter:
     """One task's view of the writer: its first line goes through and frees the task's slot,
     any later one is dropped, so the catch-all in ``Pipeline._handle`` can never write a
-    task twice (or free its slot twice)."""
+    task twice (or free its slot twice).
 
-    __slots__ = ("done", "seq", "tail", "used", "writer")
+    A task can also end with no line (``drop``): stopped before it was sent, or cancelled.
+    An error met once the job cancels its tasks is the cancellation's doing, not the task's
+    outcome (code under a cancelled task may turn the cancellation into another exception),
+    so it is dropped too: written, it would mark a task that never ran as done, and a resume
+    would never send it."""
 
-    def __init__(self, writer: ResultWriter, seq: int, done: Callable[[], None], tail: bytes = b""):
-        """``tail``: the task's own fields every line of it ends with (``writer.line_tail``)."""
-        self.writer, self.seq, self.done, self.tail = writer, seq, done, tail
+    __slots__ = ("cancelled", "done", "release", "seq", "tail", "used", "writer")
+
+    def __init__(self, writer: ResultWriter, seq: int, done: Callable[[], None], release: Callable[[], None],
+                 cancelled: Callable[[], bool], tail: bytes = b""):
+        """``done``: called once its line is written; ``release``: once it ends without one;
+        ``cancelled``: whether the job cancels its tasks; ``tail``: the task's own fields every
+        line of it ends with (``writer.line_tail``)."""
+        self.writer, self.seq, self.done, self.release, self.tail = writer, seq, done, release, tail
+        self.cancelled = cancelled
         self.used = False
 
     def emit(self, line: bytes, is_error: bool = False) -> None:
-        if not self.used:
+        if is_error and self.cancelled():
+            self.drop()
+        elif not self.used:
             self.used = True
             self.writer.emit(self.seq, with_tail(line, self.tail), is_error, self.done)
+
+    def drop(self) -> None:
+        """The task ends unwritten: it is not done, so a resume runs it."""
+        if not self.used:
+            self.used = True
+            self.writer.skip(self.seq, self.release)
+
+
+def _every_id(source: TaskSource) -> SeenIds:
+    """The custom_ids of every item of ``source`` (a pass of its own over it)."""
+    ids = SeenIds()
+    for item in source:
+        ids.add(item.custom_id)
+    return ids
 
 
 def _usage_tokens(body: dict | None) -> tuple[int, int]:
@@ -98,21 +127,31 @@ class Pipeline:
         self._slots = asyncio.Semaphore(opts.max_pending)
         self._pending: set[asyncio.Task] = set()
         self._stop = False
+        self._cancelled = False  # the job cancels its tasks: their errors are not outcomes
         self._write_failed = False
         self._seen = SeenIds()
+        self._all_ids: SeenIds | None = None  # every id of the input, read at the first repeat
+        self._made_up = SeenIds()  # the ids made up for repeats
         self._seq = 0
         self._input = opts.input or None  # the state file's input ("": records in memory)
 
     # -- control --------------------------------------------------------------------------
-    def request_stop(self) -> None:
-        """First Ctrl-C: stop reading, let in-flight requests finish.  Second: stop now."""
+    def request_stop(self, grace_s: float | None = None) -> None:
+        """First Ctrl-C: stop reading, let in-flight requests finish.  Second: stop now.
+
+        ``grace_s`` (SIGTERM): requests in flight get that long, then stop unwritten (they
+        run on resume), so the job ends in seconds even when a stream sends only keep-alives
+        until the total timeout; answers that came meanwhile are written."""
         self.stats.interrupted = True
         if not self._stop:
             self._stop = True
-            self.executor.stopping = True
+            self.executor.stop()
+            if grace_s is not None:
+                asyncio.get_running_loop().call_later(grace_s, self._cancel_all)
             if self.notify is not None:
+                limit = f"at most {grace_s:g} s" if grace_s is not None else "Ctrl-C again to stop at once"
                 self.notify(f"\ncarpool run: stopping; finishing {self.parts.limiter.in_flight} requests in flight "
-                            "(Ctrl-C again to stop at once)")
+                            f"({limit})")
             return
         self._cancel_all()
 
@@ -122,7 +161,7 @@ class Pipeline:
         self._write_failed = True
         self.stats.interrupted = True
         self._stop = True
-        self.executor.stopping = True
+        self.executor.stop()
         self._cancel_all()
 
     def _stop_for_outage(self) -> None:
@@ -135,7 +174,7 @@ class Pipeline:
         gate = self.executor.gate
         self.stats.outage_stop = gate.status() if gate is not None else ""
         self._stop = True
-        self.executor.stopping = True
+        self.executor.stop()
         self._slots.release()  # the reader may wait for a slot
         if self.notify is not None:
             self.notify(f"\ncarpool run: stopping: {self.stats.outage_stop}, longer than --outage-timeout "
@@ -160,7 +199,11 @@ class Pipeline:
             self._stop_for_outage()
         return status
 
+    def _cancelling(self) -> bool:
+        return self._cancelled
+
     def _cancel_all(self) -> None:
+        self._cancelled = True
         for t in list(self._pending):
             t.cancel()
         self._slots.release()  # the reader may wait for a slot no cancelled task will free
@@ -200,10 +243,12 @@ class Pipeline:
                 await asyncio.gather(*list(self._pending), return_exceptions=True)
             if parts.caches.audit is not None and not self._stop:
                 await self._run_audit(parts.caches.audit)
+        except asyncio.CancelledError:  # the caller's Ctrl-C (``asyncio.run``): unfinished, resumable
+            st.interrupted = True
+            raise
         finally:
             ticker.cancel()
-            for t in list(self._pending):
-                t.cancel()
+            await self._end_pending()
             writer.close()
             st.finished = time.monotonic()
             st.retries.update(self.executor.retries)
@@ -234,6 +279,20 @@ class Pipeline:
             self.messages.append(f"interrupted: {st.done + st.skipped:,} tasks are in {parts.journal.output}. "
                                  f"Resume with:\n  {self.resume_command()}")
         return st
+
+    async def _end_pending(self) -> None:
+        """Cancel the tasks still running (the job itself was cancelled, or stops at once) and
+        let them unwind before the writer closes: each ends unwritten, or with the answer it
+        already had, never with a line its cancellation made up."""
+        pending = list(self._pending)
+        if pending:
+            self._cancelled = True
+        for t in pending:
+            t.cancel()
+        if pending:
+            # A second cancellation of the job itself must not skip closing the journal.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(pending, timeout=10)
 
     async def _run_audit(self, audit: SemanticAudit) -> None:
         """Re-ask the sampled semantic hits, bypassing both caches; the output file is not changed."""
@@ -288,14 +347,15 @@ class Pipeline:
             n += 1
             if n % 64 == 0:
                 await asyncio.sleep(0)  # let responses in while a fast reader runs ahead
-            item = self._refuse_repeat(item)
+            if not self._seen.add(item.custom_id):
+                item = await self._refuse_repeat(item)
             if len(done) and item.custom_id in done:
                 self.stats.skipped += 1
                 continue
             await self._slots.acquire()
             if self._stop:
                 break
-            out = _TaskWriter(writer, self._seq, self._written, self._tail(item))
+            out = _TaskWriter(writer, self._seq, self._written, self._slots.release, self._cancelling, self._tail(item))
             self._seq += 1
             task = self._admit(item, out)
             if task is None:
@@ -315,18 +375,27 @@ class Pipeline:
         ``--retry-errors`` answers it again, the ``id`` of the error line it supersedes."""
         return line_tail(item.metadata, self.parts.journal.supersedes(item.custom_id))
 
-    def _refuse_repeat(self, item: Task | BadLine) -> Task | BadLine:
+    async def _refuse_repeat(self, item: Task | BadLine) -> BadLine:
         """A custom_id seen on an earlier line becomes an error under an id of its own.
 
         The custom_id is the journal's key, so a repeat could not be resumed safely; it is
-        refused (as OpenAI's Batch API refuses it) as ``<id>#line-<n>``, so a resumed run
-        finds that error line done too."""
-        cid = item.custom_id
-        if self._seen.add(cid):
-            return item
-        return BadLine(item.line_no, f"{cid}#line-{item.line_no}", "custom_id",
-                       f"duplicate custom_id {cid!r}: it was used on an earlier line; "
-                       "custom_ids must be unique in a file")
+        refused (as OpenAI's Batch API refuses it) under ``<id>#line-<n>`` (``tasks.repeat_id``),
+        so a resumed run finds that error line done too.  That name must be one no line of
+        the input uses, later lines included: a made-up id equal to a user's would write two
+        lines under one id and hide the user's task from a resume.  So the first repeat reads
+        every id of the input once (on a thread; 8 bytes an id), which an input without
+        repeats never pays."""
+        if self._all_ids is None:
+            # A copy: a source that counts what it yields (a Ray shard) counts the job's pass only.
+            self._all_ids = await asyncio.to_thread(_every_id, copy.copy(self.parts.source))
+        name = repeat_id(item.custom_id, item.line_no, self._take_name)
+        return BadLine(item.line_no, name, "custom_id", repeat_reason(item.custom_id), item.metadata)
+
+    def _take_name(self, name: str) -> bool:
+        """Reserve a made-up id: free when no line of the input and no earlier repeat uses it."""
+        if self._all_ids is not None and name in self._all_ids:
+            return False
+        return self._made_up.add(name)
 
     def _admit(self, item: Task | BadLine, out: _TaskWriter) -> Task | None:
         """The task, or None when its line is written already: a bad line, or a request the
@@ -367,10 +436,14 @@ class Pipeline:
         try:
             await self._run_task(out, task)
         except asyncio.CancelledError:
+            out.drop()  # cancelled before its line: it runs on resume
             raise
-        except Exception as e:  # noqa: BLE001 - one task's failure must not hang or end the job
+        except Exception as e:  # one task's failure must not hang or end the job
             # Without this line the task's slot would never be released (the job would stall
             # once max_pending tasks had failed) and the task would be lost, not recorded.
+            if self._cancelled:  # the cancellation's doing (see ``_TaskWriter``): not an outcome
+                out.drop()
+                raise asyncio.CancelledError from e
             if out.used:  # its line is written already: the failure came after (a stats update)
                 self.messages.append(f"line {task.line_no}: internal error after writing its result: {e!r}")
                 return
@@ -427,7 +500,7 @@ class Pipeline:
             except asyncio.CancelledError:
                 if not found.cancelled():
                     raise  # we are cancelled ourselves
-                self._slots.release()  # the leader stopped unsent: so do we (resume redoes both)
+                out.drop()  # the leader stopped unsent: so do we (resume redoes both)
                 return "done"
         if not res.ok:
             return "alone"
@@ -443,11 +516,11 @@ class Pipeline:
                                                   probe.store if probe else None)
         except OutageTimeout:
             self._stop_for_outage()
-            self._slots.release()
-            return  # not written: it runs on resume
+            out.drop()  # not written: it runs on resume
+            return
         except Stopped:
-            self._slots.release()
-            return  # not written: it is done on resume
+            out.drop()  # not written: it is done on resume
+            return
         res = outcome.result
         if outcome.attempts == 0 and probe is not None and probe.hit is not None:  # the semantic cache answered
             hit, st = probe.hit, self.stats

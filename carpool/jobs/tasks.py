@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -61,6 +62,26 @@ class BadLine:
     def message(self) -> str:
         where = f"field '{self.field}': " if self.field else ""
         return f"line {self.line_no}: {where}{self.reason}"
+
+
+def repeat_id(custom_id: str, line_no: int, take: Callable[[str], bool]) -> str:
+    """The id a repeated custom_id's error line is written under: ``<id>#line-<n>``, or when
+    that name is taken, ``<id>#line-<n>#2``, ``#3``..., the first one ``take`` grants.
+
+    ``take(name)`` reserves a name and says whether it was free.  Called once every id of
+    the input is known to ``take`` (and in input order), the name carpool makes up can never
+    be one a user gave, and a resume over the same input makes up the same names."""
+    base = f"{custom_id}#line-{line_no}"
+    name, k = base, 1
+    while not take(name):
+        k += 1
+        name = f"{base}#{k}"
+    return name
+
+
+def repeat_reason(custom_id: str) -> str:
+    return (f"duplicate custom_id {custom_id!r}: it was used on an earlier line; "
+            "custom_ids must be unique in a file")
 
 
 @dataclass
@@ -237,6 +258,10 @@ class Template:
         if missing:
             return _bad(line_no, cid, "template", f"column {missing[0]!r} is not in the file "
                                                   f"(columns: {', '.join(map(str, row))})")
+        empty = [c for c in self.columns if row[c] is None]
+        if empty:  # a NaN or null cell: a prompt with a hole is not what the row meant
+            return _bad(line_no, cid, "template", f"the cell of column {empty[0]!r} is empty in this row "
+                                                  "(null or NaN): fill it, or leave the row out")
         values = {k: "" if v is None else v for k, v in row.items()}
         try:
             text = self.text.format_map(values)

@@ -132,7 +132,8 @@ class ResultWriter:
 
     def __init__(self, output: Appender, errors: Appender | None = None, ordered: bool = False):
         self.output, self.errors, self.ordered = output, errors, ordered
-        self._held: dict[int, tuple[bytes, bool, Callable[[], None] | None]] = {}
+        # seq -> its line, or None for a task that ended without one (``skip``)
+        self._held: dict[int, tuple[bytes, bool, Callable[[], None] | None] | None] = {}
         self._next = 0
         # The first failed write (disk full, I/O error) and its file; the runner polls it and
         # stops the job.  Lines after it are dropped (their tasks are redone on resume), but
@@ -146,8 +147,21 @@ class ResultWriter:
             self._write(line, is_error, done)
             return
         self._held[seq] = (line, is_error, done)
+        self._release_in_order()
+
+    def skip(self, seq: int, done: Callable[[], None]) -> None:
+        """The ``seq``-th task of this run ends without a line (stopped or cancelled before it
+        ran; a resume runs it): in order, the lines after it are not held back for it."""
+        done()
+        if self.ordered:
+            self._held[seq] = None
+            self._release_in_order()
+
+    def _release_in_order(self) -> None:
         while self._next in self._held:
-            self._write(*self._held.pop(self._next))
+            held = self._held.pop(self._next)
+            if held is not None:
+                self._write(*held)
             self._next += 1
 
     def _write(self, line: bytes, is_error: bool, done: Callable[[], None] | None) -> None:
@@ -168,7 +182,7 @@ class ResultWriter:
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        return sum(1 for h in self._held.values() if h is not None)
 
     def _each_file(self, op: Callable[[Appender], None]) -> None:
         """``op`` on the output and the errors file; a failure is recorded, never raised."""

@@ -41,6 +41,9 @@ FAULT_KINDS = (
     "truncate",  # stream part of the answer, then close without ``[DONE]``
     "error_mid_stream",  # stream part of the answer, then an in-band ``{"error": ...}`` event and ``[DONE]``
     "invalid_json",  # 200 with a body that is not JSON
+    # a stream that sends only SSE comments (": keep-alive") for ``stall_s``: no read timeout
+    # fires, so only the client's total timeout (or its stop) ends it; not streamed: a stall
+    "keepalive_only",
 )
 
 
@@ -273,7 +276,7 @@ class FaultServer:
             if fault.kind == "reset_after_body":
                 _abort_connection(request)
                 return web.Response(status=499)
-            if fault.kind == "stall":
+            if fault.kind == "stall" or (fault.kind == "keepalive_only" and not _wants_stream(raw)):
                 await asyncio.sleep(fault.stall_s)
             if fault.kind == "invalid_json":
                 self.status_counts[200] += 1
@@ -333,6 +336,11 @@ class FaultServer:
         cid = ("chatcmpl-" if chat else "cmpl-") + key[-12:]
         model = body.get("model", "fault-model")
         words = _words(key, n_tokens)
+        if fault is not None and fault.kind == "keepalive_only":
+            end = time.monotonic() + fault.stall_s
+            while time.monotonic() < end:
+                await resp.write(b": keep-alive\n\n")
+                await asyncio.sleep(min(0.5, max(0.0, end - time.monotonic())))
         for i, w in enumerate(words):
             if fault is not None and fault.kind in ("truncate", "stall_mid_stream", "error_mid_stream") \
                     and i == max(1, n_tokens // 2):
@@ -377,6 +385,13 @@ class FaultServer:
         headers = {"Retry-After": f"{retry_after:g}"} if retry_after is not None else {}
         err = {"error": {"message": message, "type": "fault_injected", "code": status}}
         return web.json_response(err, status=status, headers=headers)
+
+
+def _wants_stream(raw: bytes) -> bool:
+    try:
+        return bool(json.loads(raw).get("stream"))
+    except (ValueError, AttributeError):
+        return False
 
 
 def _abort_connection(request: web.Request) -> None:
