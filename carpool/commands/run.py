@@ -288,7 +288,29 @@ def start_checks(opts: RunOptions, args: argparse.Namespace, probe: bool = True)
     (raises ``StartRefused``); its warnings."""
     from carpool.jobs.preflight import preflight
 
-    return asyncio.run(preflight(opts, wait_s=args.wait_for_endpoint, probe=probe, say=_say))
+    async def checks() -> list[str]:
+        # The probe can wait on an endpoint for seconds (or --wait-for-endpoint): Ctrl-C and
+        # SIGTERM end it there as they end a job, before anything is sent.
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(preflight(opts, wait_s=args.wait_for_endpoint, probe=probe, say=_say))
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            raise StartInterrupted from None
+        finally:
+            for sig in sigs:
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(sig)
+
+    return asyncio.run(checks())
+
+
+class StartInterrupted(Exception):
+    """Ctrl-C or SIGTERM during the start-up checks: nothing was sent."""
 
 
 def write_summary_json(doc: dict, target: str) -> None:
@@ -308,6 +330,10 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         return int(_main(args))
+    except StartInterrupted:
+        _tell("carpool run: interrupted during the start-up checks: nothing was sent or written; "
+              "the same command starts the job")
+        return int(ExitCode.INTERRUPTED)
     except MissingExtra as e:  # e.g. the engine asked for on a slim install: a refused start
         _tell(f"carpool run: {e}")
         return int(ExitCode.REFUSED)
