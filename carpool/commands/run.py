@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="tasks file: .jsonl (plain or OpenAI Batch format), .csv, .parquet")
-    p.add_argument("-o", "--output", help="results: .jsonl (OpenAI Batch output lines) or .parquet (flat "
-                                          "columns, written at the end from a journal <output>.jsonl); "
+    p.add_argument("-o", "--output", help="results: .jsonl (OpenAI Batch output lines), .parquet or .csv "
+                                          "(flat columns, written at the end from a journal <output>.jsonl); "
                                           "default <input>.results.jsonl; running again with the same "
                                           "output resumes")
     p.add_argument("--errors", help="write failed tasks here instead of into the output")

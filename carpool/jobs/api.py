@@ -44,6 +44,7 @@ from typing import Any
 
 from carpool.jobs.inputs import MemorySource, check_columns, in_order, input_kind, read_lines, results_as, rows_of
 from carpool.jobs.options import RunOptions
+from carpool.jobs.output_format import output_target
 from carpool.jobs.parts import job_defaults
 from carpool.jobs.runner import Runner
 from carpool.jobs.tasks import TaskDefaults, Template
@@ -194,7 +195,8 @@ async def _run_records(tasks: Any, kind: str, journal: str, options: dict, parse
     stats = await runner.run()
     summary = {**stats.to_dict(), "messages": runner.messages}
     ids = made[-1].ids if made else []
-    return results_as(tasks, kind, in_order(ids, read_lines(journal)), parse), summary
+    lines = read_lines(str(output_target(journal).journal))  # a table's journal beside it
+    return results_as(tasks, kind, in_order(ids, lines), parse), summary
 
 
 async def _arun(tasks: Any, output: str | os.PathLike | None, with_summary: bool, estimate: bool,
@@ -212,7 +214,8 @@ async def _arun(tasks: Any, output: str | os.PathLike | None, with_summary: bool
             # The journal in input order, so its lines are the results as they are.
             opts = make_options(str(tasks), journal, **{**options, "ordered": True})
             summary = await _run_file(opts)
-            results: Any = results_as(tasks, kind, list(read_lines(journal).values()), parse)
+            lines = read_lines(str(output_target(journal).journal))
+            results: Any = results_as(tasks, kind, list(lines.values()), parse)
         else:
             results, summary = await _run_records(tasks, kind, journal, options, parse)
     return (results, summary) if with_summary else results

@@ -3,7 +3,7 @@
 It settles the model with the endpoints first (``carpool.jobs.target``: ``/models``
 checked before the first request), builds the default parts
 (``carpool.jobs.parts.build_parts``), runs them through the pipeline
-(``carpool.jobs.pipeline.Pipeline``), writes a Parquet ``-o`` from its journal once the
+(``carpool.jobs.pipeline.Pipeline``), writes a Parquet or CSV ``-o`` from its journal once the
 run finished (``carpool.jobs.output_format``) and the ``--report`` page.  The CLI
 (``carpool.commands.run``) and the Python API (``carpool.jobs.api``) use it; a caller
 that needs other parts composes ``Pipeline`` itself (``carpool.distributed.worker``).
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from carpool.extras import require
 from carpool.jobs.options import RunOptions
-from carpool.jobs.output_format import output_target, write_parquet
+from carpool.jobs.output_format import output_target, write_table
 from carpool.jobs.parts import build_parts
 from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.prices import Prices, resolve_prices
@@ -60,7 +60,7 @@ class Runner:
         self.opts, notes = await resolve_target(self.opts, peek)
         source = self.make_source(self.opts) if self.make_source is not None else None
         parts = build_parts(self.opts, source=source)
-        if target.kind == "parquet" and self.opts.fresh:  # the table of the run --fresh throws away
+        if target.is_table and self.opts.fresh:  # the table of the run --fresh throws away
             target.path.unlink(missing_ok=True)
         parts.messages[:0] = notes
         self.messages = parts.messages
@@ -69,8 +69,8 @@ class Runner:
         for _ in range(self._stops):
             self.pipeline.request_stop()
         stats = await self.pipeline.run()
-        if target.kind == "parquet" and not (stats.interrupted or stats.stopped_by_outage):
-            rows = await asyncio.to_thread(write_parquet, target.journal, target.path)
+        if target.is_table and not (stats.interrupted or stats.stopped_by_outage):
+            rows = await asyncio.to_thread(write_table, target)
             self.messages.append(f"wrote {target.path} ({rows:,} rows) from its journal {target.journal}")
         if self.opts.report:
             from carpool.jobs.report import write_report

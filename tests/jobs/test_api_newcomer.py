@@ -98,3 +98,43 @@ def test_a_bad_response_format_is_refused_before_sending(echo):
     with pytest.raises(TypeError, match="response_format"):
         carpool.run_batch(["x"], endpoint=echo.url, model="m", response_format="json")
     assert echo.server.status_counts[200] == 0
+
+
+def test_csv_output_from_python_and_the_cli(echo, tmp_path):
+    import csv
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.csv"
+    rows = [{"custom_id": "a", "messages": [{"role": "user", "content": '{"name": "Ada", "age": 36}'}],
+             "metadata": {"team": "x", "n": 1}},
+            {"custom_id": "b", "messages": [{"role": "user", "content": "not, json"}], "metadata": {"team": "y"}}]
+    results = carpool.run_batch(rows, out, endpoint=echo.url, model="m", response_format=RF, cache="off",
+                                progress=False, ordered=True)
+    assert [r.custom_id for r in results] == ["a", "b"]  # read back from the journal beside the table
+    table = list(csv.DictReader(out.open(encoding="utf-8", newline="")))
+    assert [r["custom_id"] for r in table] == ["a", "b"]
+    assert json.loads(table[0]["parsed"]) == {"name": "Ada", "age": 36} and table[0]["parse_error"] == ""
+    assert table[1]["content"] == "not, json" and table[1]["parse_error"].startswith("the answer is not JSON")
+    assert table[0]["team"] == "x" and table[0]["n"] == "1" and table[1]["n"] == ""
+    assert (tmp_path / "out.csv.jsonl").exists()
+    # The CLI's -o out.csv: the same table.
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cli = tmp_path / "cli.csv"
+    proc = subprocess.run([sys.executable, "-m", "carpool.cli", "run", str(src), "-o", str(cli), "--endpoint",
+                           echo.url, "--model", "m", "--cache", "off", "--ordered"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = list(csv.DictReader(cli.open(encoding="utf-8", newline="")))
+    assert [r["content"] for r in got] == [r["content"] for r in table]
+
+
+def test_parquet_output_has_the_structured_columns(echo, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    out = tmp_path / "out.parquet"
+    carpool.run_batch(['{"name": "Ada", "age": 36}', "[1]"], out, endpoint=echo.url, model="m",
+                      response_format=RF, cache="off", progress=False, ordered=True)
+    rows = pq.read_table(out).to_pylist()
+    assert json.loads(rows[0]["parsed"]) == {"name": "Ada", "age": 36} and rows[0]["parse_error"] is None
+    assert rows[1]["parsed"] is None and "not of type 'object'" in rows[1]["parse_error"]
