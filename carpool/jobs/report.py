@@ -98,7 +98,8 @@ def cost_line(stats: JobStats) -> str:
     """$ spent and $ the cache saved, with where the prices came from."""
     c = stats.cost()
     if c["prices"] is None:
-        return "cost: unknown (no prices for this model: pass --price-in and --price-out, $ per million tokens)"
+        return ("cost: unknown (no prices for this model: pass --price-in and --price-out, $ per million tokens, "
+                "or --prices FILE)")
     p = c["prices"]
     return (f"cost: ${c['spent_usd']:.6f} spent, ${c['saved_usd']:.6f} saved by the cache and dedup "
             f"(${p['input_per_million']:g} in / ${p['output_per_million']:g} out per million tokens, "

@@ -26,9 +26,10 @@ from carpool.jobs.target import resolve_target
 
 
 def job_prices(opts: RunOptions) -> Prices | None:
-    """The prices of the job's model: the flags, else the built-in table (an endpoint's
-    model name; the embedded engine is in no table), else None (unknown)."""
-    return resolve_prices(opts.defaults.model if opts.endpoints else None, opts.price_in, opts.price_out)
+    """The prices of the job's model: the flags, else the ``--prices`` file, else the built-in
+    table (an endpoint's model name; the embedded engine is in no table), else None (unknown)."""
+    return resolve_prices(opts.defaults.model if opts.endpoints else None, opts.price_in, opts.price_out,
+                          opts.prices)
 
 
 class Runner:
