@@ -76,6 +76,26 @@ def make_options(input: str, output: str, **options) -> RunOptions:
     return RunOptions(input=str(input), output=str(output), defaults=defaults, **options)
 
 
+def strict_schema(schema: Any) -> Any:
+    """``schema`` as OpenAI's strict mode wants it: every object closed (``additionalProperties:
+    false``) with all its properties required; the nested schemas too."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) if k in _NESTED else v for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: strict_schema(v) for k, v in out["properties"].items()}
+        out.setdefault("additionalProperties", False)
+        out["required"] = list(out["properties"])
+    if isinstance(out.get("$defs"), dict):
+        out["$defs"] = {k: strict_schema(v) for k, v in out["$defs"].items()}
+    return out
+
+
+_NESTED = ("items", "anyOf", "allOf", "oneOf", "prefixItems")
+
+
 def response_format_body(response_format: Any) -> tuple[dict, Any]:
     """(the body's ``response_format``, the pydantic model to build answers with or None).
 
@@ -89,7 +109,7 @@ def response_format_body(response_format: Any) -> tuple[dict, Any]:
         return response_format, None
     schema_of = getattr(response_format, "model_json_schema", None)
     if isinstance(response_format, type) and callable(schema_of):
-        schema = schema_of()
+        schema = strict_schema(schema_of())
         return ({"type": "json_schema", "json_schema": {"name": response_format.__name__, "schema": schema,
                                                          "strict": True}}, response_format)
     raise TypeError(f"run_batch: response_format must be a dict or a pydantic model class; got "

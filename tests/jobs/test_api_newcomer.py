@@ -138,3 +138,24 @@ def test_parquet_output_has_the_structured_columns(echo, tmp_path):
     rows = pq.read_table(out).to_pylist()
     assert json.loads(rows[0]["parsed"]) == {"name": "Ada", "age": 36} and rows[0]["parse_error"] is None
     assert rows[1]["parsed"] is None and "not of type 'object'" in rows[1]["parse_error"]
+
+
+def test_a_pydantic_model_is_sent_as_a_strict_schema(echo):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Address(pydantic.BaseModel):
+        city: str
+
+    class Person(pydantic.BaseModel):
+        name: str
+        nick: str | None = None
+        home: Address
+
+    carpool.run_batch(['{"name": "Ada", "nick": null, "home": {"city": "London"}}'], endpoint=echo.url,
+                      model="m", response_format=Person, cache="off", progress=False)
+    body = echo.server.received[-1]["body"]
+    rf = body["response_format"]
+    assert rf["type"] == "json_schema" and rf["json_schema"]["name"] == "Person" and rf["json_schema"]["strict"]
+    schema = rf["json_schema"]["schema"]
+    assert schema["required"] == ["name", "nick", "home"] and schema["additionalProperties"] is False
+    assert schema["$defs"]["Address"]["additionalProperties"] is False
