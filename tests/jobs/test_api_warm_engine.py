@@ -24,3 +24,17 @@ def test_the_second_call_reuses_the_engine_and_exit_closes_it():
     assert other[0].ok and len(warm.warm_engines()) == 2  # other settings: an engine of their own
     warm.close_all()
     assert warm.warm_engines() == [] and not thread.is_alive()
+
+
+def test_a_warm_engine_resumes_the_same_output(tmp_path):
+    warm.close_all()
+    out = tmp_path / "out.jsonl"
+    tasks = [{"custom_id": f"w{i}", "prompt": f"Count to {i}:", "max_tokens": 2, "temperature": 0} for i in range(3)]
+    first = carpool.run_batch(tasks, out, model="tiny-random", engine_config=SETTINGS, cache="off", progress=False)
+    # The engine was built during the first call; the second sees it built, and must still
+    # take the file as its own journal (same fingerprint), not refuse or redo it.
+    _, summary = carpool.run_batch(tasks, out, model="tiny-random", engine_config=SETTINGS, cache="off",
+                                   progress=False, with_summary=True)
+    assert summary["skipped_done_before"] == 3 and summary["sent"] == 0
+    assert all(r.ok for r in first) and len(out.read_text().splitlines()) == 3
+    warm.close_all()
