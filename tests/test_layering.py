@@ -18,8 +18,9 @@ PACKAGE = ROOT / "carpool"
 # Bottom to top.  A module may import from its own package and from the layers below its
 # own; packages sharing a layer do not import each other.
 LAYERS: list[set[str]] = [
+    {"embed"},  # sentence embeddings: below the engine, whose offline LLM.embed serves them
     {"engine"},
-    {"embed", "openai"},
+    {"openai"},
     {"client"},
     {"cache"},
     {"jobs"},

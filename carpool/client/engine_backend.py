@@ -14,6 +14,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from carpool.client.base import CallResult, Request
 from carpool.client.retry import ErrorKind
@@ -203,9 +204,11 @@ def _failed(res: CallResult, e: OpenAIError, t0: float) -> CallResult:
     return res
 
 
-def default_embedder_factory() -> DynamicBatcher:
-    """A DynamicBatcher over the packaged all-MiniLM-L6-v2 (imported only when needed)."""
+def default_embedder_factory(embedder: Any = None) -> DynamicBatcher:
+    """A DynamicBatcher over the packaged all-MiniLM-L6-v2 (imported only when needed);
+    ``embedder``: one already loaded (the Python API keeps one warm between jobs)."""
     from carpool.embed.embedder import Embedder
 
-    return DynamicBatcher(Embedder(), max_queue_delay_us=2000, preferred_batch_sizes=[8, 16, 32],
+    return DynamicBatcher(embedder if embedder is not None else Embedder(), max_queue_delay_us=2000,
+                          preferred_batch_sizes=[8, 16, 32],
                           max_batch_tokens=8192, max_queue_size=4096, queue_timeout_s=120.0)

@@ -54,8 +54,10 @@ from collections.abc import Callable
 
 
 class FixedLimiter:
-    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic, why: str = "--concurrency"):
+        """``why``: the summary's reason for this limit (the flag that set it, or the default's source)."""
         self.limit: float = max(1, int(limit))  # the adaptive limiter moves it in fractions
+        self.why = why
         self.in_flight = 0
         self.decoding = 0  # in flight and past their first token (streamed requests)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
@@ -135,7 +137,7 @@ class FixedLimiter:
 
     def summary(self) -> dict:
         """For the run summary: the concurrency the job ran at, and why."""
-        return {"mode": "fixed", "limit": self.limit, "why": "--concurrency (or the engine's batch)"}
+        return {"mode": "fixed", "limit": self.limit, "why": self.why}
 
 
 # Why the adaptive limit last moved: a few words for the progress line, a sentence for the summary.
@@ -501,6 +503,8 @@ class AdaptiveLimiter(FixedLimiter):
 def make_limiter(concurrency: int | None, max_concurrency: int | None, initial: int = 16) -> FixedLimiter:
     """``--concurrency N`` fixes the limit; otherwise adaptive, capped by ``--max-concurrency``."""
     if concurrency:
-        return FixedLimiter(concurrency if not max_concurrency else min(concurrency, max_concurrency))
+        if max_concurrency and max_concurrency < concurrency:
+            return FixedLimiter(max_concurrency, why="--concurrency, capped by --max-concurrency")
+        return FixedLimiter(concurrency)
     cap = max_concurrency or 1024
     return AdaptiveLimiter(initial=min(initial, cap), max_limit=cap)

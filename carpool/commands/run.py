@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="tasks file: .jsonl (plain or OpenAI Batch format), .csv, .parquet")
-    p.add_argument("-o", "--output", help="results: .jsonl (OpenAI Batch output lines) or .parquet (flat "
-                                          "columns, written at the end from a journal <output>.jsonl); "
+    p.add_argument("-o", "--output", help="results: .jsonl (OpenAI Batch output lines), .parquet or .csv "
+                                          "(flat columns, written at the end from a journal <output>.jsonl); "
                                           "default <input>.results.jsonl; running again with the same "
                                           "output resumes")
     p.add_argument("--errors", help="write failed tasks here instead of into the output")
@@ -136,6 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--price-in", type=flags.non_negative_float, metavar="USD",
                    help="$ per million input tokens (default: the built-in table for OpenAI model names)")
     g.add_argument("--price-out", type=flags.non_negative_float, metavar="USD", help="$ per million output tokens")
+    g.add_argument("--prices", metavar="FILE",
+                   help="a JSON/YAML price table in LiteLLM's model_prices shape (input_cost_per_token, "
+                        "output_cost_per_token per model), looked up before the built-in table")
     g.add_argument("--echo-backend", action="store_true",
                    help="answer every task with an empty reply, no model (carpool's own overhead); writes -o")
     g.add_argument("--quiet", action="store_true")
@@ -251,7 +254,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
         max_pending=args.max_pending, dry_run=args.dry_run, echo=args.echo_backend, force=args.force,
         retry_errors=args.retry_errors, argv=["run", *_original_argv()], quiet=args.quiet,
-        price_in=args.price_in, price_out=args.price_out,
+        price_in=args.price_in, price_out=args.price_out, prices=args.prices,
     )
 
 
@@ -443,7 +446,7 @@ def _main_estimate(args: argparse.Namespace) -> int:
         prompt = "not counted" if doc["prompt_tokens"] is None else f"{doc['prompt_tokens']:,}"
         p = doc["prices"]
         priced = (f"at ${p['input_per_million']:g} / ${p['output_per_million']:g} per million in / out "
-                  f"({p['source']})") if p else "(no prices: pass --price-in and --price-out)"
+                  f"({p['source']})") if p else "(no prices: pass --price-in and --price-out, or --prices FILE)"
         print(f"carpool run --estimate: {doc['tasks']:,} tasks for {doc['model']!r}"
               + (f" ({doc['already_done']:,} already done)" if doc["already_done"] else "")
               + (f", {doc['bad_lines']:,} bad lines" if doc["bad_lines"] else "")
@@ -562,7 +565,7 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
         t.add_row("saved", f"{d['saved_tokens']:,} tokens, ~{d['saved_time_s']:.1f} s")
     cost = d["cost"]
     t.add_row("$ spent / saved by the cache", f"{usd(cost['spent_usd'])} / {usd(cost['saved_usd'])}"
-              + ("" if cost["prices"] else " (no prices: --price-in/--price-out)"))
+              + ("" if cost["prices"] else " (no prices: --price-in/--price-out or --prices FILE)"))
     if stats.semantic_audit is not None:
         a = stats.semantic_audit
         t.add_row("semantic audit", f"{a['asked']:,} re-asked, {a['disagreed']:,} disagreed, {a['failed']:,} failed")

@@ -145,7 +145,7 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
         fix_cross_shard_duplicates,
         shard_paths,
     )
-    from carpool.jobs.output_format import output_target, write_parquet
+    from carpool.jobs.output_format import output_target, write_table
     from carpool.jobs.prices import cost_doc
     from carpool.jobs.readers import detect_format
     from carpool.jobs.runner import job_prices
@@ -265,8 +265,8 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
         if errors is not None:
             merge_files([p[1] for p in parts], errors)
         _write_state(output, input_path, opts)
-        if target.kind == "parquet":
-            rows = write_parquet(output, target.path)
+        if target.is_table:
+            rows = write_table(target)
             result["messages"].append(f"wrote {target.path} ({rows:,} rows) from its journal {output}")
         if not ray_opts.keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)

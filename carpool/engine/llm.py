@@ -1,61 +1,246 @@
-"""Offline API: run a list of requests to completion and return the results in order."""
+"""Offline API, shaped as vLLM's ``LLM``: run a list of requests to completion, in order.
+
+::
+
+    from carpool.engine import LLM, SamplingParams
+
+    llm = LLM(model="smollm2")
+    outs = llm.chat([{"role": "user", "content": "Say hi"}], SamplingParams(max_tokens=16))
+    outs[0].outputs[0].text
+
+- ``LLM(model=..., **engine_args)``: the engine arguments are ``EngineConfig``'s, which
+  carry vLLM's names (``dtype``, ``max_model_len``, ``max_num_seqs``, ``seed``,
+  ``quantization``, ``kv_cache_dtype``, ``enable_prefix_caching``...).  An
+  ``EngineConfig`` may be given instead, as the first argument.
+- ``generate(prompts, sampling_params)`` and ``chat(messages, sampling_params)`` return one
+  ``GenerationOutput`` per prompt / conversation: vLLM's ``RequestOutput`` fields
+  (``request_id``, ``prompt``, ``prompt_token_ids``, ``outputs[0].text`` / ``.token_ids`` /
+  ``.finish_reason``, ``finished``) plus carpool's own (``usage``, ``ttft_s``, ``e2e_s``).
+  ``sampling_params``: a ``SamplingParams``, a dict of its fields, or a list of either (one
+  per prompt).
+- ``embed(prompts)``: for an embedding model (``LLM(model="all-MiniLM-L6-v2")``, the one
+  ``carpool serve`` answers ``/v1/embeddings`` with), one ``EmbeddingRequestOutput`` per
+  prompt with ``outputs.embedding``; a generation model refuses it, as vLLM's does.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .config import EngineConfig
-from .llm_engine import LLMEngine
 from .protocol import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+
+_ENGINE_ARGS = {f.name for f in fields(EngineConfig)}
+# Names of the packaged embedding model (carpool.embed.embedder.MINILM_NAMES, lower case).
+_EMBEDDING_MODELS = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "minilm"}
+Params = SamplingParams | dict | None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's ``CompletionOutput``).  ``logprobs``: carpool's
+    ``TokenLogprob`` per token when asked for (``SamplingParams(logprobs=k)``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return sum(t.logprob for t in self.logprobs) if self.logprobs else None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationOutput(RequestOutput):
+    """vLLM's ``RequestOutput`` shape (``prompt``, ``outputs``, ``finished``) over carpool's
+    (``text``, ``token_ids``, ``usage``... of the one sequence)."""
+
+    prompt: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's ``EmbeddingRequestOutput``: ``outputs.embedding`` (a unit vector)."""
+
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+def _params(sampling_params: Params | Sequence[Params], n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from one (shared) or a list."""
+    if isinstance(sampling_params, list | tuple):
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {n} prompts; give one, "
+                             "or one per prompt")
+        return [_one(p) for p in sampling_params]
+    one = _one(sampling_params)  # type: ignore[arg-type]  # not a list: one params for all
+    return [one] * n
+
+
+def _one(p: Params) -> SamplingParams:
+    if p is None:
+        return SamplingParams()
+    if isinstance(p, SamplingParams):
+        return p
+    if isinstance(p, dict):
+        known = {f.name for f in fields(SamplingParams)}
+        unknown = sorted(set(p) - known)
+        if unknown:
+            raise TypeError(f"sampling_params: unknown field {unknown[0]!r}; fields: {', '.join(sorted(known))}")
+        return SamplingParams(**p)
+    raise TypeError(f"sampling_params: a SamplingParams or a dict of its fields, got {type(p).__name__}")
 
 
 class LLM:
-    def __init__(self, config: EngineConfig | None = None, loaded: Any = None):
-        self.engine = LLMEngine(config, loaded)
+    """carpool's engine for offline batches (see the module docstring)."""
+
+    def __init__(self, model: str | EngineConfig | None = None, *, config: EngineConfig | None = None,
+                 loaded: Any = None, **engine_args: Any):
+        if isinstance(model, EngineConfig):
+            config, model = model, None
+        unknown = sorted(set(engine_args) - _ENGINE_ARGS)
+        if unknown:
+            raise TypeError(f"LLM: unknown engine argument {unknown[0]!r}; carpool's engine takes "
+                            f"{', '.join(sorted(_ENGINE_ARGS - {'extra'}))}")
+        if config is None:
+            if model is not None:
+                engine_args["model"] = model
+            config = EngineConfig(**engine_args)
+        elif model is not None or engine_args:
+            raise TypeError("LLM: give the EngineConfig or the model and engine arguments, not both")
+        self.config = config
+        self.embedder: Any = None
+        self.engine: Any = None
+        if config.model.lower() in _EMBEDDING_MODELS:
+            from carpool.embed.embedder import Embedder
+
+            self.embedder = Embedder(config.model)
+        else:
+            from .llm_engine import LLMEngine
+
+            self.engine = LLMEngine(config, loaded)
+        self._counter = 0
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer if self.engine is not None else self.embedder.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prompt blocks (as vLLM's ``LLM.reset_prefix_cache``)."""
-        return self.engine.reset_prefix_cache()
+        return self._generator().reset_prefix_cache()
 
-    def generate(self, requests: Sequence[GenerateRequest | str] | str,
-                 params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Requests (or plain prompt strings sharing ``params``) -> outputs in input order."""
-        if isinstance(requests, str):
-            requests = [requests]
-        reqs: list[GenerateRequest] = []
-        for i, r in enumerate(requests):
-            if isinstance(r, str):
-                r = GenerateRequest(request_id=f"offline-{i}", prompt=r, params=params or SamplingParams())
-            reqs.append(r)
-        seqs = [self.engine.make_sequence(r) for r in reqs]  # validate everything before running
+    def _generator(self) -> Any:
+        if self.engine is None:
+            raise ValueError(f"LLM(model={self.config.model!r}) is an embedding model: it has embed(), not "
+                             "generate() or chat(); load a generation model, e.g. LLM(model='smollm2')")
+        return self.engine
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"offline-{self._counter}"
+
+    def generate(self, prompts: str | Sequence[str | dict | GenerateRequest],
+                 sampling_params: Params | Sequence[Params] = None, *, use_tqdm: bool = False,
+                 params: Params = None) -> list[GenerationOutput]:
+        """Prompts (text, ``{"prompt_token_ids": [...]}``, ``{"prompt": ...}`` or a
+        ``GenerateRequest``) -> outputs in input order.  ``params`` is the older name of
+        ``sampling_params``; ``use_tqdm`` is accepted for vLLM's signature (no bar is drawn)."""
+        self._generator()
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        chosen = _params(sampling_params if sampling_params is not None else params, len(prompts))
+        reqs = []
+        for p, sp in zip(prompts, chosen, strict=True):
+            if isinstance(p, GenerateRequest):
+                reqs.append(p)
+            elif isinstance(p, str):
+                reqs.append(GenerateRequest(request_id=self._next_id(), prompt=p, params=sp))
+            elif isinstance(p, dict) and ("prompt" in p or "prompt_token_ids" in p):
+                reqs.append(GenerateRequest(request_id=self._next_id(), prompt=p.get("prompt"),
+                                            prompt_token_ids=p.get("prompt_token_ids"), params=sp))
+            else:
+                raise TypeError(f"generate: a prompt is a string, {{'prompt_token_ids': [...]}} or a "
+                                f"GenerateRequest; got {type(p).__name__}")
+        return self._run(reqs)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: Params | Sequence[Params] = None, *, use_tqdm: bool = False) -> list[GenerationOutput]:
+        """One conversation (a list of ``{"role", "content"}``) or a list of them, through the
+        model's chat template -> one output per conversation, in order."""
+        self._generator()
+        convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        chosen = _params(sampling_params, len(convs))
+        for i, conv in enumerate(convs):
+            if not isinstance(conv, list | tuple) or not all(isinstance(m, dict) for m in conv):
+                raise TypeError(f"chat: conversation {i} must be a list of {{'role', 'content'}} dicts")
+        reqs = [GenerateRequest(request_id=self._next_id(), messages=[dict(m) for m in conv], params=sp)
+                for conv, sp in zip(convs, chosen, strict=True)]
+        return self._run(reqs)
+
+    def embed(self, prompts: str | Sequence[str], *, use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """Texts -> one unit vector each (an embedding model only, as in vLLM)."""
+        if self.embedder is None:
+            raise ValueError(f"LLM(model={self.config.model!r}) is a generation model; embeddings come from an "
+                             "embedding model: LLM(model='all-MiniLM-L6-v2')")
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        vectors = self.embedder.embed(texts)
+        ids = self.embedder._token_ids(texts) if texts else []
+        return [EmbeddingRequestOutput(self._next_id(), t, list(i), EmbeddingOutput(v.tolist()))
+                for t, i, v in zip(texts, ids, vectors, strict=True)]
+
+    def _run(self, reqs: list[GenerateRequest]) -> list[GenerationOutput]:
+        engine = self.engine
+        seqs = [engine.make_sequence(r) for r in reqs]  # validate everything before running
         for s in seqs:
-            self.engine.add_request(s)
+            engine.add_request(s)
         texts: dict[str, list[str]] = {s.request_id: [] for s in seqs}
         logprobs: dict[str, list[TokenLogprob]] = {s.request_id: [] for s in seqs}
         done: dict[str, Any] = {}
         submitted = time.monotonic()
-        while self.engine.has_unfinished():
-            for d in self.engine.step():
+        while engine.has_unfinished():
+            for d in engine.step():
                 texts[d.request_id].append(d.text)
                 if d.logprobs:
                     logprobs[d.request_id].extend(d.logprobs)
                 if d.finished:
                     done[d.request_id] = d
-        outs = []
-        for s in seqs:
-            d = done[s.request_id]
-            m = d.metrics or {}
-            first, fin = m.get("first_token"), m.get("finished")
-            start = min(submitted, s.arrival_time)
-            outs.append(RequestOutput(
-                request_id=s.request_id, prompt_token_ids=s.prompt_token_ids, token_ids=s.output_token_ids,
-                text="".join(texts[s.request_id]), finish_reason=d.finish_reason, usage=d.usage,
-                ttft_s=(first - start) if first else None, e2e_s=(fin - start) if fin else None,
-                logprobs=logprobs[s.request_id] if s.params.logprobs is not None else None, error=d.error))
-        return outs
+        return [self._output(s, r, done[s.request_id], "".join(texts[s.request_id]),
+                             logprobs[s.request_id] if s.params.logprobs is not None else None, submitted)
+                for s, r in zip(seqs, reqs, strict=True)]
+
+    def _output(self, s: Any, req: GenerateRequest, d: Any, text: str, lps: list[TokenLogprob] | None,
+                submitted: float) -> GenerationOutput:
+        m = d.metrics or {}
+        first, fin = m.get("first_token"), m.get("finished")
+        start = min(submitted, s.arrival_time)
+        prompt = req.prompt
+        if prompt is None and self.engine.tokenizer is not None:  # chat: the templated prompt, as vLLM's
+            prompt = self.engine.tokenizer.decode(s.prompt_token_ids)
+        token_ids = list(s.output_token_ids)
+        return GenerationOutput(
+            request_id=s.request_id, prompt_token_ids=s.prompt_token_ids, token_ids=token_ids, text=text,
+            finish_reason=d.finish_reason, usage=d.usage, ttft_s=(first - start) if first else None,
+            e2e_s=(fin - start) if fin else None, logprobs=lps, error=d.error, prompt=prompt,
+            outputs=[CompletionOutput(0, text, token_ids, d.finish_reason, lps)])

@@ -1,18 +1,30 @@
 """Python API: ``carpool.run_batch(tasks, ...)`` and ``await carpool.arun_batch(tasks, ...)``.
 
-The same pipeline as ``carpool run``.  ``tasks`` is a path, a list of task dicts, a pandas
-DataFrame or a ``datasets.Dataset`` (``carpool.jobs.inputs``); keyword arguments are the
-fields of ``carpool.jobs.options.RunOptions`` (``endpoints``, ``concurrency``, ``cache``,
-``price_in``...) plus the shortcuts ``model``, ``max_tokens``, ``temperature``,
-``idempotent`` and ``template`` (a string such as ``"Classify: {review}"``).
+The same pipeline as ``carpool run``, with the names a LiteLLM, vLLM or Curator user
+knows::
+
+    results = carpool.run_batch(["Say hi", "Say bye"], endpoint="http://127.0.0.1:8000/v1",
+                                model="gpt-4o-mini", max_tokens=32)
+    results[0].text
+
+``tasks`` is a path, a list of task dicts or prompt strings, a pandas DataFrame or a
+``datasets.Dataset`` (``carpool.jobs.inputs``).  The keyword arguments of ``run_batch``
+are the common ones; any other field of ``carpool.jobs.options.RunOptions`` (``rpm``,
+``tpm``, ``semantic_cache``, ``stream``...) is accepted by name as well, and a misspelt
+one is refused with the closest name.
 
 What comes back:
 - a path with an ``output`` path: the job summary (a dict), the results being in the file;
-- otherwise the results as the input's kind, in input order: a list of output lines for a
-  list (or a path), a DataFrame / Dataset with the result columns added.  Without
-  ``output`` the journal is a temporary file, removed afterwards; with it, the file is the
-  journal as for ``carpool run`` (the same call resumes).
+- otherwise the results as the input's kind, in input order: a list of ``Result`` for a
+  list (or a path) -- the output line, a dict, with ``.text``, ``.parsed``, ``.ok`` --,
+  a DataFrame / Dataset with the result columns added.  Without ``output`` the journal is
+  a temporary file, removed afterwards; with it, the file is the journal as for ``carpool
+  run`` (the same call resumes).
 ``with_summary=True`` returns ``(results, summary)`` instead.
+
+Without an endpoint the job runs on carpool's own engine, in this process.  That engine
+stays warm between calls (``carpool.jobs.warm``: one per model and settings, stopped at
+interpreter exit), so the second call in a notebook does not load the model again.
 
 ``run_batch`` blocks; inside a running event loop (Jupyter) it runs the job on a thread of
 its own with its own loop, never nesting one loop in another.  ``progress`` (default: on)
@@ -24,25 +36,35 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import difflib
 import os
 import signal
 import tempfile
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from carpool.jobs.inputs import MemorySource, check_columns, in_order, input_kind, read_lines, results_as, rows_of
 from carpool.jobs.options import RunOptions
+from carpool.jobs.output_format import output_target
 from carpool.jobs.parts import job_defaults
 from carpool.jobs.runner import Runner
 from carpool.jobs.tasks import TaskDefaults, Template
+
+_OPTION_NAMES = {f.name for f in dataclasses.fields(RunOptions)} - {"input", "output"}
+_SHORTCUTS = ("model", "max_tokens", "temperature", "idempotent")
 
 
 def make_options(input: str, output: str, **options) -> RunOptions:
     """``model``, ``max_tokens``, ``temperature`` and ``idempotent`` are accepted as shortcuts:
     with ``endpoints`` ``model`` is the model name sent, without it the engine's model;
     ``template`` may be a string (chat kind)."""
-    shortcuts = {k: options.pop(k) for k in ("model", "max_tokens", "temperature", "idempotent") if k in options}
+    unknown = sorted(k for k in options if k not in _OPTION_NAMES and k not in _SHORTCUTS)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], [*_OPTION_NAMES, *_SHORTCUTS], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else " (see help(carpool.run_batch))"
+        raise TypeError(f"run_batch: unknown keyword argument {unknown[0]!r}{hint}")
+    shortcuts = {k: options.pop(k) for k in _SHORTCUTS if k in options}
     defaults = options.pop("defaults", None) or TaskDefaults()
     model = shortcuts.pop("model", None)
     if model is not None:
@@ -52,8 +74,104 @@ def make_options(input: str, output: str, **options) -> RunOptions:
             options.setdefault("engine_model", model)
     if isinstance(options.get("template"), str):
         options["template"] = Template(options["template"])
-    defaults = dataclasses.replace(defaults, **shortcuts)
+    defaults = dataclasses.replace(defaults, **{k: v for k, v in shortcuts.items() if v is not None})
     return RunOptions(input=str(input), output=str(output), defaults=defaults, **options)
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` as OpenAI's strict mode wants it: every object closed (``additionalProperties:
+    false``) with all its properties required; the nested schemas too."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) if k in _NESTED else v for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: strict_schema(v) for k, v in out["properties"].items()}
+        out.setdefault("additionalProperties", False)
+        out["required"] = list(out["properties"])
+    if isinstance(out.get("$defs"), dict):
+        out["$defs"] = {k: strict_schema(v) for k, v in out["$defs"].items()}
+    return out
+
+
+_NESTED = ("items", "anyOf", "allOf", "oneOf", "prefixItems")
+
+
+def response_format_body(response_format: Any) -> tuple[dict, Any]:
+    """(the body's ``response_format``, the pydantic model to build answers with or None).
+
+    Takes what OpenAI's and LiteLLM's clients take: a ``{"type": ...}`` dict, or a pydantic
+    model class (sent as its JSON Schema, strict, as the OpenAI SDK's ``parse`` does)."""
+    if isinstance(response_format, dict):
+        if response_format.get("type") not in ("json_schema", "json_object", "text"):
+            raise TypeError("run_batch: response_format must be {'type': 'json_schema', 'json_schema': {'name': "
+                            "..., 'schema': {...}}}, {'type': 'json_object'} or a pydantic model class; got "
+                            f"{response_format!r}")
+        return response_format, None
+    schema_of = getattr(response_format, "model_json_schema", None)
+    if isinstance(response_format, type) and callable(schema_of):
+        schema = strict_schema(schema_of())
+        return ({"type": "json_schema", "json_schema": {"name": response_format.__name__, "schema": schema,
+                                                         "strict": True}}, response_format)
+    raise TypeError(f"run_batch: response_format must be a dict or a pydantic model class; got "
+                    f"{type(response_format).__name__}")
+
+
+def _endpoint_list(endpoint: str | None, endpoints: str | Sequence[str] | None) -> list[str] | None:
+    """``endpoint="URL"``, ``endpoints="URL"`` or ``endpoints=[URL, ...]`` as a list of URLs."""
+    if endpoint is not None and endpoints is not None:
+        raise TypeError("run_batch: give endpoint= (one URL) or endpoints= (a list), not both")
+    given = endpoint if endpoint is not None else endpoints
+    if given is None:
+        return None
+    urls = [given] if isinstance(given, str | os.PathLike) else list(given)
+    for url in urls:
+        if not isinstance(url, str) or not url:
+            raise TypeError(f"run_batch: an endpoint is a base URL such as 'http://127.0.0.1:8000/v1'; "
+                            f"got {url!r}")
+    return urls
+
+
+def job_options(*, endpoint: str | None = None, endpoints: str | Sequence[str] | None = None,
+                response_format: Any = None, system: str | None = None, template: str | Template | None = None,
+                **options: Any) -> tuple[dict, Any]:
+    """The keyword arguments as ``RunOptions`` fields, and the pydantic model to parse with (or None)."""
+    urls = _endpoint_list(endpoint, endpoints)
+    if urls is not None:
+        options["endpoints"] = urls
+        if options.get("api_key") is None:  # as `carpool run` reads it
+            options["api_key"] = os.environ.get("CARPOOL_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    parse = None
+    if response_format is not None:
+        body_rf, parse = response_format_body(response_format)
+        defaults = options.get("defaults") or TaskDefaults()
+        options["defaults"] = dataclasses.replace(defaults, extra={**defaults.extra, "response_format": body_rf})
+    if isinstance(template, str):
+        template = Template(template, system=system)
+    elif system is not None:
+        if template is None:
+            raise TypeError("run_batch: system= goes with template= (e.g. template='Classify: {review}'); "
+                            "a task dict carries its own system message")
+        template = dataclasses.replace(template, system=system)
+    if template is not None:
+        options["template"] = template
+    return {k: v for k, v in options.items() if v is not None or k in ("cache_ttl",)}, parse
+
+
+def _with_warm_engine(options: dict) -> dict:
+    """An in-process job (no endpoint, no engine given) runs on the process's warm engine."""
+    if options.get("endpoints") or options.get("engine") is not None or options.get("echo"):
+        return options
+    if options.get("endpoint_specs"):
+        return options
+    from carpool.jobs.warm import warm_embedder_factory, warm_engine
+
+    model = options.get("model") or options.get("engine_model") or "smollm2"
+    engine = warm_engine(str(model), dict(options.get("engine_config") or {}))
+    out = {**options, "engine": engine}
+    out.setdefault("embedder_factory", warm_embedder_factory())
+    return out
 
 
 async def _run_file(opts: RunOptions) -> dict:
@@ -85,38 +203,44 @@ async def _look(tasks: Any, kind: str, output: str | os.PathLike | None, want_es
         return await plan(opts, source)
 
 
-async def arun_batch(tasks: Any, output: str | os.PathLike | None = None, *, with_summary: bool = False,
-                     **options) -> Any:
-    """Run a job inside a running event loop (``dry_run=True``: the plan; ``estimate=True``: tokens
-    and $ as ``carpool run --estimate`` prints them; either way nothing is sent or written)."""
+async def _run_records(tasks: Any, kind: str, journal: str, options: dict, parse: Any) -> tuple[Any, dict]:
+    rows = rows_of(tasks, kind, keep_empty=options.get("template") is not None)
+    opts = make_options("", journal, **options)
+    if kind != "list":
+        check_columns(list(rows[0]) if rows else [], "response_format" in opts.defaults.extra)
+    made: list[MemorySource] = []
+
+    def make_source(o: RunOptions) -> MemorySource:
+        made.append(MemorySource(rows, o.template, job_defaults(o)))
+        return made[-1]
+
+    runner = Runner(opts, make_source=make_source)
+    stats = await runner.run()
+    summary = {**stats.to_dict(), "messages": runner.messages}
+    ids = made[-1].ids if made else []
+    lines = read_lines(str(output_target(journal).journal))  # a table's journal beside it
+    return results_as(tasks, kind, in_order(ids, lines), parse), summary
+
+
+async def _arun(tasks: Any, output: str | os.PathLike | None, with_summary: bool, estimate: bool,
+                named: dict) -> Any:
+    options, parse = job_options(**named)
     kind = input_kind(tasks)
-    want_estimate = bool(options.pop("estimate", False))
-    if want_estimate or options.get("dry_run"):
-        return await _look(tasks, kind, output, want_estimate, options)
+    if estimate or options.get("dry_run"):
+        return await _look(tasks, kind, output, estimate, options)
+    options = _with_warm_engine(options)
     if kind == "path" and output is not None:
         return await _run_file(make_options(str(tasks), str(output), **options))
     with tempfile.TemporaryDirectory(prefix="carpool-") as tmp:
         journal = str(output) if output is not None else os.path.join(tmp, "results.jsonl")
         if kind == "path":
             # The journal in input order, so its lines are the results as they are.
-            opts = make_options(str(tasks), journal, **{"ordered": True, **options})
+            opts = make_options(str(tasks), journal, **{**options, "ordered": True})
             summary = await _run_file(opts)
-            results: Any = list(read_lines(journal).values())
+            lines = read_lines(str(output_target(journal).journal))
+            results: Any = results_as(tasks, kind, list(lines.values()), parse)
         else:
-            rows = rows_of(tasks, kind, keep_empty=options.get("template") is not None)
-            if kind != "list":
-                check_columns(list(rows[0]) if rows else [])
-            opts = make_options("", journal, **options)
-            made: list[MemorySource] = []
-
-            def make_source(o: RunOptions) -> MemorySource:
-                made.append(MemorySource(rows, o.template, job_defaults(o)))
-                return made[-1]
-
-            runner = Runner(opts, make_source=make_source)
-            stats = await runner.run()
-            summary = {**stats.to_dict(), "messages": runner.messages}
-            results = results_as(tasks, kind, in_order(made[-1].ids, read_lines(journal)))
+            results, summary = await _run_records(tasks, kind, journal, options, parse)
     return (results, summary) if with_summary else results
 
 
@@ -160,13 +284,92 @@ def _run_stopped_by_sigterm(job: Coroutine[Any, Any, Any]) -> Any:
         raise SystemExit(128 + signal.SIGTERM) from None  # not reached: the signal ends the process
 
 
-def run_batch(tasks: Any, output: str | os.PathLike | None = None, **options) -> Any:
-    """Run a job to the end (blocking); inside a running event loop, on a thread of its own."""
+async def arun_batch(
+    tasks: Any, output: str | os.PathLike | None = None, *,
+    endpoint: str | None = None, endpoints: str | Sequence[str] | None = None, model: str | None = None,
+    api_key: str | None = None, response_format: dict | type | None = None, max_tokens: int | None = None,
+    temperature: float | None = None, template: str | Template | None = None, system: str | None = None,
+    concurrency: int | None = None, max_concurrency: int | None = None, rpm: float | None = None,
+    tpm: float | None = None, cache: str | None = None, ordered: bool = False, progress: bool | None = None,
+    report: str | None = None, engine_config: dict | None = None, with_summary: bool = False,
+    dry_run: bool = False, estimate: bool = False, **options: Any,
+) -> Any:
+    """``run_batch`` for async code: ``await carpool.arun_batch(tasks, ...)`` (same arguments)."""
+    named = dict(endpoint=endpoint, endpoints=endpoints, model=model, api_key=api_key,
+                 response_format=response_format, max_tokens=max_tokens, temperature=temperature,
+                 template=template, system=system, concurrency=concurrency, max_concurrency=max_concurrency,
+                 rpm=rpm, tpm=tpm, cache=cache, ordered=ordered, progress=progress, report=report,
+                 engine_config=engine_config, dry_run=dry_run, **options)
+    return await _arun(tasks, output, with_summary, estimate, named)
+
+
+def run_batch(
+    tasks: Any, output: str | os.PathLike | None = None, *,
+    endpoint: str | None = None, endpoints: str | Sequence[str] | None = None, model: str | None = None,
+    api_key: str | None = None, response_format: dict | type | None = None, max_tokens: int | None = None,
+    temperature: float | None = None, template: str | Template | None = None, system: str | None = None,
+    concurrency: int | None = None, max_concurrency: int | None = None, rpm: float | None = None,
+    tpm: float | None = None, cache: str | None = None, ordered: bool = False, progress: bool | None = None,
+    report: str | None = None, engine_config: dict | None = None, with_summary: bool = False,
+    dry_run: bool = False, estimate: bool = False, **options: Any,
+) -> Any:
+    """Run a batch of LLM tasks to the end and return the results in input order.
+
+    Args:
+        tasks: a list of prompt strings or task dicts (``{"messages": [...]}``, ``{"prompt":
+            ...}``, ``{"input": ...}`` for embeddings, or OpenAI Batch lines), a pandas
+            DataFrame or ``datasets.Dataset`` (rows as tasks, or through ``template``), or
+            the path of a JSONL/CSV/Parquet file.
+        output: a ``.jsonl``, ``.csv`` or ``.parquet`` path; the results are also written
+            there and a second call with the same path resumes (nothing is sent twice).
+        endpoint / endpoints: an OpenAI-compatible base URL (``"http://127.0.0.1:8000/v1"``)
+            or a list of them (balanced).  Neither: carpool's own engine, in this process,
+            kept warm between calls.
+        model: the model name sent to the endpoint; without an endpoint, the engine's model
+            (``"smollm2"``).
+        api_key: the endpoints' key (default: ``$CARPOOL_API_KEY``, else ``$OPENAI_API_KEY``).
+        response_format: a pydantic model class or an OpenAI ``response_format`` dict; each
+            result then has ``.parsed`` (the object), or ``.parse_error`` when the answer does
+            not validate against the schema.
+        max_tokens, temperature: defaults for tasks that do not set them.
+        template, system: build each row's user message from its columns (``"Classify:
+            {review}"``), with an optional system message.
+        concurrency: a fixed number of requests in flight (default: adaptive, up to
+            ``max_concurrency``).  rpm / tpm: request and token rate limits.
+        cache: ``"off"``, ``sqlite:///path`` or ``redis://...`` (default: the SQLite cache).
+        ordered: write ``output`` in input order.
+        progress: draw a progress bar (default: on a terminal or in Jupyter).
+        report: write an HTML report of the run to this path.
+        engine_config: engine settings (``{"max_num_seqs": 32}``) for an in-process job.
+        with_summary: return ``(results, summary)``.
+        dry_run: validate and count, send nothing; returns the plan.
+        estimate: tokens and $ the job would cost; returns that.
+        **options: any other ``RunOptions`` field by name (``rpm``, ``stream``,
+            ``semantic_cache``, ``price_in``, ``prices``, ``fresh``...).
+
+    Returns:
+        a list of ``Result`` (each the output line, a dict, with ``.text``, ``.parsed``,
+        ``.ok``, ``.error_message``) for a list or path; a DataFrame / Dataset with the
+        columns ``content``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
+        ``error`` (and ``parsed``, ``parse_error``) added for a DataFrame / Dataset; the
+        summary dict for a path with an ``output`` path.
+
+    Inside a running event loop (Jupyter) the job runs on a thread with a loop of its own.
+    """
+    named = dict(endpoint=endpoint, endpoints=endpoints, model=model, api_key=api_key,
+                 response_format=response_format, max_tokens=max_tokens, temperature=temperature,
+                 template=template, system=system, concurrency=concurrency, max_concurrency=max_concurrency,
+                 rpm=rpm, tpm=tpm, cache=cache, ordered=ordered, progress=progress, report=report,
+                 engine_config=engine_config, dry_run=dry_run, **options)
+
+    def job() -> Any:
+        return asyncio.run(_arun(tasks, output, with_summary, estimate, named))
+
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return _run_stopped_by_sigterm(arun_batch(tasks, output, **options))
+        return _run_stopped_by_sigterm(_arun(tasks, output, with_summary, estimate, named))
     # A loop runs in this thread (Jupyter): asyncio.run cannot nest, so the job gets a thread
     # and a loop of its own while this call waits for it.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="carpool-run-batch") as pool:
-        return pool.submit(lambda: asyncio.run(arun_batch(tasks, output, **options))).result()
+        return pool.submit(job).result()

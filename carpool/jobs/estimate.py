@@ -37,7 +37,7 @@ def job_model(opts: RunOptions) -> tuple[str | None, str | None]:
 
 async def estimate(opts: RunOptions, source: TaskSource | None = None) -> dict[str, Any]:
     model, engine_model = job_model(opts)
-    prices = resolve_prices(model, opts.price_in, opts.price_out)
+    prices = resolve_prices(model, opts.price_in, opts.price_out, opts.prices)
     messages: list[str] = []
     done: set[str] | Any = set()
     if opts.output:

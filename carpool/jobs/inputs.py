@@ -1,13 +1,18 @@
 """What the Python API takes besides a file, and how results go back as the same kind.
 
-``run_batch`` accepts a path (read as ``carpool run`` reads it), a list of task dicts, a
-pandas ``DataFrame`` or a Hugging Face ``datasets.Dataset``.  In-memory inputs become
-records (rows through the ``template`` when one is given, else each row is a task record
-with its empty cells left out) fed to the pipeline as a ``RecordSource``; the results come
-back as the input's kind, in input order:
+``run_batch`` accepts a path (read as ``carpool run`` reads it), a list of task dicts or
+of prompt strings (each one user message, as LiteLLM's ``batch_completion`` and vLLM's
+``LLM.chat`` take them), a pandas ``DataFrame`` or a Hugging Face ``datasets.Dataset``.
+In-memory inputs become records (rows through the ``template`` when one is given, else
+each row is a task record with its empty cells left out) fed to the pipeline as a
+``RecordSource``; the results come back as the input's kind, in input order:
 
-- a list -> a list of output lines (dicts in the OpenAI Batch output shape);
-- a DataFrame / Dataset -> a copy with the result columns added (``RESULT_COLUMNS``).
+- a list (or a path) -> a list of ``Result``: the output line (a dict in the OpenAI Batch
+  output shape, so ``r["response"]["body"]`` is all there) with the answer at hand as
+  ``r.text`` / ``r["text"]``, ``r.parsed`` for a task that asked for JSON, ``r.ok`` and
+  ``r.error_message``;
+- a DataFrame / Dataset -> a copy with the result columns added (``RESULT_COLUMNS``, and
+  ``parsed`` / ``parse_error`` when a task asked for JSON).
 
 pandas and datasets are imported only when such an object is given.
 """
@@ -26,6 +31,8 @@ from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, build_from
 # The columns a DataFrame or Dataset gains: the answer's text (or embedding), why it stopped,
 # its tokens, and the error message of a task that failed (None when it succeeded).
 RESULT_COLUMNS = ("content", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+# Added when a task asked for JSON (``response_format``): the parsed object, or why it is not one.
+STRUCTURED_COLUMNS = ("parsed", "parse_error")
 
 
 def input_kind(data: object) -> str:
@@ -39,8 +46,8 @@ def input_kind(data: object) -> str:
         return "pandas"
     if module == "datasets" and type(data).__name__ == "Dataset":
         return "dataset"
-    raise TypeError(f"run_batch input: a path, a list of dicts, a pandas DataFrame or a datasets.Dataset; "
-                    f"got {type(data).__name__}")
+    raise TypeError(f"run_batch input: a path, a list of dicts or strings, a pandas DataFrame or a "
+                    f"datasets.Dataset; got {type(data).__name__}")
 
 
 def _is_empty(v: Any) -> bool:
@@ -73,11 +80,15 @@ def rows_of(data: Any, kind: str, keep_empty: bool = False) -> list[dict]:
     left out, or kept as None with ``keep_empty`` (a template then says which cell is
     empty); an integer column pandas made float to hold NaN gives its values back as ints."""
     if kind == "list":
+        rows = []
         for i, row in enumerate(data):
-            if not isinstance(row, dict):
+            if isinstance(row, str):  # a prompt: one user message
+                row = {"messages": [{"role": "user", "content": row}]}
+            elif not isinstance(row, dict):
                 raise TypeError(f"run_batch input: item {i} is a {type(row).__name__}; every item must be "
-                                "a dict (a task record)")
-        return list(data)
+                                "a dict (a task record) or a string (a prompt)")
+            rows.append(row)
+        return rows
     whole = set(_integral_with_gaps(data)) if kind == "pandas" else set()
     records = data.to_dict("records") if kind == "pandas" else data.to_list()
     rows = []
@@ -148,12 +159,99 @@ def in_order(ids: Sequence[str | None], lines: dict[str, dict]) -> list[dict | N
     return [lines.get(cid) if cid is not None else None for cid in ids]
 
 
+class Result(dict):
+    """One task's result: its output line (OpenAI Batch output shape) with the answer at hand.
+
+    A dict, so ``r["custom_id"]``, ``r["error"]`` and ``r["response"]["body"]`` read as the
+    JSONL line does; the key ``"text"`` and the attributes below save digging the answer
+    out of the body.  ``parsed``: for a task with ``response_format``, the decoded object
+    (an instance of the pydantic model when one was given), None when it did not validate
+    (``parse_error`` says why)."""
+
+    @property
+    def custom_id(self) -> str | None:
+        return self.get("custom_id")
+
+    @property
+    def text(self) -> str | None:
+        """The first choice's message content (chat) or text (completion); None for an error."""
+        return self.get("text")
+
+    @property
+    def parsed(self) -> Any:
+        return self.get("parsed")
+
+    @property
+    def parse_error(self) -> str | None:
+        return self.get("parse_error")
+
+    @property
+    def ok(self) -> bool:
+        """Answered, and parsed and valid when the task asked for JSON."""
+        return not self.get("error") and not self.get("parse_error")
+
+    @property
+    def error_message(self) -> str | None:
+        """Why the task failed (its error line's message), or why its JSON did not validate."""
+        err = self.get("error")
+        if isinstance(err, dict):
+            return err.get("message") or err.get("code") or "error"
+        return self.get("parse_error")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return flatten(self)["finish_reason"]
+
+    @property
+    def usage(self) -> dict:
+        body = (self.get("response") or {}).get("body") or {}
+        usage = body.get("usage")
+        return usage if isinstance(usage, dict) else {}
+
+    @property
+    def embedding(self) -> list[float] | None:
+        """An embedding task's vector (the first, when its input was a list)."""
+        body = (self.get("response") or {}).get("body") or {}
+        data = body.get("data")
+        return data[0].get("embedding") if isinstance(data, list) and data else None
+
+    def __repr__(self) -> str:
+        shown = {"custom_id": self.custom_id, "text": self.text}
+        if "parsed" in self or "parse_error" in self:
+            shown["parsed"] = self.parsed
+        if not self.ok:
+            shown["error"] = self.error_message
+        return "Result(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def as_result(line: dict | None, parse: Any = None) -> Result:
+    """``line`` as a ``Result`` (a row the job did not reach: an error of its own);
+    ``parse``: a pydantic model class the parsed JSON is turned into."""
+    if line is None:
+        return Result(custom_id=None, error={"code": "not_run", "message": NOT_RUN}, response=None, text=None)
+    out = Result(line)
+    out["text"] = flatten(line)["content"] if not line.get("error") else None
+    if parse is not None and out.get("parsed") is not None:
+        try:
+            out["parsed"] = parse.model_validate(out["parsed"])
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            out["parsed"] = None
+            out["parse_error"] = f"does not match {parse.__name__}: {e}"
+    return out
+
+
+NOT_RUN = "not run (the job stopped before this task)"
+
+
 def flatten(line: dict | None) -> dict:
-    """An output line as the ``RESULT_COLUMNS``."""
+    """An output line as the ``RESULT_COLUMNS`` (and ``STRUCTURED_COLUMNS`` when it has them)."""
     row: dict[str, Any] = dict.fromkeys(RESULT_COLUMNS)
     if line is None:
-        row["error"] = "not run (the job stopped before this task)"
+        row["error"] = NOT_RUN
         return row
+    for c in STRUCTURED_COLUMNS:
+        if c in line:
+            row[c] = line[c]
     err = line.get("error")
     if err:
         row["error"] = err.get("message") or err.get("code") or "error"
@@ -173,19 +271,24 @@ def flatten(line: dict | None) -> dict:
     return row
 
 
-def check_columns(names: Sequence[str]) -> None:
-    clash = [c for c in RESULT_COLUMNS if c in names]
+def check_columns(names: Sequence[str], structured: bool = False) -> None:
+    """``structured``: the job asks for JSON, so ``parsed`` and ``parse_error`` are result columns too."""
+    result = RESULT_COLUMNS + (STRUCTURED_COLUMNS if structured else ())
+    clash = [c for c in result if c in names]
     if clash:
-        raise ValueError(f"run_batch input: column {clash[0]!r} is also a result column ({', '.join(RESULT_COLUMNS)}); "
+        raise ValueError(f"run_batch input: column {clash[0]!r} is also a result column ({', '.join(result)}); "
                          "rename it before the run")
 
 
-def results_as(data: Any, kind: str, lines: list[dict | None]) -> Any:
-    """The results as the input's kind (see the module docstring)."""
+def results_as(data: Any, kind: str, lines: list[dict | None], parse: Any = None) -> Any:
+    """The results as the input's kind (see the module docstring); ``parse``: a pydantic
+    model class the parsed answers become."""
     if kind in ("list", "path"):
-        return lines
-    flat = [flatten(line) for line in lines]
-    columns = {c: [row[c] for row in flat] for c in RESULT_COLUMNS}
+        return [as_result(line, parse) for line in lines]
+    results = [as_result(line, parse) for line in lines]
+    flat = [flatten(r) for r in results]
+    names = RESULT_COLUMNS + (STRUCTURED_COLUMNS if any("parsed" in r or "parse_error" in r for r in results) else ())
+    columns = {c: [r.get(c) for r in results] if c in STRUCTURED_COLUMNS else [row[c] for row in flat] for c in names}
     if kind == "pandas":
         out = data.copy()
         for c, values in columns.items():

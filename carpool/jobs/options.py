@@ -82,5 +82,6 @@ class RunOptions:
     # $ per million tokens for the summary's $ spent / saved (None: carpool.jobs.prices' table).
     price_in: float | None = None
     price_out: float | None = None
+    prices: str | None = None  # --prices FILE: a JSON/YAML price table in LiteLLM's shape, before the built-in one
     argv: list[str] | None = None
     quiet: bool = False

@@ -85,15 +85,24 @@ def job_defaults(opts: RunOptions) -> TaskDefaults:
     return opts.defaults
 
 
+def _engine_setting(opts: RunOptions, name: str, default: int) -> int:
+    """An engine setting of the job: the engine given (the API's warm one), else the options."""
+    config = getattr(opts.engine, "config", None)
+    value = getattr(config, name, None) if config is not None else None
+    return int(value if value is not None else opts.engine_config.get(name, default))
+
+
 def job_limiter(opts: RunOptions) -> FixedLimiter:
     if opts.echo and not opts.concurrency:
-        return FixedLimiter(256)
+        return FixedLimiter(256, why="the echo backend's default (no --concurrency)")
     if not opts.endpoints and not opts.concurrency:
         # In-process the engine's own scheduler batches: keep it fed (two per batch slot),
         # nothing to learn from 429s that cannot happen.
-        seqs = int(opts.engine_config.get("max_num_seqs", 64))
-        n = 2 * seqs if not opts.max_concurrency else min(2 * seqs, opts.max_concurrency)
-        return FixedLimiter(n)
+        seqs = int(_engine_setting(opts, "max_num_seqs", 64))
+        why = f"2 x the engine's max_num_seqs ({seqs}), no --concurrency given"
+        if opts.max_concurrency and opts.max_concurrency < 2 * seqs:
+            return FixedLimiter(opts.max_concurrency, why=f"{why}, capped by --max-concurrency")
+        return FixedLimiter(2 * seqs, why=why)
     return limiter.make_limiter(opts.concurrency, opts.max_concurrency)
 
 

@@ -41,6 +41,7 @@ from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import JobParts
 from carpool.jobs.progress import Progress
 from carpool.jobs.readers import TaskSource
+from carpool.jobs.structured import check_answer
 from carpool.jobs.summary import JobStats
 from carpool.jobs.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
 from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
@@ -481,7 +482,8 @@ class Pipeline:
     def _write_cache_hit(self, out: _TaskWriter, task: Task, body: dict) -> None:
         self.stats.cache_hits += 1
         self.stats.save(*_usage_tokens(body))
-        out.emit(success_line(task.request.custom_id, 200, EXACT_HIT_ID, body))
+        out.emit(success_line(task.request.custom_id, 200, EXACT_HIT_ID, body,
+                              structured=check_answer(task.request.body, body)))
 
     async def _follow(self, out: _TaskWriter, task: Task, dedup: Dedup,
                       key: str) -> Literal["done", "lead", "alone"]:
@@ -532,7 +534,8 @@ class Pipeline:
                 self.parts.caches.audit.offer(AuditItem(req.custom_id, req, hit.response, hit.similarity,
                                                         hit.entry_id))
             self._finish(lead, res)
-            out.emit(success_line(req.custom_id, 200, res.request_id, res.body, semantic=probe.mark()))
+            out.emit(success_line(req.custom_id, 200, res.request_id, res.body, semantic=probe.mark(),
+                                  structured=check_answer(req.body, res.body)))
             return
         self.stats.sent += 1
         self._account(res)
@@ -563,7 +566,8 @@ class Pipeline:
             if fanout:
                 self.stats.save(res.prompt_tokens, res.completion_tokens)
             rid = "dedup:" + res.request_id if fanout else res.request_id
-            out.emit(success_line(req.custom_id, res.status_code or 200, rid, res.body))
+            out.emit(success_line(req.custom_id, res.status_code or 200, rid, res.body,
+                                  structured=check_answer(req.body, res.body)))
             return
         kind = res.error_kind or ErrorKind.SERVER_ERROR
         self.stats.errors[kind] += 1

@@ -1,19 +1,34 @@
-"""What tokens cost: ``--price-in`` / ``--price-out`` ($ per million tokens), or a small
-built-in table of OpenAI list prices for named models.
+"""What tokens cost: ``--price-in`` / ``--price-out`` ($ per million tokens), a user price
+file (``--prices FILE``), or a small built-in table of OpenAI list prices for named models.
 
-The table is deliberately small and dated; a provider's real bill may differ (batch or
-prompt-cache discounts, new prices): pass the flags to be exact.  A model that is in
-neither gets no prices, and its $ figures are shown as unknown, never as 0.
+Looked up in that order.  The price file keeps prices current without a carpool release:
+JSON or YAML in the shape of LiteLLM's ``model_prices_and_context_window.json`` (that file
+itself works), read for the fields carpool needs::
+
+    {"my-llama-70b": {"input_cost_per_token": 6e-07, "output_cost_per_token": 8e-07},
+     "gpt-4o-mini":  {"input_cost_per_token": 1.5e-07, "output_cost_per_token": 6e-07}}
+
+($ per token, as LiteLLM writes them; an embedding model may leave out the output price;
+other fields and LiteLLM's ``sample_spec`` entry are ignored).  A model is found by its
+name, without a ``provider/`` prefix, or by its dated snapshot's family.
+
+The built-in table is deliberately small and dated (``TABLE_DATE``); a provider's real
+bill may differ (batch or prompt-cache discounts, new prices): pass the flags or a file to
+be exact.  A model that is in none gets no prices, and its $ figures are shown as
+unknown, never as 0.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 # $ per million tokens (input, output): OpenAI's standard (not Batch API) list prices as
 # published on openai.com/api/pricing, August 2025.  Dated snapshots ("gpt-4o-2024-08-06")
-# take their family's price.
+# take their family's price.  The date is shown with every figure taken from this table.
 TABLE_DATE = "2025-08"
 BUILTIN_PRICES: dict[str, tuple[float, float]] = {
     "gpt-5": (1.25, 10.00),
@@ -49,34 +64,108 @@ class Prices:
                 "source": self.source}
 
 
+def _lookup(table: dict[str, tuple[float, float]], model: str) -> tuple[str, tuple[float, float]] | None:
+    """(the key found, its prices) for ``model``, its name without a provider prefix, or its family."""
+    name = model.strip().lower()
+    bare = name.split("/", 1)[1] if "/" in name else name
+    for key in dict.fromkeys((name, bare, _SNAPSHOT.sub("", name), _SNAPSHOT.sub("", bare))):
+        if key in table:
+            return key, table[key]
+    return None
+
+
 def builtin_prices(model: str | None) -> Prices | None:
     """The table's prices for ``model`` (or its dated snapshot), else None."""
     if not model:
         return None
-    name = model.strip().lower().removeprefix("openai/")
-    family = _SNAPSHOT.sub("", name)
-    for key in (name, family):
-        if key in BUILTIN_PRICES:
-            pin, pout = BUILTIN_PRICES[key]
-            return Prices(pin, pout, f"built-in table ({key}, {TABLE_DATE})")
-    return None
+    found = _lookup(BUILTIN_PRICES, model)
+    if found is None:
+        return None
+    key, (pin, pout) = found
+    return Prices(pin, pout, f"built-in table ({key}, {TABLE_DATE})")
 
 
-def resolve_prices(model: str | None, price_in: float | None, price_out: float | None) -> Prices | None:
-    """The flags when given (a missing one from the table), else the table; None: unknown.
+def _per_token(path: str, model: str, entry: dict, name: str, required: bool) -> float:
+    value = entry.get(name)
+    if value is None and not required:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"price file {path}: model {model!r}: {name} must be a number of $ per token, 0 or "
+                         f"more (e.g. 1.5e-07 for $0.15 per million), got {value!r}")
+    return float(value)
 
-    Raises ValueError when only one flag is given for a model the table does not know."""
+
+def _parse(path: str, text: str) -> object:
+    if path.lower().endswith((".yaml", ".yml")):
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--prices {path}: not valid YAML: {e}") from e
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--prices {path}: not valid JSON ({e}); a .yaml/.yml file is read as YAML") from e
+
+
+def load_price_file(path: str | Path) -> dict[str, tuple[float, float]]:
+    """Model name (lower case) -> ($ per million input, $ per million output) from a JSON or
+    YAML file in LiteLLM's model-prices shape; ValueError names the file, model and field."""
+    path = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--prices {path}: cannot read it ({e.strerror or e})") from e
+    doc = _parse(path, text)
+    if not isinstance(doc, dict):
+        raise ValueError(f"--prices {path}: must map model names to their prices, e.g. "
+                         '{"my-model": {"input_cost_per_token": 1e-07, "output_cost_per_token": 4e-07}}')
+    table: dict[str, tuple[float, float]] = {}
+    for model, entry in doc.items():
+        if model == "sample_spec":  # LiteLLM's file documents its fields under this key
+            continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"--prices {path}: model {model!r}: must be an object with input_cost_per_token "
+                             "and output_cost_per_token")
+        if "input_cost_per_token" not in entry:
+            continue  # priced otherwise (per image, per second...): not a token model carpool can price
+        pin = _per_token(path, model, entry, "input_cost_per_token", True)
+        pout = _per_token(path, model, entry, "output_cost_per_token", False)
+        table[str(model).strip().lower()] = (round(pin * 1e6, 9), round(pout * 1e6, 9))
+    return table
+
+
+def table_prices(model: str | None, price_file: str | None) -> Prices | None:
+    """The price file's prices for ``model``, else the built-in table's, else None."""
+    if price_file and model:
+        found = _lookup(load_price_file(price_file), model)
+        if found is not None:
+            key, (pin, pout) = found
+            return Prices(pin, pout, f"price file {price_file} ({key})")
+    elif price_file:
+        load_price_file(price_file)  # checked even when no model needs it: a broken file refuses the start
+    return builtin_prices(model)
+
+
+def resolve_prices(model: str | None, price_in: float | None, price_out: float | None,
+                   price_file: str | None = None) -> Prices | None:
+    """The flags when given (a missing one from the tables), else the price file, else the
+    built-in table; None: unknown.
+
+    Raises ValueError when only one flag is given for a model no table knows, or the price
+    file is broken."""
     for flag, value in (("--price-in", price_in), ("--price-out", price_out)):
         if value is not None and not value >= 0:
             raise ValueError(f"{flag} {value}: a price is $ per million tokens, 0 or more")
+    table = table_prices(model, price_file)
     if price_in is None and price_out is None:
-        return builtin_prices(model)
-    table = builtin_prices(model)
+        return table
     if price_in is not None and price_out is not None:
         return Prices(price_in, price_out, "--price-in/--price-out")
     if table is None:
         missing = "--price-out" if price_out is None else "--price-in"
-        raise ValueError(f"{missing} is missing: model {model!r} is not in the built-in price table, so give "
+        raise ValueError(f"{missing} is missing: model {model!r} is not in the price tables, so give "
                          "both --price-in and --price-out ($ per million tokens; 0 for none)")
     return Prices(price_in if price_in is not None else table.input_per_m,
                   price_out if price_out is not None else table.output_per_m,

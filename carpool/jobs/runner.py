@@ -3,7 +3,7 @@
 It settles the model with the endpoints first (``carpool.jobs.target``: ``/models``
 checked before the first request), builds the default parts
 (``carpool.jobs.parts.build_parts``), runs them through the pipeline
-(``carpool.jobs.pipeline.Pipeline``), writes a Parquet ``-o`` from its journal once the
+(``carpool.jobs.pipeline.Pipeline``), writes a Parquet or CSV ``-o`` from its journal once the
 run finished (``carpool.jobs.output_format``) and the ``--report`` page.  The CLI
 (``carpool.commands.run``) and the Python API (``carpool.jobs.api``) use it; a caller
 that needs other parts composes ``Pipeline`` itself (``carpool.distributed.worker``).
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from carpool.extras import require
 from carpool.jobs.options import RunOptions
-from carpool.jobs.output_format import OutputTarget, output_target, write_parquet
+from carpool.jobs.output_format import OutputTarget, output_target, write_table
 from carpool.jobs.output_lock import OutputLock
 from carpool.jobs.parts import build_parts
 from carpool.jobs.pipeline import Pipeline
@@ -29,9 +29,10 @@ TERM_GRACE_S = 5.0  # how long SIGTERM lets requests in flight finish
 
 
 def job_prices(opts: RunOptions) -> Prices | None:
-    """The prices of the job's model: the flags, else the built-in table (an endpoint's
-    model name; the embedded engine is in no table), else None (unknown)."""
-    return resolve_prices(opts.defaults.model if opts.endpoints else None, opts.price_in, opts.price_out)
+    """The prices of the job's model: the flags, else the ``--prices`` file, else the built-in
+    table (an endpoint's model name; the embedded engine is in no table), else None (unknown)."""
+    return resolve_prices(opts.defaults.model if opts.endpoints else None, opts.price_in, opts.price_out,
+                          opts.prices)
 
 
 class Runner:
@@ -104,7 +105,7 @@ class Runner:
         self.opts, notes = await resolve_target(self.opts, peek)
         source = self.make_source(self.opts) if self.make_source is not None else None
         parts = build_parts(self.opts, source=source)
-        if target.kind == "parquet" and self.opts.fresh:  # the table of the run --fresh throws away
+        if target.is_table and self.opts.fresh:  # the table of the run --fresh throws away
             target.path.unlink(missing_ok=True)
         parts.messages[:0] = notes if lock_note is None else [lock_note, *notes]
         self.messages = parts.messages
@@ -113,8 +114,8 @@ class Runner:
         for grace_s in self._stops:
             self.pipeline.request_stop(grace_s)
         stats = await self.pipeline.run()
-        if target.kind == "parquet" and not (stats.interrupted or stats.stopped_by_outage):
-            rows = await asyncio.to_thread(write_parquet, target.journal, target.path)
+        if target.is_table and not (stats.interrupted or stats.stopped_by_outage):
+            rows = await asyncio.to_thread(write_table, target)
             self.messages.append(f"wrote {target.path} ({rows:,} rows) from its journal {target.journal}")
         if self.opts.report:
             from carpool.jobs.report import write_report

@@ -86,6 +86,9 @@ class FaultConfig:
     # 401 naming what was missing (as OpenAI and Azure refuse a missing or wrong key).
     require_headers: dict[str, str] = field(default_factory=dict)
     require_query: dict[str, str] = field(default_factory=dict)
+    # Answer with the last user message (or the prompt) as it is, finish_reason "stop": a
+    # model that says what the test wrote (e.g. the JSON a structured-output test needs).
+    echo: bool = False
 
     @classmethod
     def zero(cls) -> FaultConfig:
@@ -101,6 +104,10 @@ class FaultServer:
         self._fault_left = [f.times for f in self.config.faults]
         self._turns: asyncio.Semaphore | None = None  # serve_at_once
         self.reset_counts()
+
+    def _words(self, body: dict, key: str, n: int) -> list[str]:
+        """The answer's pieces: made-up words (from the key), or what the request said (``echo``)."""
+        return [_said(body)] if self.config.echo else _words(key, n)
 
     # -- counters -------------------------------------------------------------------------
     def reset_counts(self) -> None:
@@ -301,14 +308,15 @@ class FaultServer:
             return await self._stream(request, body, key, n_tokens, chat, fault)
         if cfg.token_latency_s and not cfg.zero_latency:
             await asyncio.sleep(cfg.token_latency_s * n_tokens)
-        text = " ".join(_words(key, n_tokens))
+        text = " ".join(self._words(body, key, n_tokens))
         usage = _usage(body, n_tokens)
+        finish = "stop" if cfg.echo else "length"
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
             out = {"id": "chatcmpl-" + key[-12:], "object": "chat.completion", "created": int(time.time()),
                    "model": body.get("model", "fault-model"), "choices": [choice], "usage": usage}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": "length"}
+            choice = {"index": 0, "text": text, "finish_reason": finish}
             out = {"id": "cmpl-" + key[-12:], "object": "text_completion", "created": int(time.time()),
                    "model": body.get("model", "fault-model"), "choices": [choice], "usage": usage}
         self.completed[key] += 1
@@ -335,7 +343,7 @@ class FaultServer:
         await resp.prepare(request)
         cid = ("chatcmpl-" if chat else "cmpl-") + key[-12:]
         model = body.get("model", "fault-model")
-        words = _words(key, n_tokens)
+        words = self._words(body, key, n_tokens)
         if fault is not None and fault.kind == "keepalive_only":
             end = time.monotonic() + fault.stall_s
             while time.monotonic() < end:
@@ -365,8 +373,9 @@ class FaultServer:
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             if self.config.token_latency_s and not self.config.zero_latency:
                 await asyncio.sleep(self.config.token_latency_s)
-        last_choice = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
-                       else {"index": 0, "text": "", "finish_reason": "length"})
+        finish = "stop" if self.config.echo else "length"
+        last_choice = ({"index": 0, "delta": {}, "finish_reason": finish} if chat
+                       else {"index": 0, "text": "", "finish_reason": finish})
         last = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
                 "choices": [last_choice]}
         await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
@@ -398,6 +407,15 @@ def _abort_connection(request: web.Request) -> None:
     transport = request.transport
     if transport is not None:
         transport.abort()  # RST-like: the client sees a reset / server disconnect
+
+
+def _said(body: dict) -> str:
+    """The last user message's text, or the prompt (``FaultConfig.echo``)."""
+    for m in reversed(body.get("messages") or []):
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str):
+            return m["content"]
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
 
 
 def _words(key: str, n: int) -> list[str]:

@@ -165,12 +165,12 @@ def test_an_output_suffix_carpool_cannot_write_is_refused(fault_server, tmp_path
     srv = fault_server(FaultConfig(models=["m"]))
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [{"custom_id": "a", "messages": chat("a")}])
-    for name, extra in (("out.json", []), ("out.csv", ["--dry-run"]), ("out", [])):
+    for name, extra in (("out.json", []), ("out.txt", ["--dry-run"]), ("out", [])):
         out = tmp_path / name
         p = subprocess.run([sys.executable, "-m", "carpool.cli", "run", str(src), "-o", str(out), "--endpoint",
                             srv.url, "--model", "m", "--cache", "off", "--quiet", *extra],
                            capture_output=True, text=True, timeout=120, check=False)
         assert p.returncode == ExitCode.REFUSED, p.stderr
-        assert "-o/--output" in p.stderr and ".jsonl or .parquet" in p.stderr
+        assert "-o/--output" in p.stderr and ".jsonl, .parquet, .csv" in p.stderr
         assert not out.exists() and not Path(f"{out}.carpool.json").exists()
     assert srv.server.total_requests == 0 and not srv.server.received
