@@ -105,7 +105,7 @@ class Kernels:
         self.module: Any = None  # the compiled extension (no type stub), once loaded
         self.error: str | None = None
         # Whether int8_gemm / bf16_gemm run here (AVX-512 VNNI / BF16 and the kernels at the AVX-512
-        # level): set once at load, read before every linear of up to decode_gemm.MAX_ROWS rows.
+        # level): set once at load, read before every linear the plan routes to them.
         self.has_int8_gemm = False
         self.has_bf16_gemm = False
         self._lock = threading.Lock()
@@ -204,8 +204,8 @@ class Kernels:
         column first; NaN and -inf never rank)."""
         return self.module.top_k_rows(x, k, self.isa)
 
-    # The linears' GEMMs up to decode_gemm.MAX_ROWS rows (decode_gemm.cpp; weights packed by
-    # engine/decode_gemm.py; larger batches run oneDNN).
+    # The linears' packed GEMMs (decode_gemm.cpp; weights packed by engine/decode_gemm.py), for the
+    # row counts the engine plan routes to them (engine/plan.py).
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """int8 x [M, K] times a ``decode_gemm.pack_vnni`` weight of n output columns -> int32 [M, n]:
