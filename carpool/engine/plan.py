@@ -33,6 +33,7 @@ PREFILL_ROUTES = ("kernel", "flash")
 ROW_BUCKETS = (16, 64, 256, 1024, 2048)
 WEIGHT_ONLY_ROWS = (1, 2, 4, 8)
 UNBOUNDED = 1 << 30  # rows past every timed bucket
+MODES = ("measure", "remeasure", "default")
 
 RouteTable = tuple[tuple[int, str], ...]
 
@@ -195,11 +196,12 @@ def parse_overrides(text: str) -> dict[str, str]:
 
     Keys: gemm (carpool|onednn, every bf16 linear), int8_gemm (carpool|onednn), prefill
     (kernel|flash: every prefill chunk's attention), weight_only_max_rows (an integer).  The
-    words "measure" (the default) and "default" (no measuring, the fallback plan) stand alone."""
+    words "measure" (the default: the cached plan, else measured now), "remeasure" (measured now
+    whatever is cached) and "default" (no measuring, the fallback plan) stand alone."""
     choices = {"gemm": GEMM_ROUTES, "int8_gemm": GEMM_ROUTES, "prefill": PREFILL_ROUTES}
     out: dict[str, str] = {}
     for item in (s.strip() for s in text.split(",")):
-        if not item or item in ("measure", "default"):
+        if not item or item in MODES:
             if item:
                 out["mode"] = item
             continue
@@ -207,7 +209,7 @@ def parse_overrides(text: str) -> dict[str, str]:
         key, value = key.strip(), value.strip()
         if not sep or key not in (*choices, "weight_only_max_rows"):
             raise ValueError(f"engine plan override {item!r}: use KEY=VALUE with KEY one of "
-                             f"{', '.join((*choices, 'weight_only_max_rows'))}, or 'measure' / 'default'")
+                             f"{', '.join((*choices, 'weight_only_max_rows'))}, or one of {', '.join(MODES)}")
         if key == "weight_only_max_rows":
             if not value.isdigit():
                 raise ValueError(f"engine plan override {item!r}: weight_only_max_rows takes a whole number")

@@ -203,6 +203,7 @@ def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len:
     shapes = model_shapes(model, max_rows, max_seqs, max_len, kv_cache_dtype)
     path = plan_cache.plan_path(shapes, k.cache_dir)
     fingerprint = plan_cache.model_fingerprint(shapes)
+    remeasure = remeasure or overrides.get("mode") == "remeasure"
     plan = None if remeasure else plan_cache.load(path, fingerprint)
     if plan is None:
         log.warning("measuring the engine's routes on this CPU (%s) for this model: once per machine, "
