@@ -27,12 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_throughput as et  # beside this file; sets the process up before torch loads
 
+from carpool.engine import plan_measure
 from carpool.engine.plan_cache import cpu_model_name
 
 FIXED = ["gemm=carpool,prefill=kernel", "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash",
          "gemm=onednn,prefill=flash"]
 PLANS = ["measure", "default", *FIXED]
 FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512_bf16", "avx512_vnni")
+
+
+PLAN_CALLS: list[dict] = []  # each engine start's plan: where it came from and what it cost
+
+
+def _timed_obtain(*args, **kwargs):
+    t = time.perf_counter()
+    plan = _obtain(*args, **kwargs)
+    PLAN_CALLS.append({"source": plan.source, "seconds": round(time.perf_counter() - t, 3)})
+    return plan
+
+
+_obtain = plan_measure.obtain
+plan_measure.obtain = _timed_obtain  # type: ignore[assignment]
 
 
 def cpu() -> dict:
@@ -105,7 +120,8 @@ def main() -> int:
         for plan in args.plan or PLANS:
             t = time.perf_counter()
             w["carpool"][plan] = {**run_plan(rows, loaded, args, plan), "cpu": machine,
-                                  "run_s": round(time.perf_counter() - t, 1)}
+                                  "run_s": round(time.perf_counter() - t, 1),
+                                  "plan": PLAN_CALLS[-1] if PLAN_CALLS else None}
             print(json.dumps({name: {plan: w["carpool"][plan]["total_tok_s"]}}), file=sys.stderr)
         if have_peers and args.limit is None:
             w["vllm"] = {**et.run_peer(args.peer_scripts / "bench_vllm_cpu.py", python, path, args.peer_timeout),
