@@ -205,7 +205,9 @@ def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len:
     fingerprint = plan_cache.model_fingerprint(shapes)
     remeasure = remeasure or overrides.get("mode") == "remeasure"
     plan = None if remeasure else plan_cache.load(path, fingerprint)
-    if plan is None:
+    if plan is not None:  # chosen again from its timings: the file keeps them, the choice is this code's
+        plan = Plan(**{**choose(plan.timings, fallback).__dict__, "fingerprint": fingerprint, "source": "cached"})
+    else:
         log.warning("measuring the engine's routes on this CPU (%s) for this model: once per machine, "
                     "at most %.0f s; the plan is kept in %s", fingerprint["cpu"], BUDGET_S, path)
         timings = measure(model, k, max_rows, max_seqs, max_len, kv_cache_dtype)
