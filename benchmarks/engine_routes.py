@@ -51,8 +51,10 @@ plan_measure.obtain = _timed_obtain  # type: ignore[assignment]
 
 
 def cpu() -> dict:
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    return {"model": cpu_model_name(), **{f: f in flags for f in FLAGS}}
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(text.split())
+    family = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("cpu family")), "?")
+    return {"model": cpu_model_name(), "family": family, **{f: f in flags for f in FLAGS}}
 
 
 def run_plan(rows: list[dict], loaded, args, plan: str) -> dict:

@@ -166,15 +166,35 @@ def _prefill_timings(model: LlamaModel, k: Kernels, max_rows: int, max_len: int,
     return {"prefill": points} if points else {}
 
 
+PASSES = 2
+
+
+def _best_of(a: Any, b: Any) -> Any:
+    """Two passes' timings merged: the smaller of each time (what only one pass has, kept)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {key: _best_of(a[key], b[key]) if key in a and key in b else a.get(key, b.get(key))
+                for key in {**a, **b}}
+    if isinstance(a, list) and isinstance(b, list):  # prefill points, in the same order in both passes
+        return [_best_of(x, y) for x, y in zip(a, b, strict=False)] + a[len(b):]
+    if isinstance(a, float) and isinstance(b, float):
+        return min(a, b)
+    return a
+
+
 @torch.inference_mode()
 def measure(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len: int,
             kv_cache_dtype: str = "auto", budget_s: float = BUDGET_S) -> dict[str, Any]:
     """The timings ``plan.choose`` reads (seconds), taken now on this machine."""
     clock = _Clock(budget_s)
     t0 = time.perf_counter()
-    timings = _gemm_timings(model, k, max_rows, max_seqs, clock)
-    timings.update(_weight_only_timings(model, k, clock))
-    timings.update(_prefill_timings(model, k, max_rows, max_len, kv_cache_dtype, clock))
+    timings: dict[str, Any] = {}
+    # Two passes, seconds apart, each time the better of the two: a stretch of the other core
+    # being busy elsewhere spoils a pass's timings of a few shapes, rarely both passes' of the same.
+    for _ in range(PASSES):
+        one = _gemm_timings(model, k, max_rows, max_seqs, clock)
+        one.update(_weight_only_timings(model, k, clock))
+        one.update(_prefill_timings(model, k, max_rows, max_len, kv_cache_dtype, clock))
+        timings = _best_of(timings, one) if timings else one
     timings["seconds"] = round(time.perf_counter() - t0, 3)
     timings["complete"] = not clock.out
     return timings

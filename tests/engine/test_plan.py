@@ -257,3 +257,12 @@ def test_a_bad_plan_setting_is_refused_before_the_engine_starts(tiny, h):
     _, loaded = tiny
     with pytest.raises(EngineError, match=r"extra\.plan: .*prefill must be one of kernel, flash"):
         LLM(h.engine_config(extra={"plan": "prefill=sometimes"}), loaded=loaded)
+
+
+def test_two_measuring_passes_keep_the_better_time_of_each():
+    a = {"gemm": {"o": {"16": {"carpool": 1.0, "onednn": 2.0}}}, "prefill": [point(16, 0, 3.0, 1.0)]}
+    b = {"gemm": {"o": {"16": {"carpool": 0.5, "onednn": 3.0}, "64": {"carpool": 1.0}}},
+         "prefill": [point(16, 0, 2.0, 4.0)]}
+    want = {"gemm": {"o": {"16": {"carpool": 0.5, "onednn": 2.0}, "64": {"carpool": 1.0}}},
+            "prefill": [point(16, 0, 2.0, 1.0)]}
+    assert plan_measure._best_of(a, b) == want
