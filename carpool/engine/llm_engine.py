@@ -82,6 +82,7 @@ class LLMEngine:
             self.kv_cache_dtype = check_kv_cache_dtype(config.kv_cache_dtype)
         except ValueError as e:
             raise EngineError(str(e)) from None
+        plan_setting = self._plan_setting(config.extra.get("plan"))
         if loaded is None:
             from .loader import load_model
 
@@ -124,7 +125,7 @@ class LLMEngine:
                                   prefill=prefill_mode, isa=None if isa_name is None else isas[isa_name],
                                   kv_cache_dtype=self.kv_cache_dtype,
                                   limits=(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
-                                  plan=self._plan_setting(config.extra.get("plan")))
+                                  plan=plan_setting)
         kernels = self.runner.kernels
         if mode == "kernel" and (kernels is None or not kernels.ready):
             why = kernels.error if kernels is not None else f"head_dim {mcfg.head_dim} has no kernel"

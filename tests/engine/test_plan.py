@@ -266,3 +266,24 @@ def test_two_measuring_passes_keep_the_better_time_of_each():
     want = {"gemm": {"o": {"16": {"carpool": 0.5, "onednn": 2.0}, "64": {"carpool": 1.0}}},
             "prefill": [point(16, 0, 2.0, 1.0)]}
     assert plan_measure._best_of(a, b) == want
+
+
+def test_carpool_engine_plan_refuses_a_bad_forced_route_with_exit_2(capsys):
+    from carpool.cli import main
+
+    assert main(["engine", "plan", "--model", "tiny-random", "--force", "gemm=amx"]) == 2
+    err = capsys.readouterr().err
+    assert "extra.plan" in err and "gemm must be one of carpool, onednn" in err
+
+
+def test_carpool_engine_plan_prints_the_plan_and_its_timings(capsys):
+    """The verb measures (or reads) the plan of this machine; a second call reads the saved one."""
+    from carpool.cli import main
+
+    args = ["engine", "plan", "--model", "tiny-random", "--dtype", "bfloat16", "--max-num-batched-tokens", "128"]
+    assert main([*args, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["timings"]["prefill"] and first["fingerprint"]["cpu"] == plan_cache.cpu_model_name()
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("engine plan (cached)") and "prefill attention:" in text and "rows after" in text
