@@ -1,11 +1,11 @@
 """Weights packed for ops/decode_gemm.cpp, the linears' own GEMM (decode batches and prefill chunks).
 
 A decode step multiplies a few dozen rows by every weight once, reading the weights from memory;
-oneDNN stalls on that (the .cpp file has the figures), so up to ``MAX_ROWS`` rows the kernels run
-their own GEMM on a copy of each weight packed here once, at load: int8 weights (``quant.Int8Linear``)
+on a CPU without AMX oneDNN stalls on that (the .cpp file has the figures), so the kernels run their
+own GEMM on a copy of each weight packed here once, at load: int8 weights (``quant.Int8Linear``)
 on AVX-512 VNNI, bf16 weights (``model.Linear``) on AVX-512 BF16.  The copy is kept only on CPUs
-that run the kernel; larger batches keep oneDNN and its own weight layout.  (The name is from when
-only decode batches ran it; on this Zen 5 it is as fast as oneDNN on prefill chunks too.)
+that run the kernel.  Which batches run it and which keep oneDNN (AMX tiles where the CPU has
+them) is the engine plan's choice per linear and row bucket, timed where the engine runs (plan.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import functools
 
 import torch
 
-# Up to this many rows the packed GEMM runs, above it oneDNN (engine max_num_batched_tokens is
-# 2048 by default, so every step of a default engine).  It re-reads the rows once per 32-column
-# block, so it loses when the rows outgrow the caches; where the crossover lies depends on the CPU.
+from .plan import DEFAULT_CARPOOL_MAX_ROWS
+
+# The fallback plan's limit (plan.default_plan, used when nothing is measured): up to this many rows
+# the packed GEMM runs, above it oneDNN.  The figures below are what the measured plan replaced.
+# It re-reads the rows once per 32-column block, so it loses when the rows outgrow the caches; where the
+# crossover lies depends on the CPU.
 # On the 2-core Zen 4 of the first measurements ([rows, 576] x [576, 3072], int8, ms): 64 rows
 # 0.285 vs oneDNN 0.304, 256 rows 1.07 vs 1.15, 512 rows 2.60 vs 2.18 (the limit was 256 there).
 # On the Zen 5 this runs on now (GMAC/s, four linears of a layer): int8 at 512 rows 934-983 vs
@@ -24,7 +27,7 @@ import torch
 # at 512 rows 503 vs 480, 1531 rows 498 vs 476, 2048 489 vs 489, and oneDNN's first call at a new
 # row count costs +1.4-3.3 ms a layer.  The long mixed workload, carpool alone, 256 vs 2048 rows
 # alternated: 3486 / 3539, 3556 / 3640, 3559 / 3578 total tok/s.
-MAX_ROWS = 2048
+MAX_ROWS = DEFAULT_CARPOOL_MAX_ROWS
 BLOCK = 32  # columns of a packed block
 
 

@@ -82,6 +82,7 @@ class LLMEngine:
             self.kv_cache_dtype = check_kv_cache_dtype(config.kv_cache_dtype)
         except ValueError as e:
             raise EngineError(str(e)) from None
+        plan_setting = self._plan_setting(config.extra.get("plan"))
         if loaded is None:
             from .loader import load_model
 
@@ -122,7 +123,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed,
                                   kernels={"auto": "auto", "kernel": "wait", "torch": "off"}[mode],
                                   prefill=prefill_mode, isa=None if isa_name is None else isas[isa_name],
-                                  kv_cache_dtype=self.kv_cache_dtype)
+                                  kv_cache_dtype=self.kv_cache_dtype,
+                                  limits=(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
+                                  plan=plan_setting)
         kernels = self.runner.kernels
         if mode == "kernel" and (kernels is None or not kernels.ready):
             why = kernels.error if kernels is not None else f"head_dim {mcfg.head_dim} has no kernel"
@@ -136,6 +139,22 @@ class LLMEngine:
         self.listeners: list[Callable[[dict], None]] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
+
+    @staticmethod
+    def _plan_setting(value: Any) -> str | None:
+        """extra["plan"] (else $CARPOOL_ENGINE_PLAN): "measure", "default" or forced routes such as
+        "gemm=onednn,prefill=flash" (plan.parse_overrides); a bad one fails here, before the build."""
+        from .plan import parse_overrides
+        from .plan_measure import PLAN_ENV
+
+        text = value if value is not None else os.environ.get(PLAN_ENV)
+        if text is None:
+            return None
+        try:
+            parse_overrides(str(text))
+        except ValueError as e:
+            raise EngineError(f"{'extra.plan' if value is not None else PLAN_ENV}: {e}") from None
+        return str(text)
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.model_config

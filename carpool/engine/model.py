@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from . import decode_gemm, kv_quant, quant
 from .config import ModelConfig
+from .plan import Plan, RouteTable, default_plan, route_for
 from .quant import Int8Linear, linear
 
 if TYPE_CHECKING:
@@ -92,10 +93,10 @@ class Linear:
     path.  reviews-128 (first 64 requests, passive waits): 928 -> 1076 total tok/s.  An int8
     weight (``quant.Int8Linear``) is never packed: it runs its own kernels.
 
-    Batches of up to ``decode_gemm.MAX_ROWS`` rows (given the kernels) of a bf16 weight without bias
-    run ops/decode_gemm.cpp on a third copy packed for it: oneDNN stalls on a weight it reads once
-    from memory, as a decode step does (the .cpp file has the figures), and is no faster on
-    prefill chunks here (decode_gemm.MAX_ROWS has those).
+    Given the kernels, a bf16 weight without bias can also run ops/decode_gemm.cpp on a third copy
+    packed for it: on CPUs without AMX oneDNN stalls on a weight it reads once from memory, as a
+    decode step does (the .cpp file has the figures).  Which of the two runs a batch of a given
+    size is the engine plan's choice, timed on this machine (``routes``, set by ``apply_plan``).
     """
 
     def __init__(self, weight: torch.Tensor | Int8Linear, bias: torch.Tensor | None, packed: bool):
@@ -103,13 +104,19 @@ class Linear:
         self.bias = bias
         dense = weight if packed and isinstance(weight, torch.Tensor) else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64) if dense is not None else None
-        # Up to decode_gemm.MAX_ROWS rows: ops/decode_gemm.cpp on its own packed copy (bf16, no bias), where it runs.
+        # ops/decode_gemm.cpp's own packed copy (bf16, no bias), where it runs.
         self.decode_packed = decode_gemm.packed_bf16(dense) if dense is not None and bias is None else None
         self.n = int(weight.shape[0])
+        # Which GEMM runs how many rows: the engine plan's table for this linear (plan.py).
+        self.routes: RouteTable = default_plan().gemm_routes("qkv")
+
+    def carpool_rows(self, rows: int) -> bool:
+        """Whether the plan sends a batch of ``rows`` rows to the packed GEMM (else oneDNN)."""
+        return rows > 0 and route_for(self.routes, rows) == "carpool"
 
     def __call__(self, x: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
-        if (self.decode_packed is not None and kernels is not None and 0 < x.shape[0] <= decode_gemm.MAX_ROWS
-                and kernels.has_bf16_gemm and x.is_contiguous()):
+        if (self.decode_packed is not None and kernels is not None and kernels.has_bf16_gemm
+                and self.carpool_rows(x.shape[0]) and x.is_contiguous()):
             return kernels.bf16_gemm(x, self.decode_packed, self.n)
         if self.packed is None or x.shape[0] == 0:
             return linear(x, self.weight, self.bias)
@@ -201,6 +208,24 @@ class LlamaModel:
                          "gate_up": Linear(ly["gate_up"], None, pack), "down": Linear(ly["down"], None, pack)}
                         for ly in self.layers]
         self.head_linear = Linear(self.head, None, pack)
+        self.weight_only_max_rows = quant.WEIGHT_ONLY_MAX_ROWS
+        self.plan: Plan = default_plan()
+
+    def apply_plan(self, plan: Plan) -> None:
+        """Route every linear (and the int8 weight-only limit) as ``plan`` says."""
+        self.plan = plan
+        for lin, layer in zip(self.linears, self.layers, strict=True):
+            for name, one in lin.items():
+                one.routes = plan.gemm_routes(name)
+                w = layer[name]  # type: ignore[literal-required]
+                if isinstance(w, Int8Linear):
+                    w.routes = plan.gemm_routes(name, int8=True)
+                    w.weight_only_max_rows = plan.weight_only_max_rows
+        self.head_linear.routes = plan.gemm_routes("head")
+        if isinstance(self.head, Int8Linear):
+            self.head.routes = plan.gemm_routes("head", int8=True)
+            self.head.weight_only_max_rows = plan.weight_only_max_rows
+        self.weight_only_max_rows = plan.weight_only_max_rows
 
     def _quantize_int8(self, calibration_ids: list[int] | None) -> None:
         """Smooth, then replace every linear weight by an ``Int8Linear``.
@@ -301,7 +326,7 @@ class LlamaModel:
         assert meta.block_tables is not None and meta.seq_of_row is not None
         assert meta.ctx_len is not None and meta.flash_seqs is not None
         x = self.embed.index_select(0, input_ids)
-        if self.quantization == "int8" and x.shape[0] > quant.WEIGHT_ONLY_MAX_ROWS and quant.has_int_mm():
+        if self.quantization == "int8" and x.shape[0] > self.weight_only_max_rows and quant.has_int_mm():
             return self._forward_int8(x, positions, meta, kv_caches, k)
         h = k.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps)
         rope_heads = self.num_heads + self.num_kv_heads
@@ -319,7 +344,7 @@ class LlamaModel:
 
     def _forward_int8(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k: Kernels) -> torch.Tensor:
-        """The kernel path with int8 x int8 linears (more than ``quant.WEIGHT_ONLY_MAX_ROWS`` rows).
+        """The kernel path with int8 x int8 linears (more than the plan's ``weight_only_max_rows`` rows).
 
         Each linear takes int8 rows and their scales and returns the model dtype
         (``Int8Linear.matmul``: the GEMM scales its int32 sums back as it stores them), so the ops

@@ -2,52 +2,35 @@
 
 All index tensors of a step (slot mapping, block tables, masks) are built once here and
 shared by every layer.  The runner owns the C++ kernels (``ops.Kernels``): until they are
-built (or when there is no compiler) a step runs the torch path.
+built (or when there is no compiler) a step runs the torch path.  Once they are, the runner
+routes the model as the engine plan says (plan.py: measured on this machine at its first start,
+then cached), before the first step that uses them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import plan_measure
 from .model import AttentionMetadata, LlamaModel
 from .ops import SUPPORTED_HEAD_DIMS, Kernels
 from .sampler import Sampler, SampleResult
 from .sequence import Sequence
 
-# A prefill chunk whose attention work (rows x keys seen: n * (cached + (n + 1) / 2)) is at
-# least this runs torch's flash attention (blocked GEMMs, AMX/AVX-512) instead of the SIMD row
-# kernel.  Below it the two flash calls per sequence (chunk, cached prefix) and the merge cost
-# more than the kernel's math.  Measured on the 2-core Xeon (AVX-512 + AMX), SmolLM2's heads:
-# 64 new tokens after 144 cached (11k) cost the same both ways (0.19 ms a layer); 128 after 144
-# take 0.30 ms in flash vs 0.41 in the kernel; 30 chunks of 50 after 50 take 2.5 ms in the
-# kernel vs 4.0 ms in flash (benchmarks/attention_kernels.py).
-FLASH_MIN_WORK = 12288
-
-
-def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
-# Without AMX, "auto" runs every prefill chunk in the SIMD kernel: on a 2-core AMD EPYC (Zen 4,
-# AVX-512 BF16, no AMX) the whole workloads ran faster that way (measured per workload, not per
-# chunk size; the crossover, if any, is past these prompts' 2000 tokens): long mix (first 40
-# requests) 813 -> 908 total tok/s, reviews-128 (first 64) 928 -> 944.
-AUTO_FLASH = cpu_has_amx()
 PREFILL_MODES = ("auto", "flash", "kernel")
 
 
 class ModelRunner:
     """``kernels``: "auto" (build in the background, torch path until ready), "wait" (build now),
-    or "off".  ``prefill``: "auto" (flash for chunks of FLASH_MIN_TOKENS or more, the SIMD
-    kernel below), "flash" or "kernel" (every prefill chunk through that one)."""
+    or "off".  ``prefill``: "auto" (flash for chunks of at least the plan's ``flash_min_work``, the
+    SIMD kernel below), "flash" or "kernel" (every prefill chunk through that one).  ``limits``:
+    (max rows of a step, max sequences of a step, max model length): the shapes the plan is timed
+    on.  ``plan``: the plan setting (``plan_measure.obtain``; None: $CARPOOL_ENGINE_PLAN)."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
                  kernels: str = "auto", prefill: str = "auto", isa: int | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", limits: tuple[int, int, int] = (2048, 64, 2048),
+                 plan: str | None = None):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill attention must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         self.model = model
@@ -56,6 +39,10 @@ class ModelRunner:
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)
         self.sampler = Sampler(seed)
         self.prefill = prefill
+        self.kv_cache_dtype = kv_cache_dtype
+        self.limits = limits
+        self.plan_setting = plan
+        self.planned = False  # the model runs the plan's routes (set once the kernels are there)
         self.kernels: Kernels | None = None
         if kernels != "off" and model.head_dim in SUPPORTED_HEAD_DIMS:
             self.kernels = Kernels(isa=isa)
@@ -63,6 +50,16 @@ class ModelRunner:
                 self.kernels.wait()
             else:
                 self.kernels.start()
+            if self.kernels.ready:
+                self.ensure_plan(self.kernels)
+
+    def ensure_plan(self, kernels: Kernels) -> None:
+        """Route the model by the engine plan (cached, or measured now: a few seconds, once)."""
+        if not self.planned:
+            max_rows, max_seqs, max_len = self.limits
+            self.model.apply_plan(plan_measure.obtain(self.model, kernels, max_rows, max_seqs, max_len,
+                                                      self.kv_cache_dtype, self.plan_setting))
+            self.planned = True
 
     def _context_slots(self, seqs: list[Sequence], num_ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots [B, L] of each context (through the block tables, padded to the longest
@@ -84,10 +81,13 @@ class ModelRunner:
         """Whether a prefill chunk of n > 1 tokens runs flash attention (kernel path)."""
         if self.prefill != "auto":
             return self.prefill == "flash"
-        return AUTO_FLASH and n * (seq.num_computed_tokens + (n + 1) // 2) >= FLASH_MIN_WORK
+        least = self.model.plan.flash_min_work
+        return least is not None and n * (seq.num_computed_tokens + (n + 1) // 2) >= least
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         kernels = self.kernels if self.kernels is not None and self.kernels.ready else None
+        if kernels is not None and not self.planned:
+            self.ensure_plan(kernels)
         num_decode = 0  # the scheduler puts single-token queries first
         while num_decode < len(scheduled) and scheduled[num_decode][1] == 1:
             num_decode += 1

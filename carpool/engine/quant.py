@@ -14,12 +14,13 @@ Why two kernels (measured on the 2-core AVX-512/VNNI EPYC, SmolLM2's shapes, tor
   M=64 and ~2x at M=512.  That needs the activations in int8 too: each row is quantized on the
   fly with its own scale (dynamic per-token quantization), and the int32 result is scaled back
   by row scale x channel scale.
-So rows <= ``WEIGHT_ONLY_MAX_ROWS`` run weight-only (activations exact), larger batches run
-int8 x int8.  Up to ``decode_gemm.MAX_ROWS`` rows the int8 x int8 GEMM is carpool's own
-(ops/decode_gemm.cpp, on AVX-512 VNNI): at decode batch sizes it is faster than oneDNN's because it
-reads a weight packed once at load and prefetches it (the file says by how much), and on this Zen 5
-it matches oneDNN on prefill chunks (decode_gemm.MAX_ROWS has the figures); that packed copy
-(``decode_gemm.pack_vnni``) is a second copy of each weight, kept only on CPUs that run the kernel.
+So small batches run weight-only (activations exact), larger batches run int8 x int8; where the
+line lies is the engine plan's ``weight_only_max_rows``, timed on the machine (plan.py).  The
+int8 x int8 GEMM is carpool's own (ops/decode_gemm.cpp, on AVX-512 VNNI) or torch._int_mm (oneDNN,
+AMX-INT8 where the CPU has it), per row bucket as the plan's ``int8_gemm`` table says: at decode
+batch sizes carpool's is faster on a CPU without AMX because it reads a weight packed once at load
+and prefetches it (the .cpp file says by how much); that packed copy (``decode_gemm.pack_vnni``) is
+a second copy of each weight, kept only on CPUs that run the kernel.
 
 Per-row activation scales alone cost accuracy: a few channels carry far larger activations than
 the rest.  ``LlamaModel`` therefore smooths first (SmoothQuant; ``smoothing`` below, the folding
@@ -42,13 +43,15 @@ import torch
 import torch.nn.functional as F
 
 from . import decode_gemm
+from .plan import DEFAULT_WEIGHT_ONLY_MAX_ROWS, RouteTable, default_plan, route_for
 
 if TYPE_CHECKING:
     from .ops.build import Kernels
 
 QUANTIZATIONS = ("int8",)  # besides None (weights in the model dtype)
-# At or below this many rows the weight-only kernel beats quantizing the activations (see above).
-WEIGHT_ONLY_MAX_ROWS = 4
+# At or below this many rows the weight-only kernel runs, unless the engine plan says otherwise
+# (the fallback plan's value, measured on a 2-core Zen 4; see above).
+WEIGHT_ONLY_MAX_ROWS = DEFAULT_WEIGHT_ONLY_MAX_ROWS
 # The head (49152 x 576, tied to the embedding) is quantized too, but only ranks: its int8 logits
 # pick each row's RESCORE_TOP_K best tokens, which are recomputed from the model-dtype weights
 # (LlamaModel._head), so a greedy pick is the model-dtype head's unless that token fell outside
@@ -90,6 +93,10 @@ class Int8Linear:
         self.dtype = dtype
         self.shape = tuple(weight.shape)
         self.packed = decode_gemm.packed_int8(self.qweight)  # ops/decode_gemm.cpp's copy, where it runs
+        # The engine plan's routes (LlamaModel.apply_plan): which int8 GEMM runs how many rows, and
+        # up to how many rows the torch path's call runs weight-only.
+        self.routes: RouteTable = default_plan().gemm_routes("qkv", int8=True)
+        self.weight_only_max_rows = WEIGHT_ONLY_MAX_ROWS
 
     def dequantized(self) -> torch.Tensor:
         return (self.qweight.float() * self.scale_f32[:, None]).to(self.dtype)
@@ -97,7 +104,7 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not _has_kernels():  # an older torch: the same int8 values, computed in the model dtype
             return F.linear(x, self.dequantized(), bias)
-        if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+        if x.shape[0] <= self.weight_only_max_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
         else:
             xq, row_scale = quantize_rows(x)
@@ -114,9 +121,11 @@ class Int8Linear:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """int8 rows ``xq`` with their scales x this weight -> [M, N] in the model dtype:
         ``dequantize(int_mm(xq), row_scale, scale_f32)`` (+ bias, rounded again).  Where the packed
-        GEMM runs it scales the sums back as it stores them (``kernels.int8_gemm_dequant``), else
-        torch._int_mm's int32 product is scaled back by ``kernels.int8_dequantize``; the same values."""
-        if self.packed is not None and xq.shape[0] <= decode_gemm.MAX_ROWS and kernels.has_int8_gemm:
+        GEMM runs (and the plan routes these rows to it) it scales the sums back as it stores them
+        (``kernels.int8_gemm_dequant``), else torch._int_mm's int32 product is scaled back by
+        ``kernels.int8_dequantize``; the same values."""
+        if (self.packed is not None and kernels.has_int8_gemm and xq.shape[0] > 0
+                and route_for(self.routes, xq.shape[0]) == "carpool"):
             return kernels.int8_gemm_dequant(xq, self.packed, self.shape[0], row_scale, self.scale_f32, bias,
                                              self.dtype)
         return kernels.int8_dequantize(self.int_mm(xq), row_scale, self.scale_f32, bias, self.dtype)

@@ -35,6 +35,8 @@ import torch
 
 from carpool.paths import cache_dir as carpool_cache_dir
 
+from .compile_process import compile_child, machine_lock
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
@@ -48,8 +50,9 @@ _NAME = "carpool_ops"
 # One build at a time in a process: every runner (and every ISA a test asks for) owns a Kernels,
 # and on a fresh cache each started its own compile of the same sources -- five at once in the
 # engine tests, ~15 compilers on 2 cores, past the tests' 10-minute timeout.  Waiting here, the
-# later ones find the first one's .so.  Across processes builds still run side by side (no lock
-# file that a dead builder could leave behind).
+# later ones find the first one's .so.  Across processes the same holds through an flock on
+# ``build.lock`` in the cache (``compile_process.machine_lock``): the kernel releases it when its holder dies, so a
+# crashed builder never leaves the others waiting.
 _BUILD_LOCK = threading.Lock()
 
 
@@ -105,7 +108,7 @@ class Kernels:
         self.module: Any = None  # the compiled extension (no type stub), once loaded
         self.error: str | None = None
         # Whether int8_gemm / bf16_gemm run here (AVX-512 VNNI / BF16 and the kernels at the AVX-512
-        # level): set once at load, read before every linear of up to decode_gemm.MAX_ROWS rows.
+        # level): set once at load, read before every linear the plan routes to them.
         self.has_int8_gemm = False
         self.has_bf16_gemm = False
         self._lock = threading.Lock()
@@ -122,20 +125,28 @@ class Kernels:
         return self.error is not None
 
     def _build(self, final: Path) -> Path:
-        """Compile in a private directory, then move the .so into the shared cache atomically.
-
-        No shared lock file: a builder that dies cannot leave the others waiting forever
-        (concurrent first builds just compile twice).
-        """
-        from torch.utils.cpp_extension import load
-
+        """Compile in a private directory (``compile_child``), then move the .so into the shared
+        cache atomically."""
         final.mkdir(parents=True, exist_ok=True)
+        minutes = max(1, round(3 * 2 / (os.cpu_count() or 1)))
+        log.warning("building carpool's C++ kernels for this CPU (once per machine and torch version): about "
+                    "%d min on %d cores; until then the torch path runs", minutes, os.cpu_count() or 1)
         with tempfile.TemporaryDirectory(prefix="build-", dir=final) as tmp:
-            load(name=_NAME, sources=[str(HERE / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                 extra_include_paths=[str(HERE)], build_directory=tmp, is_python_module=True, verbose=False)
+            compile_child(Path(tmp), {"name": _NAME, "sources": [str(HERE / s) for s in SOURCES],
+                                      "extra_cflags": list(CFLAGS), "extra_include_paths": [str(HERE)]})
             so = next(Path(tmp).glob(f"{_NAME}*.so"))
             os.replace(so, final / so.name)
         return final / so.name
+
+    def _load_or_build(self, final: Path) -> Any:
+        """Import the cached .so, building it first if absent: one build per machine at a time."""
+        with _BUILD_LOCK:
+            built = sorted(final.glob(f"{_NAME}*.so")) if final.exists() else []
+            if built:
+                return _import_so(built[0])
+            with machine_lock(self.cache_dir):
+                built = sorted(final.glob(f"{_NAME}*.so")) if final.exists() else []
+                return _import_so(built[0] if built else self._build(final))
 
     def wait(self) -> bool:
         """Build or load now (blocking); True when the kernels are usable."""
@@ -144,10 +155,7 @@ class Kernels:
         with self._lock:
             if self.module is None and self.error is None:
                 try:
-                    final = self.cache_dir / f"ops-{build_key()}"
-                    with _BUILD_LOCK:
-                        built = sorted(final.glob(f"{_NAME}*.so")) if final.exists() else []
-                        module = _import_so(built[0] if built else self._build(final))
+                    module = self._load_or_build(self.cache_dir / f"ops-{build_key()}")
                     best = int(module.best_isa())
                     isa = best if self.requested_isa is None else int(self.requested_isa)
                     if isa > best:
@@ -204,8 +212,8 @@ class Kernels:
         column first; NaN and -inf never rank)."""
         return self.module.top_k_rows(x, k, self.isa)
 
-    # The linears' GEMMs up to decode_gemm.MAX_ROWS rows (decode_gemm.cpp; weights packed by
-    # engine/decode_gemm.py; larger batches run oneDNN).
+    # The linears' packed GEMMs (decode_gemm.cpp; weights packed by engine/decode_gemm.py), for the
+    # row counts the engine plan routes to them (engine/plan.py).
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """int8 x [M, K] times a ``decode_gemm.pack_vnni`` weight of n output columns -> int32 [M, n]:

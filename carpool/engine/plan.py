@@ -1,0 +1,238 @@
+"""The engine's routes, chosen from timings taken on the machine it runs on.
+
+Which code runs a linear, a prefill chunk's attention or a handful of rows depends on the CPU:
+carpool's AVX-512 GEMM (ops/decode_gemm.cpp) beats oneDNN on a 2-core Zen 5, while on a Xeon
+with AMX oneDNN's tiles are several times faster than any AVX-512 loop.  So no route is a
+constant: ``plan_measure.measure`` times the candidates on the model's real shapes at the first
+start on a machine, ``choose`` (pure: timings in, plan out, no clock) keeps the fastest, and
+``plan_cache`` stores the result beside the kernel build.
+
+The routes a plan holds:
+- ``gemm`` / ``int8_gemm``: per linear (qkv, o, gate_up, down, head) a table of row buckets
+  ``[(max_rows, route), ...]``, route "carpool" (the packed GEMM) or "onednn" (torch's prepacked
+  GEMM, or torch._int_mm for int8); rows past the last bucket take the last bucket's route;
+- ``weight_only_max_rows``: int8 batches of at most this many rows run weight-only
+  (``_weight_int8pack_mm``), larger ones quantize the activations;
+- ``flash_min_work``: a prefill chunk whose attention work (rows x keys seen) is at least this
+  runs torch's flash attention, smaller ones the SIMD kernel (None: never flash).
+
+``DEFAULT`` is the fallback when nothing is measured (``CARPOOL_ENGINE_PLAN=default``): the
+routes a 2-core Zen 5 preferred.  ``CARPOOL_ENGINE_PLAN`` (or ``extra["plan"]``) also forces
+routes for debugging, e.g. ``gemm=onednn,prefill=flash`` (``parse_overrides``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+LINEARS = ("qkv", "o", "gate_up", "down", "head")
+GEMM_ROUTES = ("carpool", "onednn")  # on an exact tie the first wins
+PREFILL_ROUTES = ("kernel", "flash")
+# Upper ends of the row buckets timed; the engine's token budget is added as the last one.
+ROW_BUCKETS = (16, 64, 256, 1024, 2048)
+WEIGHT_ONLY_ROWS = (1, 2, 4, 8)
+UNBOUNDED = 1 << 30  # rows past every timed bucket
+MODES = ("measure", "remeasure", "default")
+
+RouteTable = tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    gemm: dict[str, RouteTable]
+    int8_gemm: dict[str, RouteTable]
+    weight_only_max_rows: int
+    flash_min_work: int | None
+    source: str = "default"  # default | measured | cached, and "+forced" when overridden
+    timings: dict[str, Any] = field(default_factory=dict, compare=False)
+    fingerprint: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def gemm_routes(self, name: str, int8: bool = False) -> RouteTable:
+        table = self.int8_gemm if int8 else self.gemm
+        return table.get(name, ((UNBOUNDED, "onednn"),))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gemm": {k: [list(e) for e in v] for k, v in self.gemm.items()},
+                "int8_gemm": {k: [list(e) for e in v] for k, v in self.int8_gemm.items()},
+                "weight_only_max_rows": self.weight_only_max_rows, "flash_min_work": self.flash_min_work,
+                "source": self.source, "timings": self.timings, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Plan:
+        """The plan in ``d``; KeyError / TypeError / ValueError when it is not one."""
+        def table(t: dict[str, Any]) -> dict[str, RouteTable]:
+            out = {}
+            for name, entries in t.items():
+                rows = tuple((int(b), str(r)) for b, r in entries)
+                if not rows or any(r not in GEMM_ROUTES for _, r in rows):
+                    raise ValueError(f"plan: bad route table for {name!r}: {entries!r}")
+                out[str(name)] = rows
+            return out
+
+        fmw = d["flash_min_work"]
+        return cls(gemm=table(d["gemm"]), int8_gemm=table(d["int8_gemm"]),
+                   weight_only_max_rows=int(d["weight_only_max_rows"]),
+                   flash_min_work=None if fmw is None else int(fmw), source=str(d.get("source", "cached")),
+                   timings=dict(d.get("timings") or {}), fingerprint=dict(d.get("fingerprint") or {}))
+
+
+def route_for(table: RouteTable, rows: int) -> str:
+    """The route of the first bucket holding ``rows``; past the last, the last bucket's."""
+    for bound, route in table:
+        if rows <= bound:
+            return route
+    return table[-1][1]
+
+
+def _uniform(route_rows: RouteTable) -> dict[str, RouteTable]:
+    return dict.fromkeys(LINEARS, route_rows)
+
+
+# The fallback (what the engine ran before it measured; each figure from one machine): carpool's GEMM
+# up to 2048 rows, oneDNN above (a 2-core Zen 5); weight-only int8 up to 4 rows (a 2-core Zen 4);
+# flash attention only on AMX CPUs, for chunks of 12288 work (rows x keys seen) or more: on a 2-core
+# Sapphire Rapids 64 new tokens after 144 cached cost the same both ways, 128 after 144 took 0.30 ms
+# in flash vs 0.41 in the kernel, while on a Zen 4 without AMX whole workloads ran faster with the
+# kernel alone.
+DEFAULT_CARPOOL_MAX_ROWS = 2048
+_DEFAULT_GEMM: RouteTable = ((DEFAULT_CARPOOL_MAX_ROWS, "carpool"), (UNBOUNDED, "onednn"))
+DEFAULT_WEIGHT_ONLY_MAX_ROWS = 4
+DEFAULT_FLASH_MIN_WORK = 12288
+
+
+def default_plan(has_amx: bool = False) -> Plan:
+    return Plan(gemm=_uniform(_DEFAULT_GEMM), int8_gemm=_uniform(_DEFAULT_GEMM),
+                weight_only_max_rows=DEFAULT_WEIGHT_ONLY_MAX_ROWS,
+                flash_min_work=DEFAULT_FLASH_MIN_WORK if has_amx else None)
+
+
+# ----------------------------------------------------------------------------- choosing
+
+
+# A route other than the first of its kind's order must be this much faster to be chosen: timings
+# on a busy machine wobble by a few percent, and a plan that flips between two routes that cost the
+# same would differ from start to start for nothing.  (Where one route is really faster, as oneDNN
+# on AMX tiles is by several times, the margin changes nothing.)
+MARGIN = 0.03
+
+
+def _fastest(times: dict[str, float], order: tuple[str, ...]) -> str:
+    """The route of the smallest time, the first of ``order`` ahead by ``MARGIN``; routes not timed
+    never win (none timed: the last of ``order``, the one that runs everywhere)."""
+    timed = {r: t for r, t in times.items() if r in order and t is not None and t == t}
+    if not timed:
+        return order[-1]
+    best = min(timed, key=lambda r: (timed[r], order.index(r)))
+    first = order[0]
+    if best != first and first in timed and timed[best] > timed[first] * (1 - MARGIN):
+        return first
+    return best
+
+
+def _merge(entries: list[tuple[int, str]]) -> RouteTable:
+    """Adjacent buckets of one route become one; the last is extended past every bucket."""
+    out: list[tuple[int, str]] = []
+    for bound, route in entries:
+        if out and out[-1][1] == route:
+            out[-1] = (bound, route)
+        else:
+            out.append((bound, route))
+    out[-1] = (UNBOUNDED, out[-1][1])
+    return tuple(out)
+
+
+def choose_gemm(per_linear: dict[str, dict[str, dict[str, float]]]) -> dict[str, RouteTable]:
+    """{linear: {rows: {route: seconds}}} -> {linear: route table} (rows as str or int keys)."""
+    plan = {}
+    for name, by_rows in per_linear.items():
+        entries = [(int(rows), _fastest(times, GEMM_ROUTES)) for rows, times in by_rows.items()]
+        if entries:
+            plan[name] = _merge(sorted(entries))
+    return plan
+
+
+def choose_weight_only(by_rows: dict[str, dict[str, float]]) -> int:
+    """The most rows up to which weight-only int8 was faster at every timed count (0: never)."""
+    best = 0
+    for rows, times in sorted(((int(r), t) for r, t in by_rows.items())):
+        if _fastest(times, ("weight_only", "int8")) != "weight_only":
+            break
+        best = rows
+    return best
+
+
+def choose_flash_min_work(points: list[dict[str, float]]) -> int | None:
+    """Points {rows, cached, kernel, flash} -> the least work from which flash won at every
+    larger point too (None: the kernel won the largest, so never flash)."""
+    timed = sorted((p["rows"] * (p["cached"] + (p["rows"] + 1) // 2), p) for p in points)
+    start: int | None = None
+    for work, p in timed:
+        wins = _fastest({"kernel": p["kernel"], "flash": p["flash"]}, PREFILL_ROUTES) == "flash"
+        if wins and start is None:
+            start = int(work)
+        elif not wins:
+            start = None
+    return start
+
+
+def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
+    """The plan the timings call for (pure).  ``timings`` (as ``plan_measure.measure`` returns
+    and the plan file keeps): ``gemm`` / ``int8_gemm``: {linear: {rows: {route: s}}},
+    ``weight_only``: {rows: {"weight_only": s, "int8": s}}, ``prefill``: [{rows, cached, kernel,
+    flash}].  A part that was not timed keeps ``fallback``'s (default: ``default_plan()``) routes."""
+    base = fallback or default_plan()
+    gemm = {**base.gemm, **choose_gemm(timings.get("gemm") or {})}
+    int8 = {**base.int8_gemm, **choose_gemm(timings.get("int8_gemm") or {})}
+    wo = timings.get("weight_only")
+    prefill = timings.get("prefill")
+    return Plan(gemm=gemm, int8_gemm=int8,
+                weight_only_max_rows=choose_weight_only(wo) if wo else base.weight_only_max_rows,
+                flash_min_work=choose_flash_min_work(prefill) if prefill else base.flash_min_work,
+                source="measured", timings=timings)
+
+
+# ----------------------------------------------------------------------------- forcing
+
+
+def parse_overrides(text: str) -> dict[str, str]:
+    """``"gemm=onednn,prefill=flash"`` -> a dict; ValueError naming the bad item and the choices.
+
+    Keys: gemm (carpool|onednn, every bf16 linear), int8_gemm (carpool|onednn), prefill
+    (kernel|flash: every prefill chunk's attention), weight_only_max_rows (an integer).  The
+    words "measure" (the default: the cached plan, else measured now), "remeasure" (measured now
+    whatever is cached) and "default" (no measuring, the fallback plan) stand alone."""
+    choices = {"gemm": GEMM_ROUTES, "int8_gemm": GEMM_ROUTES, "prefill": PREFILL_ROUTES}
+    out: dict[str, str] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item or item in MODES:
+            if item:
+                out["mode"] = item
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in (*choices, "weight_only_max_rows"):
+            raise ValueError(f"engine plan override {item!r}: use KEY=VALUE with KEY one of "
+                             f"{', '.join((*choices, 'weight_only_max_rows'))}, or one of {', '.join(MODES)}")
+        if key == "weight_only_max_rows":
+            if not value.isdigit():
+                raise ValueError(f"engine plan override {item!r}: weight_only_max_rows takes a whole number")
+        elif value not in choices[key]:
+            raise ValueError(f"engine plan override {item!r}: {key} must be one of {', '.join(choices[key])}")
+        out[key] = value
+    return out
+
+
+def apply_overrides(plan: Plan, overrides: dict[str, str]) -> Plan:
+    """``plan`` with the forced routes of ``overrides`` (``parse_overrides``) in place."""
+    changes: dict[str, Any] = {}
+    for key in ("gemm", "int8_gemm"):
+        if key in overrides:
+            changes[key] = _uniform(((UNBOUNDED, overrides[key]),))
+    if "prefill" in overrides:
+        changes["flash_min_work"] = 0 if overrides["prefill"] == "flash" else None
+    if "weight_only_max_rows" in overrides:
+        changes["weight_only_max_rows"] = int(overrides["weight_only_max_rows"])
+    if not changes:
+        return plan
+    return replace(plan, source=plan.source + "+forced", **changes)

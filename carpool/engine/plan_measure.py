@@ -1,0 +1,240 @@
+"""Times the engine's candidate routes on the model's real shapes (``measure``), and finds the
+plan for an engine: the cached one when it was measured on this machine, else measured now and
+cached (``obtain``).
+
+Every timing is the best of several calls, the candidates called in turns (``race``).  Only layer
+0's linears are timed: every layer has the same shapes.  The whole measurement stops after
+``BUDGET_S`` seconds; what was not timed by then keeps the fallback plan's routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import plan_cache
+from .plan import ROW_BUCKETS, WEIGHT_ONLY_ROWS, Plan, apply_overrides, choose, default_plan, parse_overrides
+from .quant import Int8Linear, quantize_rows
+
+if TYPE_CHECKING:
+    from .model import Linear, LlamaModel
+    from .ops import Kernels
+
+log = logging.getLogger("carpool.engine")
+BUDGET_S = 12.0
+PLAN_ENV = "CARPOOL_ENGINE_PLAN"
+# Prefill chunks timed for the flash threshold: (new rows, cached tokens before them).
+PREFILL_POINTS = ((16, 0), (64, 0), (64, 144), (128, 144), (256, 0), (512, 0), (512, 512), (1024, 0), (2048, 0))
+
+
+class _Clock:
+    def __init__(self, budget_s: float):
+        self.deadline = time.perf_counter() + budget_s
+
+    @property
+    def out(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+
+# Each race runs its routes in turns (a, b, a, b, ...) for at least MIN_ROUNDS rounds and
+# MIN_RACE_S seconds (at most MAX_RACE_S): on a shared machine a call that loses its core for a
+# time slice takes 10-20 ms, and in turns such a slice hits either route alike; the best call of
+# each is what both cost undisturbed.
+MIN_ROUNDS = 5
+MIN_RACE_S = 0.03
+MAX_RACE_S = 0.4
+
+
+def race(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """The best time (seconds) of each function, called in turns after one warm-up call each
+    (oneDNN builds its primitive for a new row count on the first call)."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    t_start = time.perf_counter()
+    rounds = 0
+    while True:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        rounds += 1
+        spent = time.perf_counter() - t_start
+        if spent > MAX_RACE_S or (rounds >= MIN_ROUNDS and spent >= MIN_RACE_S):
+            return best
+
+
+def _buckets(limit: int) -> list[int]:
+    return sorted({b for b in ROW_BUCKETS if b < limit} | {limit})
+
+
+def _time_bf16(lin: Linear, k: Kernels, rows: int) -> dict[str, float]:
+    x = torch.randn(rows, lin.weight.shape[1]).to(torch.bfloat16)
+    assert lin.decode_packed is not None and lin.packed is not None
+    packed, dense = lin.decode_packed, lin.packed
+    return race({"carpool": lambda: k.bf16_gemm(x, packed, lin.n),
+                 "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "")})
+
+
+def _time_int8(w: Int8Linear, k: Kernels, rows: int) -> dict[str, float]:
+    xq = torch.randint(-127, 128, (rows, w.shape[1]), dtype=torch.int8)
+    xs = torch.rand(rows) * 1e-2
+    packed = w.packed
+    assert packed is not None
+    return race({"carpool": lambda: k.int8_gemm_dequant(xq, packed, w.shape[0], xs, w.scale_f32, None, w.dtype),
+                 "onednn": lambda: k.int8_dequantize(w.int_mm(xq), xs, w.scale_f32, None, w.dtype)})
+
+
+def _gemm_timings(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, clock: _Clock) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    lin0 = {**model.linears[0], "head": model.head_linear}
+    w0: dict[str, Any] = {n: model.layers[0][n] for n in ("qkv", "o", "gate_up", "down")}
+    w0["head"] = model.head
+    for name, lin in lin0.items():
+        limit = max_seqs if name == "head" else max_rows  # the head runs only on the rows that sample
+        for rows in _buckets(limit):
+            if clock.out:
+                return out
+            if lin.decode_packed is not None and lin.packed is not None and k.has_bf16_gemm:
+                out.setdefault("gemm", {}).setdefault(name, {})[str(rows)] = _time_bf16(lin, k, rows)
+            w = w0[name]
+            if isinstance(w, Int8Linear) and w.packed is not None and k.has_int8_gemm and hasattr(torch, "_int_mm"):
+                out.setdefault("int8_gemm", {}).setdefault(name, {})[str(rows)] = _time_int8(w, k, rows)
+    return out
+
+
+def _time_weight_only(ws: list[Int8Linear], xs: list[torch.Tensor], k: Kernels) -> dict[str, float]:
+    def weight_only() -> None:
+        for w, x in zip(ws, xs, strict=True):
+            torch.ops.aten._weight_int8pack_mm(x, w.qweight, w.scale)
+
+    def int8() -> None:
+        for w, x in zip(ws, xs, strict=True):
+            xq, s = quantize_rows(x)
+            w.matmul(xq, s, k)
+
+    return race({"weight_only": weight_only, "int8": int8})
+
+
+def _weight_only_timings(model: LlamaModel, k: Kernels, clock: _Clock) -> dict[str, Any]:
+    """Per row count, a layer's four linears weight-only vs quantized rows + the int8 GEMM."""
+    ws = [w for w in (model.layers[0][n] for n in ("qkv", "o", "gate_up", "down")) if isinstance(w, Int8Linear)]
+    if len(ws) < 4 or not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return {}
+    out: dict[str, Any] = {}
+    for rows in WEIGHT_ONLY_ROWS:
+        if clock.out:
+            break
+        out[str(rows)] = _time_weight_only(ws, [torch.randn(rows, w.shape[1]).to(model.dtype) for w in ws], k)
+    return {"weight_only": out}
+
+
+def _time_prefill(model: LlamaModel, k: Kernels, n: int, c: int, kv_cache_dtype: str) -> dict[str, float]:
+    """One layer's attention over a chunk of n new rows after c cached tokens, kernel vs flash."""
+    bs = 16
+    hq, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+    nb = -(-(n + c) // bs)
+    k_cache, v_cache = model.allocate_kv_cache(nb, bs, kv_cache_dtype)[0]
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).to(model.dtype)
+    slots = torch.arange(c, c + n)
+    tables = torch.arange(nb).unsqueeze(0)
+    none = torch.zeros(0, dtype=torch.long)
+    rows_seq, rows_ctx = torch.zeros(n, dtype=torch.long), torch.arange(c + 1, c + n + 1)
+    chunk = torch.tensor([[0, n, 0, c]])
+
+    def kernel() -> None:
+        k.attention(qkv, k_cache, v_cache, slots, tables, rows_seq, rows_ctx, n, none.view(0, 4), hq, model.scale)
+
+    def flash() -> None:
+        k.attention(qkv, k_cache, v_cache, slots, tables, none, none, 0, chunk, hq, model.scale)
+
+    return race({"kernel": kernel, "flash": flash})
+
+
+def _prefill_timings(model: LlamaModel, k: Kernels, max_rows: int, max_len: int, kv_cache_dtype: str,
+                     clock: _Clock) -> dict[str, Any]:
+    points = []
+    for n, c in PREFILL_POINTS:
+        if n > max_rows or n + c > max_len or clock.out:
+            continue
+        points.append({"rows": n, "cached": c, **_time_prefill(model, k, n, c, kv_cache_dtype)})
+    return {"prefill": points} if points else {}
+
+
+PASSES = 2
+
+
+def _best_of(a: Any, b: Any) -> Any:
+    """Two passes' timings merged: the smaller of each time (what only one pass has, kept)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {key: _best_of(a[key], b[key]) if key in a and key in b else a.get(key, b.get(key))
+                for key in {**a, **b}}
+    if isinstance(a, list) and isinstance(b, list):  # prefill points, in the same order in both passes
+        return [_best_of(x, y) for x, y in zip(a, b, strict=False)] + a[len(b):]
+    if isinstance(a, float) and isinstance(b, float):
+        return min(a, b)
+    return a
+
+
+@torch.inference_mode()
+def measure(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len: int,
+            kv_cache_dtype: str = "auto", budget_s: float = BUDGET_S) -> dict[str, Any]:
+    """The timings ``plan.choose`` reads (seconds), taken now on this machine."""
+    clock = _Clock(budget_s)
+    t0 = time.perf_counter()
+    timings: dict[str, Any] = {}
+    # Two passes, seconds apart, each time the better of the two: a stretch of the other core
+    # being busy elsewhere spoils a pass's timings of a few shapes, rarely both passes' of the same.
+    for _ in range(PASSES):
+        one = _gemm_timings(model, k, max_rows, max_seqs, clock)
+        one.update(_weight_only_timings(model, k, clock))
+        one.update(_prefill_timings(model, k, max_rows, max_len, kv_cache_dtype, clock))
+        timings = _best_of(timings, one) if timings else one
+    timings["seconds"] = round(time.perf_counter() - t0, 3)
+    timings["complete"] = not clock.out
+    return timings
+
+
+def model_shapes(model: LlamaModel, max_rows: int, max_seqs: int, max_len: int, kv_cache_dtype: str) -> dict[str, Any]:
+    c = model.config
+    return {"hidden": c.hidden_size, "intermediate": c.intermediate_size, "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
+            "bias": model.layers[0]["qkv_bias"] is not None, "dtype": str(model.dtype),
+            "quantization": model.quantization, "kv_cache_dtype": kv_cache_dtype, "max_rows": max_rows,
+            "max_seqs": max_seqs, "max_len": max_len}
+
+
+def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len: int, kv_cache_dtype: str = "auto",
+           setting: str | None = None, remeasure: bool = False) -> Plan:
+    """The plan for this engine: ``setting`` (else $CARPOOL_ENGINE_PLAN; ``plan.parse_overrides``)
+    "default" takes the fallback plan, otherwise the cached plan of this machine and model or,
+    when there is none (or ``remeasure``), one measured now and cached; forced routes on top."""
+    overrides = parse_overrides(setting if setting is not None else os.environ.get(PLAN_ENV, ""))
+    from .ops.build import cpu_flags
+
+    fallback = default_plan(has_amx="amx_bf16" in cpu_flags().split())
+    if overrides.get("mode") == "default":
+        return apply_overrides(fallback, overrides)
+    shapes = model_shapes(model, max_rows, max_seqs, max_len, kv_cache_dtype)
+    path = plan_cache.plan_path(shapes, k.cache_dir)
+    fingerprint = plan_cache.model_fingerprint(shapes)
+    remeasure = remeasure or overrides.get("mode") == "remeasure"
+    plan = None if remeasure else plan_cache.load(path, fingerprint)
+    if plan is not None:  # chosen again from its timings: the file keeps them, the choice is this code's
+        plan = Plan(**{**choose(plan.timings, fallback).__dict__, "fingerprint": fingerprint, "source": "cached"})
+    else:
+        log.warning("measuring the engine's routes on this CPU (%s) for this model: once per machine, "
+                    "at most %.0f s; the plan is kept in %s", fingerprint["cpu"], BUDGET_S, path)
+        timings = measure(model, k, max_rows, max_seqs, max_len, kv_cache_dtype)
+        plan = Plan(**{**choose(timings, fallback).__dict__, "fingerprint": fingerprint})
+        try:
+            plan_cache.save(path, plan)
+        except OSError as e:  # a read-only cache: the plan still holds for this process
+            log.warning("engine plan not saved to %s (%s)", path, e)
+        log.info("engine plan measured in %.1f s", timings["seconds"])
+    return apply_overrides(plan, overrides)

@@ -1,0 +1,286 @@
+"""The engine plan: routes chosen from injected timings (no clock here), the plan file trusted only
+on the machine and torch it was measured on, and every route it can choose answering as
+transformers does."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+
+from carpool.engine import LLM, GenerateRequest, SamplingParams, plan_cache, plan_measure
+from carpool.engine.ops import Kernels
+from carpool.engine.plan import (
+    UNBOUNDED,
+    Plan,
+    apply_overrides,
+    choose,
+    choose_flash_min_work,
+    choose_gemm,
+    choose_weight_only,
+    default_plan,
+    parse_overrides,
+    route_for,
+)
+
+
+def gemm_times(**by_rows: tuple[float, float]) -> dict[str, dict[str, float]]:
+    """gemm_times(r16=(carpool s, onednn s), ...) -> {"16": {"carpool": .., "onednn": ..}}."""
+    return {k[1:]: {"carpool": c, "onednn": o} for k, (c, o) in by_rows.items()}
+
+
+# ----------------------------------------------------------------------------- choosing
+
+
+def test_gemm_routes_follow_the_faster_route_per_row_bucket():
+    plan = choose_gemm({"qkv": gemm_times(r16=(1.0, 2.0), r64=(4.0, 5.0), r256=(20.0, 10.0), r2048=(90.0, 80.0)),
+                        "down": gemm_times(r16=(1.0, 2.0), r2048=(50.0, 80.0))})
+    assert plan["qkv"] == ((64, "carpool"), (UNBOUNDED, "onednn"))
+    assert plan["down"] == ((UNBOUNDED, "carpool"),)
+    assert [route_for(plan["qkv"], r) for r in (1, 64, 65, 256, 5000)] == ["carpool"] * 2 + ["onednn"] * 3
+
+
+def test_an_amx_like_machine_gets_onednn_everywhere():
+    """oneDNN several times faster at every size (AMX tiles): it takes every linear and bucket."""
+    t = {name: gemm_times(r16=(1.0, 0.9), r64=(4.0, 1.0), r256=(16.0, 3.0), r2048=(128.0, 20.0))
+         for name in ("qkv", "o", "gate_up", "down")}
+    plan = choose({"gemm": t, "int8_gemm": t})
+    for name in t:
+        assert plan.gemm_routes(name) == ((UNBOUNDED, "onednn"),)
+        assert plan.gemm_routes(name, int8=True) == ((UNBOUNDED, "onednn"),)
+
+
+def test_a_route_within_the_noise_margin_does_not_displace_the_first():
+    plan = choose_gemm({"o": gemm_times(r16=(1.0, 0.99), r64=(1.0, 0.9))})
+    assert plan["o"] == ((16, "carpool"), (UNBOUNDED, "onednn"))
+
+
+def test_a_route_that_was_not_timed_never_wins():
+    assert choose_gemm({"o": {"64": {"onednn": 1.0}}})["o"] == ((UNBOUNDED, "onednn"),)
+    assert choose_gemm({"o": {"64": {"carpool": 1.0, "onednn": float("nan")}}})["o"] == ((UNBOUNDED, "carpool"),)
+
+
+def test_weight_only_limit_is_the_last_row_count_it_won_from_one_up():
+    wo = {"1": {"weight_only": 1, "int8": 3}, "2": {"weight_only": 2, "int8": 3},
+          "4": {"weight_only": 5, "int8": 3}, "8": {"weight_only": 1, "int8": 3}}
+    assert choose_weight_only(wo) == 2  # 8 won again, but 4 lost: the line is at 2
+    assert choose_weight_only({"1": {"weight_only": 2, "int8": 1}}) == 0
+
+
+def point(rows: int, cached: int, kernel: float, flash: float) -> dict:
+    return {"rows": rows, "cached": cached, "kernel": kernel, "flash": flash}
+
+
+def test_flash_threshold_is_the_least_work_from_which_flash_always_won():
+    pts = [point(64, 0, 1, 2), point(128, 144, 3, 2), point(512, 0, 30, 40), point(1024, 0, 90, 50),
+           point(2048, 0, 300, 100)]
+    assert choose_flash_min_work(pts) == 1024 * (0 + 1025 // 2)
+    assert choose_flash_min_work([point(64, 0, 1, 2), point(2048, 0, 1, 2)]) is None  # the kernel wins the largest
+    assert choose_flash_min_work([point(64, 0, 2, 1), point(2048, 0, 2, 1)]) == 64 * 32
+
+
+def test_parts_not_timed_keep_the_fallback_plan():
+    fallback = default_plan(has_amx=True)
+    plan = choose({"gemm": {"qkv": gemm_times(r16=(2.0, 1.0))}}, fallback)
+    assert plan.gemm_routes("qkv") == ((UNBOUNDED, "onednn"),)
+    assert plan.gemm_routes("o") == fallback.gemm_routes("o")
+    assert plan.int8_gemm == fallback.int8_gemm
+    assert (plan.weight_only_max_rows, plan.flash_min_work) == (fallback.weight_only_max_rows, fallback.flash_min_work)
+    assert plan.source == "measured"
+
+
+def test_forced_routes_override_and_bad_ones_name_the_choices():
+    base = choose({"gemm": {"qkv": gemm_times(r16=(2.0, 1.0))}})
+    forced = apply_overrides(base, parse_overrides("gemm=carpool, prefill=flash, weight_only_max_rows=0"))
+    assert forced.gemm_routes("qkv") == ((UNBOUNDED, "carpool"),) and forced.flash_min_work == 0
+    assert forced.weight_only_max_rows == 0 and forced.source == "measured+forced"
+    assert apply_overrides(base, parse_overrides("prefill=kernel")).flash_min_work is None
+    assert parse_overrides("default") == {"mode": "default"}
+    for bad, words in [("gemm=amx", "carpool, onednn"), ("speed=11", "KEY=VALUE"), ("weight_only_max_rows=x", "whole")]:
+        with pytest.raises(ValueError, match=words):
+            parse_overrides(bad)
+
+
+def test_plan_json_round_trip():
+    plan = choose({"gemm": {"qkv": gemm_times(r16=(1.0, 2.0), r64=(2.0, 1.0))},
+                   "prefill": [point(64, 0, 2, 1)]})
+    back = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert back == plan and back.timings == plan.timings
+
+
+# ----------------------------------------------------------------------------- the plan file
+
+
+FP = {"format": 1, "cpu": "Some CPU", "cpu_flags": "aaaa", "torch": "2.13.0", "kernels": "k", "threads": 2,
+      "model": {"hidden": 64}}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "plan.json"
+    plan = Plan(**{**choose({"gemm": {"o": gemm_times(r16=(2.0, 1.0))}}).__dict__, "fingerprint": FP})
+    plan_cache.save(path, plan)
+    return path, plan
+
+
+def test_a_saved_plan_loads_on_the_same_machine(saved):
+    path, plan = saved
+    got = plan_cache.load(path, dict(FP))
+    assert got is not None and got.gemm == plan.gemm and got.source == "cached"
+
+
+@pytest.mark.parametrize("changed", [{"cpu_flags": "bbbb"}, {"torch": "2.14.0"}, {"cpu": "Other CPU"},
+                                     {"model": {"hidden": 128}}], ids=["cpu-flags", "torch", "cpu", "model"])
+def test_a_plan_from_another_machine_or_torch_is_ignored_with_a_warning(saved, caplog, changed):
+    path, _ = saved
+    with caplog.at_level(logging.WARNING):
+        assert plan_cache.load(path, {**FP, **changed}) is None
+    assert f"measured under another {next(iter(changed))}" in caplog.text
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"gemm": {"o": [[16, "amx"]]}}', ""],
+                         ids=["garbage", "list", "bad-route", "empty"])
+def test_a_corrupt_plan_file_is_ignored_with_a_warning(tmp_path, caplog, text):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with caplog.at_level(logging.WARNING):
+        assert plan_cache.load(path, FP) is None
+    assert "is corrupt" in caplog.text
+
+
+# ----------------------------------------------------------------------------- in the engine
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Kernels:
+    k = Kernels()
+    if not k.wait():
+        pytest.skip(f"kernels unavailable: {k.error}")
+    return k
+
+
+def test_the_engine_measures_once_then_loads_and_remeasures_on_another_cpu(tiny, h, kernels, tmp_path,
+                                                                             monkeypatch, caplog):
+    """obtain() on the real (tiny bf16) model: measured and saved, then loaded from the file; a
+    different CPU flag set or torch version in the fingerprint measures again."""
+    from carpool.engine.model import LlamaModel
+
+    _, loaded = tiny
+    model = LlamaModel(loaded.config, loaded.state_dict, torch.bfloat16)
+    k = Kernels(cache_dir=tmp_path)
+    k.module, k.isa, k.has_bf16_gemm, k.has_int8_gemm = (kernels.module, kernels.isa, kernels.has_bf16_gemm,
+                                                         kernels.has_int8_gemm)
+    first = plan_measure.obtain(model, k, 64, 8, 256, setting="measure")
+    assert first.source == "measured" and first.timings["prefill"]
+    if kernels.has_bf16_gemm:
+        assert set(first.timings["gemm"]) == {"qkv", "o", "gate_up", "down", "head"}
+    assert plan_measure.obtain(model, k, 64, 8, 256, setting="measure").source == "cached"
+    real = plan_cache.machine_fingerprint
+    for change in ({"cpu_flags": "0000"}, {"torch": "0.0.0"}):
+        monkeypatch.setattr(plan_cache, "machine_fingerprint", lambda c=change: {**real(), **c})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert plan_measure.obtain(model, k, 64, 8, 256, setting="measure").source == "measured"
+        assert "measured under another" in caplog.text
+
+
+def _generate(loaded, h, dtype: str, plan: str, ps: list[list[int]], n: int, **kw):
+    cfg = h.engine_config(dtype=dtype, max_num_batched_tokens=32,
+                          extra={"attention": "kernel", "plan": plan, **kw})
+    llm = LLM(cfg, loaded=loaded)
+    reqs = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=p,
+                            params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for i, p in enumerate(ps)]
+    return [o.token_ids for o in llm.generate(reqs)], llm
+
+
+ROUTES = ["measure", "default", "gemm=carpool,prefill=kernel", "gemm=onednn,prefill=flash",
+          "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash"]
+
+
+@pytest.mark.parametrize("plan", ROUTES)
+def test_every_route_answers_as_transformers_fp32(tiny, h, plan):
+    model, loaded = tiny
+    ps = h.prompts(4, [3, 17, 40, 70])
+    outs, _ = _generate(loaded, h, "float32", plan, ps, 10)
+    for p, out in zip(ps, outs, strict=True):
+        assert out == h.hf_greedy(model, p, 10)
+
+
+@pytest.mark.parametrize("plan", ROUTES)
+def test_every_bf16_route_answers_as_transformers(tiny, h, kernels, plan, monkeypatch):
+    """bf16 weights (where the packed GEMM and oneDNN both run): greedy tokens equal HF's bf16
+    model's, and a forced GEMM route really is the one that runs."""
+    model, loaded = tiny
+    ref = copy.deepcopy(model).to(torch.bfloat16)  # the session's fp32 model stays as it is
+    calls = []
+    orig = Kernels.bf16_gemm
+    monkeypatch.setattr(Kernels, "bf16_gemm", lambda self, x, *a: calls.append(x.shape[0]) or orig(self, x, *a))
+    ps = h.prompts(4, [3, 17, 40, 70])
+    outs, _ = _generate(loaded, h, "bfloat16", plan, ps, 10)
+    assert outs == [h.hf_greedy(ref, p, 10) for p in ps]
+    if "gemm=onednn" in plan:
+        assert not calls
+    if "gemm=carpool" in plan and kernels.has_bf16_gemm:
+        assert calls
+
+
+@pytest.mark.parametrize("weight_only", [0, 4])
+def test_int8_routes_answer_alike(tiny, h, kernels, weight_only):
+    """int8 weights: the packed int8 GEMM and torch._int_mm give the same sums, so both int8 routes
+    answer the same greedy tokens, whichever weight-only limit the plan sets."""
+    _, loaded = tiny
+    ps = h.prompts(5, [3, 9, 30, 3, 12, 7])
+    carpool, onednn = (_int8(loaded, h, f"int8_gemm={route},weight_only_max_rows={weight_only}", ps)
+                       for route in ("carpool", "onednn"))
+    assert carpool == onednn
+
+
+def _int8(loaded, h, plan, ps):
+    cfg = h.engine_config(quantization="int8", max_num_batched_tokens=32, extra={"attention": "kernel", "plan": plan})
+    llm = LLM(cfg, loaded=loaded)
+    reqs = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=p,
+                            params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            for i, p in enumerate(ps)]
+    return [o.token_ids for o in llm.generate(reqs)]
+
+
+def test_a_bad_plan_setting_is_refused_before_the_engine_starts(tiny, h):
+    from carpool.engine.protocol import EngineError
+
+    _, loaded = tiny
+    with pytest.raises(EngineError, match=r"extra\.plan: .*prefill must be one of kernel, flash"):
+        LLM(h.engine_config(extra={"plan": "prefill=sometimes"}), loaded=loaded)
+
+
+def test_two_measuring_passes_keep_the_better_time_of_each():
+    a = {"gemm": {"o": {"16": {"carpool": 1.0, "onednn": 2.0}}}, "prefill": [point(16, 0, 3.0, 1.0)]}
+    b = {"gemm": {"o": {"16": {"carpool": 0.5, "onednn": 3.0}, "64": {"carpool": 1.0}}},
+         "prefill": [point(16, 0, 2.0, 4.0)]}
+    want = {"gemm": {"o": {"16": {"carpool": 0.5, "onednn": 2.0}, "64": {"carpool": 1.0}}},
+            "prefill": [point(16, 0, 2.0, 1.0)]}
+    assert plan_measure._best_of(a, b) == want
+
+
+def test_carpool_engine_plan_refuses_a_bad_forced_route_with_exit_2(capsys):
+    from carpool.cli import main
+
+    assert main(["engine", "plan", "--model", "tiny-random", "--force", "gemm=amx"]) == 2
+    err = capsys.readouterr().err
+    assert "extra.plan" in err and "gemm must be one of carpool, onednn" in err
+
+
+def test_carpool_engine_plan_prints_the_plan_and_its_timings(capsys):
+    """The verb measures (or reads) the plan of this machine; a second call reads the saved one."""
+    from carpool.cli import main
+
+    args = ["engine", "plan", "--model", "tiny-random", "--dtype", "bfloat16", "--max-num-batched-tokens", "128"]
+    assert main([*args, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["timings"]["prefill"] and first["fingerprint"]["cpu"] == plan_cache.cpu_model_name()
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("engine plan (cached)") and "prefill attention:" in text and "rows after" in text
