@@ -17,7 +17,9 @@ Faults (``AnthropicBatchConfig``): the first ``create_429`` creates are refused 
 and ``retry-after``; ``expire_batches`` batches end with every request ``expired``;
 requests whose custom_id contains a key of ``errors`` end ``errored`` (the value: how many
 times; the error type is ``api_error``, retryable) and of ``expire_ids`` end ``expired``;
-``poll_delay_s`` slows every GET of a batch; ``shuffle`` returns results out of order.
+``poll_delay_s`` slows every GET of a batch; ``create_delay_s`` answers a create that late
+(the batch exists from the start: a client killed meanwhile has created it without knowing
+its id); ``shuffle`` returns results out of order.
 ``received`` counts every request a create accepted, per custom_id, so a test can assert
 that no task was submitted twice.
 """
@@ -58,6 +60,7 @@ class AnthropicBatchConfig:
     errors: dict[str, int] = field(default_factory=dict)  # custom_id substring -> times errored
     expire_ids: dict[str, int] = field(default_factory=dict)  # custom_id substring -> times expired
     poll_delay_s: float = 0.0
+    create_delay_s: float = 0.0  # the batch exists at once, its id is answered this much later
     shuffle: bool = False
 
 
@@ -160,6 +163,8 @@ class AnthropicBatchServer:
         self.batches[b.id] = b
         for r in reqs:
             self.received[r["custom_id"]] += 1
+        if self.config.create_delay_s:  # a client killed meanwhile never learns the id
+            await asyncio.sleep(self.config.create_delay_s)
         return web.json_response(self._doc(b))
 
     def _check_requests(self, reqs: object) -> str | None:
