@@ -18,6 +18,13 @@ from carpool.server.state import STATE, ServerState
 async def create_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json(request)
+    off_loop = request.content_length is None or request.content_length > OFF_LOOP_BYTES
+    return json_response(await embeddings_body(state, body, off_loop))
+
+
+async def embeddings_body(state: ServerState, body: dict, off_loop: bool) -> dict:
+    """The answer to one embeddings request body (a batch's lines come here too); raises
+    OpenAIError.  ``off_loop``: count the tokens of a long input on a worker thread."""
     model = state.resolve_model(body, "embedding")  # 404 when no embedding model is served
     inp = body.get("input")
     if isinstance(inp, list) and inp and all(isinstance(x, (int, list)) for x in inp):
@@ -33,11 +40,11 @@ async def create_embeddings(request: web.Request) -> web.Response:
         vectors = await state.batcher.embed(texts)
     except (QueueFullError, QueueTimeoutError) as e:
         raise _queue_error(state, e) from None
-    if request.content_length is None or request.content_length > OFF_LOOP_BYTES:  # long inputs: off the loop
+    if off_loop:  # long inputs: off the loop
         tokens = sum(await asyncio.to_thread(state.batcher.count_tokens, texts))
     else:
         tokens = sum(state.batcher.count_tokens(texts))
-    return json_response(embedding_body(vectors, model, tokens, body.get("encoding_format")))
+    return embedding_body(vectors, model, tokens, body.get("encoding_format"))
 
 
 def _queue_error(state: ServerState, e: QueueFullError | QueueTimeoutError) -> OpenAIError:

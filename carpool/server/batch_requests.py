@@ -1,0 +1,92 @@
+"""One request of a batch, answered on the server's own engine as the online endpoint would.
+
+The body goes through the same translation (``Translator.prepare``) and response shape
+(``ResponseBuilder``) as ``POST /v1/chat/completions``, so a batch line's answer is the body
+an online call would have got.  Two differences, both for the online requests' sake:
+
+- every engine request of a batch line gets ``BATCH_PRIORITY`` added to its priority, so
+  under ``--scheduling-policy priority`` an online request is admitted (and kept, when the
+  KV cache runs short) before any batch request;
+- batch lines do not go through the admission waiting room: their number in flight is
+  bounded by the runner instead, and they never take an online request's place in it.
+
+``answer`` returns (HTTP status, body) the way OpenAI's batch output holds them: 200 and
+the response, or the error status and its ``{"error": ...}`` body.  A request the engine
+aborted (the server is shutting down) raises ``NotAnswered``: it has no answer to record
+and runs again after the restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from carpool.openai.errors import OpenAIError
+from carpool.openai.generation import Generation, engine_failure
+from carpool.openai.responses import ResponseBuilder
+from carpool.server.embeddings import embeddings_body
+from carpool.server.state import ServerState
+
+log = logging.getLogger("carpool.server.batches")
+
+# Added to a batch request's engine priority: under the priority policy lower runs first,
+# and online requests keep the default 0 (or what their body sets, far below this).
+BATCH_PRIORITY = 1 << 20
+_OFF_LOOP_CHARS = 16 * 1024
+
+
+class NotAnswered(Exception):
+    """The engine aborted the request (shutting down): no answer to record."""
+
+
+async def answer(state: ServerState, kind: str, body: dict) -> tuple[int, dict]:
+    """(status, body) of one batch request of ``kind`` (chat | completion | embedding)."""
+    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    try:
+        if kind == "embedding":
+            return 200, await embeddings_body(state, body, off_loop=_long(body))
+        return 200, await _generate(state, kind, body)
+    except OpenAIError as e:
+        if e.code == "engine_failed" or state.engine.error is not None:
+            raise NotAnswered(str(e)) from None  # the engine is gone: answer after a restart
+        return e.status, e.body()
+    except (NotAnswered, asyncio.CancelledError):
+        raise
+    except Exception as e:  # a request that broke something still gets its answer line
+        log.exception("batch request failed")
+        return 500, OpenAIError(500, f"internal error: {e!r}; see the server log", type="server_error").body()
+
+
+async def _generate(state: ServerState, kind: str, body: dict) -> dict:
+    model = state.resolve_model(body, "generate")
+    if _long(body):
+        prepared = await asyncio.to_thread(state.translator.prepare, kind, body)
+    else:
+        prepared = state.translator.prepare(kind, body)
+    for choice in prepared.choices:
+        choice.request.priority += BATCH_PRIORITY
+    gen = Generation(state.engine, prepared.choices)
+    try:
+        try:
+            async for _ in gen.deltas():
+                pass
+        except OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
+            raise engine_failure(e, state.engine) from None
+    finally:
+        await gen.close()
+    if gen.aborted:
+        raise NotAnswered("the engine aborted the request")
+    return ResponseBuilder(kind, prepared.id, model).body(gen.choices)
+
+
+def _long(body: dict) -> bool:
+    """Whether templating and tokenizing ``body`` is worth a worker thread (a rough size)."""
+    total = 0
+    for value in (body.get("messages"), body.get("prompt"), body.get("input")):
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, list):
+            total += sum(len(str(v)) for v in value)
+    return total > _OFF_LOOP_CHARS
