@@ -144,3 +144,43 @@ def test_kill_9_three_times_loses_repeats_and_resubmits_nothing(serve, tmp_path)
     assert r.returncode == 0, r.stderr
     _check(out, ids)
     assert _received(serve, before) == Counter({cid: 1 for cid in ids})  # 0 tasks submitted twice
+
+
+def _cancel_first_batch(serve: str, index: Path, proc: subprocess.Popen) -> str:
+    """Cancel the run's first batch as soon as it exists (a stand-in for a batch that expires)."""
+    end = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < end, "the batch was never created"
+        try:
+            batch_id = json.loads(index.read_text())["batches"][0]["batch_id"]
+        except (OSError, ValueError, IndexError, KeyError):
+            batch_id = None
+        if batch_id:
+            break
+        time.sleep(0.005)
+    req = urllib.request.Request(f"{serve}/batches/{batch_id}/cancel", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert json.loads(r.read())["status"] in ("cancelling", "cancelled", "completed")
+    return batch_id
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["resubmitted", "online-fallback"])
+def test_requests_a_cancelled_batch_left_unanswered_are_resubmitted_or_sent_online(serve, tmp_path, online):
+    before = _batch_ids(serve)
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    ids = _tasks(tasks, N, max_tokens=48)
+    args = _args(serve, tasks, out, *(["--batch-online-fallback"] if online else []))
+    proc = subprocess.Popen([sys.executable, "-m", "carpool.cli", "run", *map(str, args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _cancel_first_batch(serve, tmp_path / "out.jsonl.batches" / "index.json", proc)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    got = lines(out)
+    assert sorted(x["custom_id"] for x in got) == sorted(ids) and all(x["error"] is None for x in got)
+    received = _received(serve, before)
+    again = sorted(cid for cid, n in received.items() if n == 2)
+    assert set(received) == set(ids) and set(received.values()) <= {1, 2}
+    if online:
+        assert not again and "sending them online" in stderr  # batched once; the rest went online
+    else:
+        assert again and len(_batch_ids(serve) - before) == 2  # one new batch with what was left
