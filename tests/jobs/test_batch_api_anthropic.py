@@ -220,3 +220,17 @@ def test_endpoints_file_kind_anthropic_batch(anthropic, tmp_path):
     assert r.returncode == 0, r.stderr
     _check_output(out, ids)
     assert {b.requests[0]["params"]["model"] for b in srv.server.batches.values()} == {"claude-test"}
+
+
+def test_retry_errors_resubmits_only_the_error_lines_and_leaves_one_line_per_id(anthropic, tmp_path):
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    ids = _tasks(tasks, 6)
+    first = anthropic(expire_ids={"t1": 1, "t2": 1})
+    r = cli(*_args(first, tasks, out, "--batch-max-attempts", "1"), env=KEY)
+    assert r.returncode == 3, r.stderr
+    assert sorted(x["custom_id"] for x in lines(out) if x["error"]) == ["t1", "t2"]
+    second = anthropic()
+    r = cli(*_args(second, tasks, out, "--retry-errors"), env=KEY)
+    assert r.returncode == 0, r.stderr
+    _check_output(out, ids)
+    assert sorted(second.server.received) == ["t1", "t2"]
