@@ -39,6 +39,8 @@ from carpool.jobs.summary import JobStats
 from carpool.jobs.tasks import BadLine, Task
 from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
+REPORT_EVERY_S = 30.0
+
 
 @dataclass
 class _Held:
@@ -64,6 +66,7 @@ class BatchJob:
         self.written: set[int] = set()  # hashes of the ids written this run
         self.requeued = True  # a round must read the tasks (the first one always does)
         self._stop = asyncio.Event()
+        self._said: dict[str, tuple[str, float]] = {}  # local id -> (status line, when) last said
 
     def say(self, msg: str) -> None:
         if self.say_to is not None and not self.opts.quiet:
@@ -228,16 +231,17 @@ class BatchJob:
 
     # -- polling and results ----------------------------------------------------------------------
     async def _wait_and_collect(self, writer: ResultWriter) -> None:
-        """Poll the running batches until at least one ended (then collect it), or a stop."""
+        """Poll the running batches until at least one ended (then collect it), or a stop.  The
+        wait grows 1.5x while no batch changes its status, and starts over when one does."""
         delay = self.batch.poll_s
         while not self._stop.is_set():
             active = [e for e in self.state.active() if e.batch_id]
             statuses = await asyncio.gather(*(self.provider.status(str(e.batch_id)) for e in active))
             changed = ended = False
             for e, st in zip(active, statuses, strict=True):
-                if st.describe() != e.state:
-                    e.state, changed = st.describe(), True
-                    self.say(f"batch {e.local_id} ({e.batch_id}, {e.n:,} requests): {e.state}")
+                if st.state != e.state:
+                    e.state, changed = st.state, True
+                self._report(e, st)
                 if st.ended:
                     await self._collect(writer, e, st)
                     ended = True
@@ -248,6 +252,20 @@ class BatchJob:
             delay = self.batch.poll_s if changed else min(delay * 1.5, self.batch.max_poll_s)
             with contextlib.suppress(asyncio.TimeoutError):  # the wait ends early on a stop
                 await asyncio.wait_for(self._stop.wait(), delay)
+
+    def _report(self, e: Entry, st: Status) -> None:
+        """A batch's status line: when its status changes, else when its counts moved and the
+        last line about it is ``REPORT_EVERY_S`` old (a long batch shows it moves, without a
+        line every poll)."""
+        text = st.describe()
+        last_text, last_t = self._said.get(e.local_id, ("", 0.0))
+        now = time.monotonic()
+        if text == last_text or (st.state == last_text.split(" ", 1)[0] and now - last_t < REPORT_EVERY_S):
+            return
+        self._said[e.local_id] = (text, now)
+        written = self.stats.done + self.stats.skipped
+        total = f" of {self.stats.total:,}" if self.stats.total is not None else ""
+        self.say(f"batch {e.local_id} ({e.batch_id}, {e.n:,} requests): {text}; {written:,}{total} tasks written")
 
     async def _collect(self, writer: ResultWriter, e: Entry, st: Status) -> None:
         held = {row[0]: _Held(row[1], int(row[2]), row[3]) for row in self.state.read_ids(e.local_id)}
