@@ -1,9 +1,11 @@
 """What tokens cost: ``--price-in`` / ``--price-out`` ($ per million tokens), or a small
 built-in table of OpenAI list prices for named models.
 
-The table is deliberately small and dated; a provider's real bill may differ (batch or
-prompt-cache discounts, new prices): pass the flags to be exact.  A model that is in
-neither gets no prices, and its $ figures are shown as unknown, never as 0.
+The table is deliberately small and dated; a provider's real bill may differ (new prices,
+long-context tiers): pass the flags to be exact.  A model that is in neither gets no
+prices, and its $ figures are shown as unknown, never as 0.  Prompt tokens served from
+the provider's prompt cache cost the table's cached-input price where it lists one; a job
+through a batch API pays half of every rate (``Prices.at_batch_rate``).
 """
 
 from __future__ import annotations
