@@ -184,3 +184,52 @@ def test_requests_a_cancelled_batch_left_unanswered_are_resubmitted_or_sent_onli
         assert not again and "sending them online" in stderr  # batched once; the rest went online
     else:
         assert again and len(_batch_ids(serve) - before) == 2  # one new batch with what was left
+
+
+def _post(url: str, data: bytes, headers: dict) -> dict:
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _left_submitting(out: Path, local_id: str, ids: list[str]) -> None:
+    """The state a run killed between writing down a batch and learning its id leaves."""
+    state = Path(str(out) + ".batches")
+    state.mkdir()
+    (state / f"{local_id}.ids").write_text("".join(json.dumps([c, c, i + 1, {"i": i}]) + "\n"
+                                                   for i, c in enumerate(ids)))
+    entry = {"local_id": local_id, "group": "tiny-random /v1/chat/completions", "n": len(ids),
+             "prepared_at": time.time() - 1, "status": "submitting", "batch_id": None, "file_id": None,
+             "state": "", "adopted": False}
+    (state / "index.json").write_text(json.dumps({"provider": "openai", "batches": [entry], "attempts": {},
+                                                  "online": []}))
+
+
+@pytest.mark.parametrize("created", [True, False], ids=["create-happened", "create-never-left"])
+def test_a_create_whose_answer_was_lost_is_found_by_its_metadata(serve, tmp_path, created):
+    before = _batch_ids(serve)
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    ids = _tasks(tasks, 12)
+    local_id = f"cpb_lost_{created}_{os.getpid()}"
+    _left_submitting(out, local_id, ids)
+    if created:  # what the killed run had sent: its file and the create, metadata included
+        body = "".join(json.dumps({"custom_id": x["custom_id"], "method": "POST", "url": "/v1/chat/completions",
+                                   "body": {"model": "tiny-random", "messages": x["messages"], "max_tokens": 8,
+                                            "ignore_eos": True, "temperature": 0}}) + "\n"
+                       for x in lines(tasks)).encode()
+        boundary = "carpoolboundary"
+        form = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+                f"Content-Type: application/jsonl\r\n\r\n").encode() + body + f"\r\n--{boundary}--\r\n".encode()
+        file = _post(f"{serve}/files", form, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        _post(f"{serve}/batches", json.dumps({"input_file_id": file["id"], "endpoint": "/v1/chat/completions",
+                                              "completion_window": "24h",
+                                              "metadata": {"carpool_batch": local_id}}).encode(),
+              {"Content-Type": "application/json"})
+    r = cli(*_args(serve, tasks, out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    _check(out, ids)
+    assert ("created before the last run stopped" in r.stderr) == created
+    assert ("was never created" in r.stderr) == (not created)
+    assert len(_batch_ids(serve) - before) == 1
+    assert _received(serve, before) == Counter({cid: 1 for cid in ids})
