@@ -54,7 +54,8 @@ def batch_options(args: argparse.Namespace, specs: list) -> BatchOptions | None:
     tuning = dict(max_requests=args.batch_max_requests, max_bytes=args.batch_max_bytes, poll_s=args.batch_poll,
                   max_poll_s=max(args.batch_poll, args.batch_max_poll), max_attempts=args.batch_max_attempts,
                   online_fallback=args.batch_online_fallback,
-                  default_max_tokens=args.max_tokens or args.max_completion_tokens or 4096)
+                  default_max_tokens=args.max_tokens or args.max_completion_tokens or 4096,
+                  http_attempts=args.max_attempts)
     if batch_specs:
         s = batch_specs[0]
         model = s.deployment or s.model if s.kind == "azure-batch" else s.model

@@ -17,9 +17,10 @@ Faults (``AnthropicBatchConfig``): the first ``create_429`` creates are refused 
 and ``retry-after``; ``expire_batches`` batches end with every request ``expired``;
 requests whose custom_id contains a key of ``errors`` end ``errored`` (the value: how many
 times; the error type is ``api_error``, retryable) and of ``expire_ids`` end ``expired``;
-``poll_delay_s`` slows every GET of a batch; ``create_delay_s`` answers a create that late
-(the batch exists from the start: a client killed meanwhile has created it without knowing
-its id); ``shuffle`` returns results out of order.
+``poll_delay_s`` slows every GET of a batch and the first ``poll_529`` of them answer 529
+(overloaded); ``create_delay_s`` answers a create that late (the batch exists from the
+start: a client killed meanwhile has created it without knowing its id); ``shuffle``
+returns results out of order.
 ``received`` counts every request a create accepted, per custom_id, so a test can assert
 that no task was submitted twice.
 """
@@ -60,6 +61,7 @@ class AnthropicBatchConfig:
     errors: dict[str, int] = field(default_factory=dict)  # custom_id substring -> times errored
     expire_ids: dict[str, int] = field(default_factory=dict)  # custom_id substring -> times expired
     poll_delay_s: float = 0.0
+    poll_529: int = 0  # the first N GETs of a batch answer 529 overloaded_error
     create_delay_s: float = 0.0  # the batch exists at once, its id is answered this much later
     shuffle: bool = False
 
@@ -200,6 +202,8 @@ class AnthropicBatchServer:
         self.polls += 1
         if self.config.poll_delay_s:
             await asyncio.sleep(self.config.poll_delay_s)
+        if self.polls <= self.config.poll_529:
+            return _error(529, "overloaded_error", "overloaded")
         b = self.batches.get(request.match_info["id"])
         if b is None:
             return _error(404, "not_found_error", "no such message batch")

@@ -234,3 +234,29 @@ def test_retry_errors_resubmits_only_the_error_lines_and_leaves_one_line_per_id(
     assert r.returncode == 0, r.stderr
     _check_output(out, ids)
     assert sorted(second.server.received) == ["t1", "t2"]
+
+
+def test_a_wrong_key_refuses_the_start_and_an_unreachable_provider_stops_resumably(anthropic, tmp_path):
+    srv = anthropic()
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    _tasks(tasks, 4)
+    r = cli(*_args(srv, tasks, out), env={"ANTHROPIC_API_KEY": "wrong"})
+    assert r.returncode == 2, r.stderr
+    assert "HTTP 401" in r.stderr and "ANTHROPIC_API_KEY" in r.stderr
+    assert "wrong" not in r.stderr  # the key itself is never shown
+    assert not srv.server.received
+    args = [a if a != srv.url else "http://127.0.0.1:9" for a in _args(srv, tasks, out)]  # nothing listens
+    r = cli(*args, "--max-attempts", "2", env=KEY)
+    assert r.returncode == 4, r.stderr
+    assert "cannot connect" in r.stderr and "the same command picks them up" in r.stderr
+
+
+def test_polls_the_provider_does_not_answer_are_waited_out(anthropic, tmp_path):
+    srv = anthropic(poll_529=5)
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    ids = _tasks(tasks, 4)
+    r = cli(*_args(srv, tasks, out, "--max-attempts", "2"), env=KEY)
+    assert r.returncode == 0, r.stderr
+    _check_output(out, ids)
+    assert "HTTP 529" in r.stderr and "polling on" in r.stderr
+    assert srv.server.polls > 5

@@ -38,10 +38,11 @@ class AnthropicBatches:
     ids_must_fit = True
 
     def __init__(self, url: str, headers: dict[str, str], model: str | None, default_max_tokens: int,
-                 lim: limits.Limits = limits.ANTHROPIC, say: Callable[[str], None] | None = None):
+                 lim: limits.Limits = limits.ANTHROPIC, say: Callable[[str], None] | None = None,
+                 attempts: int = 6):
         base = url.rstrip("/")
         self.base = base if base.endswith("/v1") else base + "/v1"
-        self.http = Http({"anthropic-version": VERSION, "content-type": "application/json", **headers}, say)
+        self.http = Http({"anthropic-version": VERSION, "content-type": "application/json", **headers}, say, attempts)
         self.model, self.default_max_tokens, self.limits = model, default_max_tokens, lim
 
     def group(self, task: Task) -> str:

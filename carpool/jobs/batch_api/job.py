@@ -30,6 +30,7 @@ from carpool.jobs.batch_api.limits import Chunk
 from carpool.jobs.batch_api.options import BatchOptions
 from carpool.jobs.batch_api.provider import Outcome, Provider, Status
 from carpool.jobs.batch_api.state import COLLECTED, RUNNING, BatchState, Entry
+from carpool.jobs.exit_codes import StartRefused
 from carpool.jobs.journal import DoneSet, Journal, SeenIds, id_hash
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import job_defaults, make_journal
@@ -67,6 +68,7 @@ class BatchJob:
         self.requeued = True  # a round must read the tasks (the first one always does)
         self._stop = asyncio.Event()
         self._said: dict[str, tuple[str, float]] = {}  # local id -> (status line, when) last said
+        self._down_since: float | None = None  # when polls began to go unanswered
 
     def say(self, msg: str) -> None:
         if self.say_to is not None and not self.opts.quiet:
@@ -92,6 +94,9 @@ class BatchJob:
         try:
             await self._rounds(writer)
         except BatchApiError as e:
+            if e.status in (401, 403) and not self.state.entries:  # nothing submitted: a refused start
+                raise StartRefused(f"{e}; check the key (--api-key, or the provider's variable: "
+                                   "OPENAI_API_KEY, AZURE_OPENAI_API_KEY, ANTHROPIC_API_KEY)") from None
             self.stats.stopped_by_outage = True
             self.stats.outage_stop = str(e)
             self.messages.append(f"stopped: {e}. Submitted batches are kept in {self.state.dir}; the same "
@@ -221,6 +226,9 @@ class BatchJob:
                                                           self.state.known_batch_ids())
                 if entry.batch_id is not None:
                     break
+            except BatchApiError:  # refused for certain: no batch was made
+                self.state.forget(entry)
+                raise
         if entry.batch_id is None:
             raise BatchApiError(f"batch {entry.local_id}: the provider did not create it after 3 tries")
         entry.status = RUNNING
@@ -236,7 +244,10 @@ class BatchJob:
         delay = self.batch.poll_s
         while not self._stop.is_set():
             active = [e for e in self.state.active() if e.batch_id]
-            statuses = await asyncio.gather(*(self.provider.status(str(e.batch_id)) for e in active))
+            statuses = await self._poll(active)
+            if statuses is None:  # the provider does not answer: wait as if nothing changed
+                statuses = []
+                active = []
             changed = ended = False
             for e, st in zip(active, statuses, strict=True):
                 if st.state != e.state:
@@ -252,6 +263,24 @@ class BatchJob:
             delay = self.batch.poll_s if changed else min(delay * 1.5, self.batch.max_poll_s)
             with contextlib.suppress(asyncio.TimeoutError):  # the wait ends early on a stop
                 await asyncio.wait_for(self._stop.wait(), delay)
+
+    async def _poll(self, active: list[Entry]) -> list[Status] | None:
+        """The batches' statuses; None while the provider is unreachable (the batches run on there),
+        until it has been so for ``--outage-timeout``, then the ``BatchApiError`` stops the job."""
+        try:
+            statuses = await asyncio.gather(*(self.provider.status(str(e.batch_id)) for e in active))
+        except BatchApiError as e:
+            if 400 <= e.status < 500 and e.status != 429:
+                raise
+            now = time.monotonic()
+            if self._down_since is None:
+                self._down_since = now
+                self.say(f"{e}; polling on (gives up after --outage-timeout {self.opts.outage_timeout:g} s)")
+            if now - self._down_since >= self.opts.outage_timeout:
+                raise
+            return None
+        self._down_since = None
+        return list(statuses)
 
     def _report(self, e: Entry, st: Status) -> None:
         """A batch's status line: when its status changes, else when its counts moved and the

@@ -31,13 +31,14 @@ class OpenAIBatches:
 
     def __init__(self, url: str, headers: dict[str, str], model: str | None, *, azure: bool = False,
                  api_version: str | None = None, completion_window: str = "24h",
-                 lim: limits.Limits = limits.OPENAI, say: Callable[[str], None] | None = None):
+                 lim: limits.Limits = limits.OPENAI, say: Callable[[str], None] | None = None,
+                 attempts: int = 6):
         self.name = "azure" if azure else "openai"
         base = url.rstrip("/")
         self.azure = azure
         self.base = base.removesuffix("/openai") + "/openai" if azure else base
         self.query = {"api-version": api_version or AZURE_API_VERSION} if azure else {}
-        self.http = Http(headers, say)
+        self.http = Http(headers, say, attempts)
         self.model, self.window, self.limits = model, completion_window, lim
 
     def _url_of(self, task: Task) -> str:

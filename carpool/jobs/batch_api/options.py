@@ -24,3 +24,4 @@ class BatchOptions:
     online_fallback: bool = False  # expired / retryable requests go to the online path instead
     completion_window: str = "24h"
     default_max_tokens: int = 4096  # Anthropic requires max_tokens; tasks that set none get this
+    http_attempts: int = 6  # tries of one API call on 429 / 5xx / no connection (--max-attempts)

@@ -30,11 +30,13 @@ from carpool.jobs.summary import JobStats
 def make_provider(batch: BatchOptions, say: Callable[[str], None] | None = None) -> Provider:
     if batch.provider == "anthropic":
         return AnthropicBatches(batch.url, batch.headers, batch.model, batch.default_max_tokens,
-                                effective(ANTHROPIC, batch.max_requests, batch.max_bytes), say)
+                                effective(ANTHROPIC, batch.max_requests, batch.max_bytes), say,
+                                batch.http_attempts)
     if batch.provider in ("openai", "azure"):
         return OpenAIBatches(batch.url, batch.headers, batch.model, azure=batch.provider == "azure",
                              api_version=batch.api_version, completion_window=batch.completion_window,
-                             lim=effective(OPENAI, batch.max_requests, batch.max_bytes), say=say)
+                             lim=effective(OPENAI, batch.max_requests, batch.max_bytes), say=say,
+                             attempts=batch.http_attempts)
     raise StartRefused(f"--batch-api {batch.provider!r}: the batch APIs are openai, azure and anthropic")
 
 
