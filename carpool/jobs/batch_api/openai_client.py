@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from carpool.client.endpoints import AZURE_API_VERSION
+from carpool.client.endpoints import AZURE_API_VERSION, is_reasoning_model
 from carpool.jobs.batch_api import limits
 from carpool.jobs.batch_api.http import Http
 from carpool.jobs.batch_api.provider import Outcome, Status
@@ -53,6 +53,8 @@ class OpenAIBatches:
             body["model"] = self.model
         body.pop("stream", None)
         body.pop("stream_options", None)
+        if "max_tokens" in body and "max_completion_tokens" not in body and is_reasoning_model(body.get("model")):
+            body["max_completion_tokens"] = body.pop("max_tokens")  # o1, o3, gpt-5, ... refuse max_tokens
         line = {"custom_id": pid, "method": "POST", "url": self._url_of(task), "body": body}
         return json.dumps(line, separators=(",", ":"), ensure_ascii=False).encode()
 
