@@ -62,8 +62,8 @@ async def _generate(state: ServerState, kind: str, body: dict) -> dict:
         prepared = await asyncio.to_thread(state.translator.prepare, kind, body)
     else:
         prepared = state.translator.prepare(kind, body)
-    for choice in prepared.choices:
-        choice.request.priority += BACKGROUND_PRIORITY
+    for choice in prepared.choices:  # a line's own priority orders it among batch requests only
+        choice.request.priority = max(choice.request.priority, 0) + BACKGROUND_PRIORITY
     gen = Generation(state.engine, prepared.choices)
     try:
         try:
