@@ -4,9 +4,10 @@ The body goes through the same translation (``Translator.prepare``) and response
 (``ResponseBuilder``) as ``POST /v1/chat/completions``, so a batch line's answer is the body
 an online call would have got.  Two differences, both for the online requests' sake:
 
-- every engine request of a batch line gets ``BATCH_PRIORITY`` added to its priority, so
-  under ``--scheduling-policy priority`` an online request is admitted (and kept, when the
-  KV cache runs short) before any batch request;
+- every engine request of a batch line is background work (``BACKGROUND_PRIORITY`` added to
+  its priority): it sits out each engine step that computes an online prompt, whatever the
+  scheduling policy, and under ``--scheduling-policy priority`` an online request is also
+  admitted (and kept, when the KV cache runs short) before any batch request;
 - batch lines do not go through the admission waiting room: their number in flight is
   bounded by the runner instead, and they never take an online request's place in it.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from carpool.engine.protocol import BACKGROUND_PRIORITY
 from carpool.openai.errors import OpenAIError
 from carpool.openai.generation import Generation, engine_failure
 from carpool.openai.responses import ResponseBuilder
@@ -29,9 +31,6 @@ from carpool.server.state import ServerState
 
 log = logging.getLogger("carpool.server.batches")
 
-# Added to a batch request's engine priority: under the priority policy lower runs first,
-# and online requests keep the default 0 (or what their body sets, far below this).
-BATCH_PRIORITY = 1 << 20
 _OFF_LOOP_CHARS = 16 * 1024
 
 
@@ -63,8 +62,8 @@ async def _generate(state: ServerState, kind: str, body: dict) -> dict:
         prepared = await asyncio.to_thread(state.translator.prepare, kind, body)
     else:
         prepared = state.translator.prepare(kind, body)
-    for choice in prepared.choices:
-        choice.request.priority += BATCH_PRIORITY
+    for choice in prepared.choices:  # a line's own priority orders it among batch requests only
+        choice.request.priority = max(choice.request.priority, 0) + BACKGROUND_PRIORITY
     gen = Generation(state.engine, prepared.choices)
     try:
         try:

@@ -109,8 +109,14 @@ class BatchRunner:
     # -- lifecycle
 
     def resume(self) -> None:
-        """Run on every batch a previous server left unfinished."""
-        for doc in self.store.unfinished_batches(UNFINISHED):
+        """Run on every batch a previous server left unfinished, and remove the work directories
+        a crash left behind (of a batch already final, or one whose creation it cut short)."""
+        unfinished = self.store.unfinished_batches(UNFINISHED)
+        keep = {doc["id"] for doc in unfinished}
+        for work in self.store.work_dir.iterdir():
+            if work.name not in keep:
+                shutil.rmtree(work, ignore_errors=True)
+        for doc in unfinished:
             log.info("resuming batch %s (%s)", doc["id"], doc["status"])
             self.launch(doc)
 
@@ -227,7 +233,9 @@ class BatchRunner:
         running: set[asyncio.Task] = set()
         aborted = [0]
         try:
-            for line in iter_requests(_paths(self.store.batch_work_dir(doc["id"]))[0]):
+            for n, line in enumerate(iter_requests(_paths(self.store.batch_work_dir(doc["id"]))[0])):
+                if n % 512 == 511:
+                    await asyncio.sleep(0)  # skipping answered lines after a restart: let the loop serve
                 if journal.has(line.custom_id):
                     continue
                 await self._slot(stop)
