@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from carpool.jobs.batch_api import limits
-from carpool.jobs.batch_api.anthropic_shapes import chat_to_params, message_to_chat
+from carpool.jobs.batch_api.anthropic_shapes import Untranslatable, chat_to_params, message_to_chat
 from carpool.jobs.batch_api.http import Http
 from carpool.jobs.batch_api.provider import Outcome, Status
 from carpool.jobs.tasks import Task
@@ -49,8 +49,6 @@ class AnthropicBatches:
         return ""
 
     def request_line(self, pid: str, task: Task) -> bytes:
-        from carpool.jobs.batch_api.anthropic_shapes import Untranslatable
-
         if task.request.kind != "chat":
             raise Untranslatable("url", f"Anthropic batches answer chat tasks; this is a {task.request.kind} task")
         params = chat_to_params(task.request.body, self.model, self.default_max_tokens)
