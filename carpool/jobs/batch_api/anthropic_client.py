@@ -10,13 +10,14 @@ knows.  The job checks the results' custom_ids against the batch's before it ado
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
+from pathlib import Path
 
 from carpool.jobs.batch_api import limits
 from carpool.jobs.batch_api.anthropic_shapes import Untranslatable, chat_to_params, message_to_chat
 from carpool.jobs.batch_api.http import Http
-from carpool.jobs.batch_api.provider import Outcome, Status
+from carpool.jobs.batch_api.provider import Outcome, Status, read_jsonl
 from carpool.jobs.tasks import Task
 
 VERSION = "2023-06-01"
@@ -80,15 +81,10 @@ class AnthropicBatches:
         state = str(b.get("processing_status"))
         return Status(batch_id, state, state == "ended", counts, raw=b)
 
-    async def results(self, status: Status) -> list[Outcome]:
+    async def results(self, status: Status, workdir: Path) -> Iterator[Outcome]:
         url = status.raw.get("results_url") or f"{self.base}/messages/batches/{status.batch_id}/results"
-        text = await self.http.call("GET", url, raw=True)
-        out = []
-        for line in text.splitlines():
-            if line.strip():
-                doc = json.loads(line)
-                out.append(self._outcome(str(doc.get("custom_id")), doc.get("result") or {}))
-        return out
+        path = await self.http.call("GET", url, into=workdir / f"{status.batch_id}.results.jsonl")
+        return (self._outcome(str(doc.get("custom_id")), doc.get("result") or {}) for doc in read_jsonl(path))
 
     def _outcome(self, pid: str, result: dict) -> Outcome:
         kind = result.get("type")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -61,10 +62,11 @@ class Http:
             await self._session.close()
             self._session = None
 
-    async def call(self, method: str, url: str, *, create: bool = False, raw: bool = False,
+    async def call(self, method: str, url: str, *, create: bool = False, into: Path | None = None,
                    data: Callable[[], Any] | None = None, **kw: Any) -> Any:
-        """The decoded JSON (or the bytes, ``raw``) of a 2xx answer; ``data`` makes a fresh body
-        for each attempt (a multipart form is used up by one).  Raises ``BatchApiError`` /
+        """The decoded JSON of a 2xx answer, or with ``into`` its body streamed into that file (a
+        results file can be larger than memory should hold); ``data`` makes a fresh body for each
+        attempt (a multipart form is used up by one).  Raises ``BatchApiError`` /
         ``MaybeCreated`` (``create``) as the module says."""
         wait = self.first_wait_s
         for attempt in range(1, self.attempts + 1):
@@ -73,9 +75,14 @@ class Http:
                 if data is not None:
                     kw["data"] = data()
                 async with self.session().request(method, url, headers=self.headers, **kw) as resp:
+                    if resp.status < 300 and into is not None:
+                        with open(into, "wb") as f:
+                            async for chunk in resp.content.iter_chunked(1 << 20):
+                                f.write(chunk)
+                        return into
                     body = await resp.read()
                     if resp.status < 300:
-                        return body if raw else json.loads(body or b"null")
+                        return json.loads(body or b"null")
                     text = body.decode("utf-8", "replace")
                     retryable = resp.status == 429 or (resp.status >= 500 and not create)
                     if not retryable or attempt == self.attempts:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from carpool.jobs.batch_api.anthropic_shapes import Untranslatable
@@ -298,13 +298,17 @@ class BatchJob:
 
     async def _collect(self, writer: ResultWriter, e: Entry, st: Status) -> None:
         held = {row[0]: _Held(row[1], int(row[2]), row[3]) for row in self.state.read_ids(e.local_id)}
-        outcomes = [] if st.state == "failed" else await self.provider.results(st)
-        strangers = [o.pid for o in outcomes if o.pid not in held]
-        if strangers and e.adopted:
-            self.say(f"batch {e.local_id}: {e.batch_id} holds other ids ({strangers[0]!r}); it is not this "
-                     "job's, its tasks are submitted again")
-            outcomes = []
-            held = {}
+        outcomes: Iterable[Outcome] = []
+        if st.state != "failed":
+            outcomes = await self.provider.results(st, self.state.dir)
+        if e.adopted:  # found after a lost create: checked whole before any line is written
+            outcomes = list(outcomes)
+            strangers = [o.pid for o in outcomes if o.pid not in held]
+            if strangers:
+                self.say(f"batch {e.local_id}: {e.batch_id} holds other ids ({strangers[0]!r}); it is not this "
+                         "job's, its tasks are submitted again")
+                outcomes, held = [], {}
+                self.requeued = True
         answered: set[str] = set()
         for o in outcomes:
             h = held.get(o.pid)
@@ -321,6 +325,8 @@ class BatchJob:
         self._sync(writer)
         e.status = COLLECTED
         self.state.save()
+        for path in self.state.dir.glob(f"{st.batch_id}.*"):  # the downloaded results
+            path.unlink(missing_ok=True)
 
     def _sync(self, writer: ResultWriter) -> None:
         for f in (writer.output, writer.errors):

@@ -11,14 +11,15 @@ answer was lost is found again by listing the batches.  Azure differs in paths
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import aiohttp
 
 from carpool.client.endpoints import AZURE_API_VERSION, is_reasoning_model
 from carpool.jobs.batch_api import limits
 from carpool.jobs.batch_api.http import Http
-from carpool.jobs.batch_api.provider import Outcome, Status
+from carpool.jobs.batch_api.provider import Outcome, Status, read_jsonl
 from carpool.jobs.tasks import Task
 
 METADATA_KEY = "carpool_batch"
@@ -99,15 +100,14 @@ class OpenAIBatches:
                            for e in errors[:3])
         return Status(batch_id, state, state in _ENDED, counts, detail, raw=b)
 
-    async def results(self, status: Status) -> list[Outcome]:
-        out: list[Outcome] = []
+    async def results(self, status: Status, workdir: Path) -> Iterator[Outcome]:
+        paths: list[Path] = []
         for key in ("output_file_id", "error_file_id"):
             file_id = status.raw.get(key)
-            if not file_id:
-                continue
-            text = await self.http.call("GET", f"{self.base}/files/{file_id}/content", params=self.query, raw=True)
-            out += [self._outcome(json.loads(line)) for line in text.splitlines() if line.strip()]
-        return out
+            if file_id:
+                paths.append(await self.http.call("GET", f"{self.base}/files/{file_id}/content", params=self.query,
+                                                  into=workdir / f"{status.batch_id}.{key}.jsonl"))
+        return (self._outcome(doc) for path in paths for doc in read_jsonl(path))
 
     def _outcome(self, doc: dict) -> Outcome:
         pid = str(doc.get("custom_id"))

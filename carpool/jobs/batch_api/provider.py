@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 from carpool.jobs.tasks import Task
@@ -65,6 +67,15 @@ class Provider(Protocol):
 
     async def status(self, batch_id: str) -> Status: ...
 
-    async def results(self, status: Status) -> list[Outcome]: ...
+    async def results(self, status: Status, workdir: Path) -> Iterator[Outcome]:
+        """Download an ended batch's results into ``workdir``; its outcomes, read from there."""
 
     async def close(self) -> None: ...
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """The objects of a downloaded results file, one a line, read as they are used."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
