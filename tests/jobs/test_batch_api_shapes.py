@@ -105,3 +105,16 @@ def test_estimate_prices_a_batch_job_at_half(tmp_path):
     assert online["total_usd_max"] > 0
     assert batch["total_usd_max"] == pytest.approx(online["total_usd_max"] / 2, rel=1e-3)
     assert "batch rate" in batch["prices"]["source"]
+
+
+def test_a_batch_endpoint_must_be_the_files_only_one_and_anthropic_has_no_online_fallback(tmp_path):
+    tasks, ep = tmp_path / "t.jsonl", tmp_path / "ep.yaml"
+    tasks.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    ep.write_text("endpoints:\n  - {kind: openai-batch, base_url: 'http://127.0.0.1:9/v1', model: m}\n"
+                  "  - {kind: openai, base_url: 'http://127.0.0.1:8/v1', model: m}\n")
+    r = cli(tasks, "-o", tmp_path / "o.jsonl", "--endpoints", ep)
+    assert r.returncode == 2 and "only endpoint" in r.stderr
+    r = cli(tasks, "-o", tmp_path / "o.jsonl", "--batch-api", "anthropic", "--endpoint", "http://127.0.0.1:9",
+            "--model", "m", "--batch-online-fallback")
+    assert r.returncode == 2 and "--batch-online-fallback" in r.stderr
+    assert not (tmp_path / "o.jsonl").exists()
