@@ -25,7 +25,8 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-poll", type=float, default=10.0, metavar="SECONDS",
                    help="first wait between two polls of a batch; it grows 1.5x while nothing changes, up to "
                         "--batch-max-poll (default 10)")
-    g.add_argument("--batch-max-poll", type=float, default=300.0, metavar="SECONDS")
+    g.add_argument("--batch-max-poll", type=float, default=300.0, metavar="SECONDS",
+                   help="longest wait between two polls of a batch (default 300)")
     g.add_argument("--batch-max-requests", type=int, metavar="N",
                    help="requests per batch (default and maximum: the provider's, 50,000 OpenAI, 100,000 Anthropic)")
     g.add_argument("--batch-max-bytes", type=int, metavar="N",
@@ -51,6 +52,8 @@ def batch_options(args: argparse.Namespace, specs: list) -> BatchOptions | None:
         return None
     if args.ray is not None:
         raise StartRefused("--ray and a batch API: give one; a batch API runs the whole job at the provider")
+    if not args.batch_poll > 0 or args.batch_max_attempts < 1:
+        raise StartRefused("--batch-poll must be a positive number of seconds and --batch-max-attempts at least 1")
     tuning = dict(max_requests=args.batch_max_requests, max_bytes=args.batch_max_bytes, poll_s=args.batch_poll,
                   max_poll_s=max(args.batch_poll, args.batch_max_poll), max_attempts=args.batch_max_attempts,
                   online_fallback=args.batch_online_fallback,
