@@ -78,6 +78,8 @@ class BatchRunner:
         stats = await self.job.run()
         stats.prices = prices.at_batch_rate() if prices is not None else None
         self.messages = self.job.messages
+        if self.opts.ordered:
+            self.messages.append("--ordered has no effect through a batch API: lines are written as batches end")
         finished = not (stats.interrupted or stats.stopped_by_outage)
         if finished and self.job.state.online:
             stats = await self._online(stats)
