@@ -22,6 +22,7 @@ from carpool.cache import DEFAULT_TTL_S
 from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
 from carpool.client.pool import Timeouts
 from carpool.commands import flags
+from carpool.commands.batch_flags import add_batch_arguments, batch_options
 from carpool.jobs.readers import FORMATS
 from carpool.jobs.tasks import TaskDefaults, Template
 from carpool.redact import redact_doc, redact_text
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from carpool.distributed.ray_runner import RayOptions
+    from carpool.jobs.batch_api.runner import BatchRunner
     from carpool.jobs.options import RunOptions
     from carpool.jobs.runner import Runner
     from carpool.jobs.summary import JobStats
@@ -143,6 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answer every task with an empty reply, no model (carpool's own overhead); writes -o")
     g.add_argument("--quiet", action="store_true")
     _add_ray_arguments(p)
+    add_batch_arguments(p)
 
 
 def _ttl(value: str) -> float | None:
@@ -225,7 +228,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     if args.template:
         template = Template(args.template, system=args.system, id_column=args.id_column, kind=args.kind)
     specs = _endpoint_specs(args)
-    endpoints = [s.url for s in specs] or list(args.endpoint or [])
+    batch = batch_options(args, specs)
+    endpoints = [s.url for s in specs] or list(args.endpoint or []) or ([batch.url] if batch else [])
     defaults = TaskDefaults(model=args.model if endpoints else None, max_tokens=args.max_tokens,
                             max_completion_tokens=args.max_completion_tokens,
                             temperature=args.temperature, idempotent=args.idempotent)
@@ -254,7 +258,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
         max_pending=args.max_pending, dry_run=args.dry_run, echo=args.echo_backend, force=args.force,
         retry_errors=args.retry_errors, argv=["run", *_original_argv()], quiet=args.quiet,
-        price_in=args.price_in, price_out=args.price_out, prices=args.prices,
+        price_in=args.price_in, price_out=args.price_out, prices=args.prices, batch=batch,
     )
 
 
@@ -364,7 +368,12 @@ def _main(args: argparse.Namespace) -> int:
     try:
         opts = options_from_args(args)
         _say_all(start_checks(opts, args))
-        runner = Runner(opts, notify=_say)
+        if opts.batch is not None:
+            from carpool.jobs.batch_api.runner import BatchRunner
+
+            runner: Runner | BatchRunner = BatchRunner(opts, notify=_say)
+        else:
+            runner = Runner(opts, notify=_say)
         stats = run_with_signals(runner)
     except (FileNotFoundError, ValueError) as e:  # StartRefused is a ValueError
         _tell(f"carpool run: {e}")
@@ -459,7 +468,7 @@ def _main_estimate(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def run_with_signals(runner: Runner) -> JobStats:
+def run_with_signals(runner: Runner | BatchRunner) -> JobStats:
     """Run the job on a fresh event loop; Ctrl-C (SIGINT) and SIGTERM stop it gracefully."""
 
     async def main() -> JobStats:

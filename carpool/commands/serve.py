@@ -82,6 +82,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-tokens", type=int, default=d_server.max_batch_tokens)
     g.add_argument("--embedding-queue-timeout-ms", type=int, default=d_server.embedding_queue_timeout_ms,
                    help="an embedding request that waited longer gets 503 with Retry-After")
+    g = p.add_argument_group("Files and Batches API (/v1/files, /v1/batches)")
+    g.add_argument("--batch-dir", default=None,
+                   help="where files and batch state live (SQLite + a directory); default: <cache dir>/batches")
+    g.add_argument("--batch-max-file-mb", type=float, default=d_server.max_batch_file_bytes / 1e6,
+                   help="largest uploaded file, in MB (OpenAI's limit: 200)")
+    g.add_argument("--batch-max-requests", type=int, default=d_server.max_batch_requests,
+                   help="most requests in one batch input file (OpenAI's limit: 50,000)")
+    g.add_argument("--batch-max-inflight", type=int, default=d_server.batch_max_inflight,
+                   help="batch requests in the engine at once, all batches together; online requests "
+                        "always come first")
     p.add_argument("--log-level", default="warning")
 
 
@@ -120,6 +130,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         idle_timeout_s=args.idle_timeout,
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
+        batch_dir=args.batch_dir,
+        max_batch_file_bytes=int(args.batch_max_file_mb * 1e6),
+        max_batch_requests=args.batch_max_requests,
+        batch_max_inflight=args.batch_max_inflight,
     )
 
 

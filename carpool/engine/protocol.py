@@ -81,16 +81,23 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
 
 
+# A request of at least this priority is background work (the server's batches): it sits out
+# every engine step that computes a foreground request's prompt, so that request's first token
+# comes as soon as on an idle engine (``Scheduler.schedule``), whatever the scheduling policy.
+BACKGROUND_PRIORITY = 1 << 20
+
+
 @dataclass
 class GenerateRequest:
     """A generation request.  Exactly one of ``messages``, ``prompt`` or ``prompt_token_ids``.
 
     ``messages`` go through the model's chat template (with the generation prompt added);
     ``prompt`` is tokenized as is.  ``priority``: lower runs first under the ``priority``
-    policy, as in vLLM.  ``tokenized`` is the engine's own note, not an input: the prompt's
-    token ids once ``count_prompt_tokens`` has templated and tokenized it, so submitting the
-    same request does not do that again (it is copied by ``dataclasses.replace``, which is
-    right as long as the prompt fields are left as they are).
+    policy, as in vLLM; ``BACKGROUND_PRIORITY`` and above is background work under any policy.
+    ``tokenized`` is the engine's own note, not an input: the prompt's token ids once
+    ``count_prompt_tokens`` has templated and tokenized it, so submitting the same request
+    does not do that again (it is copied by ``dataclasses.replace``, which is right as long as
+    the prompt fields are left as they are).
     """
 
     request_id: str

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .protocol import BACKGROUND_PRIORITY
 from .sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "priority", "lof")
@@ -100,6 +101,30 @@ class WaitingQueue:
     def __iter__(self):
         """The waiting sequences in policy order (sorts: for tests and inspection, not per step)."""
         return iter([e[-1] for e in sorted(self._entries.values())])
+
+
+def _is_decode(seq: Sequence, n: int) -> bool:
+    return n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens + 1 == seq.num_tokens
+
+
+def _yield_background(out: SchedulerOutput) -> None:
+    """Take background sequences (priority >= BACKGROUND_PRIORITY) out of a step that computes
+    a foreground prompt: that step then costs what it would on an idle engine, which is what
+    the foreground request's time to first token is made of.  They stay running with their
+    blocks (``allocate`` only grows a table to the tokens computed, so the next step allocates
+    nothing again) and go on in the next step.  A step that could not fit the foreground
+    prefill keeps them, so they never wait on a request that cannot run."""
+    if not any(seq.priority < BACKGROUND_PRIORITY and not _is_decode(seq, n) for seq, n in out.scheduled):
+        return
+    kept = []
+    for seq, n in out.scheduled:
+        if seq.priority < BACKGROUND_PRIORITY:
+            kept.append((seq, n))
+        elif _is_decode(seq, n):
+            out.num_decode_tokens -= 1
+        else:
+            out.num_prefill_tokens -= n
+    out.scheduled = kept
 
 
 class Scheduler:
@@ -246,6 +271,7 @@ class Scheduler:
                     pending |= self._pending_blocks([(seq, n)])
             for seq in deferred:
                 self.waiting.push(seq, self._order[id(seq)])
+        _yield_background(out)
         # The model runner wants single-token queries first.
         out.scheduled.sort(key=lambda sn: sn[1] != 1)
         return out

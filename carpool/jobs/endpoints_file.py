@@ -21,6 +21,10 @@ The file is a list of endpoints, or a mapping with an ``endpoints:`` list::
         api_key_env: AZURE_OPENAI_API_KEY
         fallback: true                  # = priority 1: used only while every primary is out
 
+An endpoint of kind ``openai-batch``, ``azure-batch`` or ``anthropic-batch`` sends the job
+through that provider's batch API (``carpool.jobs.batch_api``): it is then the file's only
+endpoint, and an ``anthropic-batch`` key goes in the ``x-api-key`` header.
+
 Keys are never in the file: ``api_key`` (or an ``Authorization`` / ``api-key`` header
 with a literal value) is refused, naming the field and what to write instead.  A missing
 variable, an unknown field, a wrong type: the start is refused (exit 2) naming the entry
@@ -35,6 +39,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from carpool.client.endpoints import EndpointSpec, auth_headers, header_problem, is_azure_url, plain_specs
+from carpool.jobs.batch_api.options import KINDS
 from carpool.jobs.exit_codes import StartRefused
 
 if TYPE_CHECKING:
@@ -43,6 +48,7 @@ if TYPE_CHECKING:
 FIELDS = ("name", "base_url", "url", "kind", "model", "deployment", "api_version", "api_key_env", "headers",
           "headers_env", "weight", "priority", "fallback", "rpm", "tpm", "max_completion_tokens")
 _SECRET_HEADERS = {"authorization", "api-key", "x-api-key"}
+BATCH_KINDS = tuple(KINDS)
 
 
 class EndpointsFileError(StartRefused):
@@ -106,8 +112,9 @@ def _entry(path: str, i: int, e: object, env: Mapping[str, str]) -> EndpointSpec
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise bad("base_url", f"missing or not an http(s) URL ({url!r}); e.g. base_url: http://127.0.0.1:8000/v1")
     kind = e.get("kind", "azure" if is_azure_url(url) else "openai")
-    if kind not in ("openai", "azure"):
-        raise bad("kind", f"{kind!r} is not a kind: openai (any OpenAI-compatible server) or azure")
+    if kind not in ("openai", "azure", *BATCH_KINDS):
+        raise bad("kind", f"{kind!r} is not a kind: openai (any OpenAI-compatible server), azure, or a batch "
+                          f"API: {', '.join(BATCH_KINDS)}")
     model = e.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "missing: the model name this endpoint is sent (on Azure: the model of the deployment)")
@@ -115,10 +122,10 @@ def _entry(path: str, i: int, e: object, env: Mapping[str, str]) -> EndpointSpec
         if fld in e and not (isinstance(e[fld], str) and e[fld]):
             raise bad(fld, f"must be a non-empty string, got {e[fld]!r}"
                            + (" (quote a date: api_version: \"2024-10-21\")" if fld == "api_version" else ""))
-    if kind != "azure":
+    if kind not in ("azure", "azure-batch"):
         for fld in ("deployment", "api_version"):
             if fld in e:
-                raise bad(fld, "only for kind: azure")
+                raise bad(fld, "only for kind: azure (or azure-batch)")
     key = None
     if "api_key_env" in e:
         var = e["api_key_env"]
@@ -136,11 +143,17 @@ def _entry(path: str, i: int, e: object, env: Mapping[str, str]) -> EndpointSpec
             raise bad("api_key_env", f"the key in ${var} cannot be sent: {problem.replace('the value', 'it')}")
     headers = _headers(e, bad, env)
     return EndpointSpec(
-        url, model=model, headers={**auth_headers(kind, key), **headers}, kind=kind,
+        url, model=model, headers={**_auth(kind, key), **headers}, kind=kind,
         deployment=e.get("deployment"), api_version=e.get("api_version"),
         weight=_number(e, "weight", 1.0, bad, positive=True), priority=_priority(e, bad),
         rpm=_number(e, "rpm", None, bad, positive=True), tpm=_number(e, "tpm", None, bad, positive=True),
         max_completion_tokens=_auto_bool(e, bad), name=e.get("name") or "")
+
+
+def _auth(kind: str, key: str | None) -> dict[str, str]:
+    if kind == "anthropic-batch":
+        return {"x-api-key": key} if key else {}
+    return auth_headers(kind.removesuffix("-batch"), key)
 
 
 def _headers(e: dict, bad: Any, env: Mapping[str, str]) -> dict[str, str]:

@@ -38,6 +38,8 @@ def job_model(opts: RunOptions) -> tuple[str | None, str | None]:
 async def estimate(opts: RunOptions, source: TaskSource | None = None) -> dict[str, Any]:
     model, engine_model = job_model(opts)
     prices = resolve_prices(model, opts.price_in, opts.price_out, opts.prices)
+    if prices is not None and opts.batch is not None:  # --batch-api: the provider's batch rates
+        prices = prices.at_batch_rate()
     messages: list[str] = []
     done: set[str] | Any = set()
     if opts.output:

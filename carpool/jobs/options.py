@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from carpool.client.endpoints import EndpointSpec
     from carpool.client.models import ModelIdentity
     from carpool.engine.protocol import EngineClient
+    from carpool.jobs.batch_api.options import BatchOptions
 
 # Builds the embedding batcher on the first embedding task (loading MiniLM costs seconds);
 # what it returns is the in-process backend's business (``carpool.client.engine_backend``).
@@ -85,3 +86,6 @@ class RunOptions:
     prices: str | None = None  # --prices FILE: a JSON/YAML price table in LiteLLM's shape, before the built-in one
     argv: list[str] | None = None
     quiet: bool = False
+    # --batch-api / an endpoints-file kind *-batch: the job goes through the provider's batch API
+    # (carpool.jobs.batch_api); None: online.
+    batch: BatchOptions | None = None

@@ -113,7 +113,7 @@ class JobStats:
         """$ spent on the answers the backend gave this run, and $ the cache and dedup saved
         (their answers' tokens at the same prices); None where no prices are known."""
         return cost_doc(self.prices, self.prompt_tokens, self.completion_tokens, self.saved_prompt_tokens,
-                        self.saved_completion_tokens)
+                        self.saved_completion_tokens, self.cached_prompt_tokens)
 
     def saved_time_s(self) -> float:
         """Time the cache hits and fan-outs saved, at this job's measured token throughput."""

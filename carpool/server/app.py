@@ -2,7 +2,8 @@
 
 Everything the handlers share is in ``state.py``; the handlers are in ``generation.py``
 (chat and text completions), ``embeddings.py`` and ``info.py`` (health, models, metrics,
-OpenAPI); the OpenAI translation itself is ``carpool.openai``.
+OpenAPI), ``batches.py`` (the Files and Batches API); the OpenAI translation itself is
+``carpool.openai``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from aiohttp import web
 from carpool.embed.dynamic_batcher import DynamicBatcher
 from carpool.engine.protocol import EngineClient
 from carpool.server import embeddings, generation, info
+from carpool.server.batches import add_batch_api
 from carpool.server.config import ServerConfig
 from carpool.server.http import BODY_TIMEOUT
 from carpool.server.middleware import auth_middleware, body_limit_middleware, error_middleware
@@ -31,7 +33,9 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None,
     """The server as an aiohttp app.  Without ``engine``, an AsyncEngine is built from
     ``config.engine`` at startup and shut down with the app (likewise the embedding batcher)."""
     limit = config.client_max_size_mb * 2**20
-    middlewares = [error_middleware, body_limit_middleware(limit)]
+    # an upload streams to disk: its own limit (plus room for the multipart framing)
+    uploads = {"/v1/files": config.max_batch_file_bytes + 2**20}
+    middlewares = [error_middleware, body_limit_middleware(limit, uploads)]
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=limit)
@@ -47,4 +51,5 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None,
     app.router.add_get("/openapi.json", info.openapi)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
+    add_batch_api(app, config)  # after _start: its startup needs the engine
     return app

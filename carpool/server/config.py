@@ -41,6 +41,13 @@ class ServerConfig:
     idle_timeout_s: float = 60.0
     body_timeout_s: float = 60.0
     max_connections: int | None = None  # None: from the file-descriptor limit
+    # Files and Batches API (server/batches.py): the store's directory (None: <cache dir>/batches),
+    # OpenAI's limits per input file, and how many batch requests may be in the engine at once
+    # (all batches together; online requests always come first).
+    batch_dir: str | None = None
+    max_batch_file_bytes: int = 200 * 1000 * 1000
+    max_batch_requests: int = 50_000
+    batch_max_inflight: int = 8
 
     def model_names(self) -> list[str]:
         return list(self.served_model_names) or [self.engine.model]

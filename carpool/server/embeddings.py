@@ -18,6 +18,12 @@ from carpool.server.state import STATE, ServerState
 async def create_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json(request)
+    return json_response(await embeddings_body(state, body))
+
+
+async def embeddings_body(state: ServerState, body: dict) -> dict:
+    """The answer to one embeddings request body (a batch's lines come here too); raises
+    OpenAIError."""
     model = state.resolve_model(body, "embedding")  # 404 when no embedding model is served
     inp = body.get("input")
     if isinstance(inp, list) and inp and all(isinstance(x, (int, list)) for x in inp):
@@ -35,7 +41,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise _queue_error(state, e) from None
     # Tokenizing takes milliseconds even for a short input: never on the event loop.
     tokens = sum(await asyncio.to_thread(state.batcher.count_tokens, texts))
-    return json_response(embedding_body(vectors, model, tokens, body.get("encoding_format")))
+    return embedding_body(vectors, model, tokens, body.get("encoding_format"))
 
 
 def _queue_error(state: ServerState, e: QueueFullError | QueueTimeoutError) -> OpenAIError:

@@ -39,16 +39,19 @@ async def error_middleware(request: web.Request, handler):
         return error_response(OpenAIError(500, "internal server error; see the server log", type="server_error"))
 
 
-def body_limit_middleware(limit: int):
+def body_limit_middleware(limit: int, by_path: dict[str, int] | None = None):
     """A Content-Length past ``limit`` is refused before a byte of the body is read (aiohttp
-    would read up to the limit first) and the connection closed (the body stays unread)."""
+    would read up to the limit first) and the connection closed (the body stays unread).
+    ``by_path``: another limit for the POSTs to these paths (file uploads)."""
+    by_path = by_path or {}
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.content_length is not None and request.content_length > limit:
+        most = by_path.get(request.path, limit) if request.method == "POST" else limit
+        if request.content_length is not None and request.content_length > most:
             resp = error_response(OpenAIError(
                 413, f"request body too large: Content-Length {request.content_length:,} is past the limit of "
-                f"{limit:,} bytes", code="request_too_large"))
+                f"{most:,} bytes", code="request_too_large"))
             resp.force_close()
             return resp
         return await handler(request)

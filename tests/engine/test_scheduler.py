@@ -240,3 +240,41 @@ def test_a_step_looks_at_a_bounded_part_of_a_huge_waiting_queue(tiny, h):
         if len(outs) >= 40:
             break
     assert len({tuple(v) for k, v in outs.items() if len(v) == 2}) == 1
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_background_sits_out_the_steps_of_a_foreground_prompt(tiny, h, policy):
+    """Background requests (the server's batches) are left out of every step that computes a
+    foreground prompt, go on after it, and give the tokens they give alone."""
+    from carpool.engine.protocol import BACKGROUND_PRIORITY
+
+    _, loaded = tiny
+    cfg = h.engine_config(scheduling_policy=policy, max_num_batched_tokens=32)
+    ps = h.prompts(11, [12, 9, 14])
+    alone = [o.token_ids for o in LLM(cfg, loaded=loaded).generate(reqs_for(ps, 12))]
+    eng = LLMEngine(cfg, loaded=loaded)
+    steps = []
+    eng.add_step_listener(steps.append)
+    bg = [GenerateRequest(request_id=f"bg{i}", prompt_token_ids=p, params=greedy(12), priority=BACKGROUND_PRIORITY)
+          for i, p in enumerate(ps)]
+    for r in bg:
+        eng.add_request(r)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):  # the background prompts are in, they decode
+        for d in eng.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    assert steps[-1]["num_decode_tokens"] == 3
+    eng.add_request(GenerateRequest(request_id="fg", prompt_token_ids=[7] * 70, params=greedy(3)))
+    fg_steps = []
+    while eng.has_unfinished():
+        before = len(steps)
+        deltas = eng.step()
+        for d in deltas:
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+        if any(d.request_id == "fg" for d in deltas) and len(tokens["fg"]) == 1:
+            fg_steps.append(steps[before])
+        if "fg" not in tokens:  # the foreground prompt is computed in chunks of 32: only it runs
+            assert steps[before]["num_decode_tokens"] == 0 and steps[before]["num_scheduled_seqs"] == 1
+    assert fg_steps and fg_steps[0]["num_scheduled_seqs"] == 1  # the step giving its first token: alone
+    assert [tokens[f"bg{i}"] for i in range(3)] == alone  # they went on where they were
+    assert len(tokens["fg"]) == 3
