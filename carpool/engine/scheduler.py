@@ -127,6 +127,13 @@ def _yield_background(out: SchedulerOutput) -> None:
     out.scheduled = kept
 
 
+def _finished(out: SchedulerOutput) -> SchedulerOutput:
+    _yield_background(out)
+    # The model runner wants single-token queries first.
+    out.scheduled.sort(key=lambda sn: sn[1] != 1)
+    return out
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", enable_chunked_prefill: bool = True):
@@ -271,7 +278,4 @@ class Scheduler:
                     pending |= self._pending_blocks([(seq, n)])
             for seq in deferred:
                 self.waiting.push(seq, self._order[id(seq)])
-        _yield_background(out)
-        # The model runner wants single-token queries first.
-        out.scheduled.sort(key=lambda sn: sn[1] != 1)
-        return out
+        return _finished(out)

@@ -295,8 +295,10 @@ class BatchRunner:
         for path, key in ((out_p, "output_file_id"), (err_p, "error_file_id")):
             fid = _fixed_file_id(bid, key)
             if self.store.get_file(fid) is None and path.exists() and path.stat().st_size > 0:
-                await asyncio.to_thread(_link_or_copy, path, self.store.upload_path(), self.store, fid,
-                                        f"batch_{bid}_{'output' if key == 'output_file_id' else 'error'}.jsonl")
+                staged = self.store.upload_path()
+                await asyncio.to_thread(_link_or_copy, path, staged)
+                name = f"batch_{bid}_{'output' if key == 'output_file_id' else 'error'}.jsonl"
+                self.store.add_file(staged, name, "batch_output", file_id=fid)  # on the loop: SQLite lives there
             if self.store.get_file(fid) is not None:
                 doc[key] = fid
         if doc["status"] == "cancelling":
@@ -317,16 +319,15 @@ async def _until_done_or(tasks: set[asyncio.Task], stop: asyncio.Event) -> None:
         stopped.cancel()
 
 
-def _link_or_copy(source: Path, staging: Path, store: BatchStore, file_id: str, filename: str) -> None:
-    """Publish ``source`` as file ``file_id``: hard-linked (else copied) to a staging name, then
-    recorded; the journal stays until the batch's final status is stored."""
+def _link_or_copy(source: Path, staging: Path) -> None:
+    """A journal about to be published, hard-linked (else copied) to a staging name and on disk;
+    the journal itself stays until the batch's final status is stored."""
     try:
         os.link(source, staging)
     except OSError:
         shutil.copyfile(source, staging)
     with open(staging, "rb") as f:
         os.fsync(f.fileno())
-    store.add_file(staging, filename, "batch_output", file_id=file_id)
 
 
 def _count_answers(out_p: Path, err_p: Path) -> dict:

@@ -108,3 +108,38 @@ def test_restart_keeps_journaled_answers_and_cuts_a_half_written_line(tiny_engin
 
 async def _admit(state):
     return state.admission.try_admit(1, 10)
+
+
+def test_past_its_window_a_batch_expires_with_an_error_line_per_unanswered_request(tiny_engine, tiny_config,
+                                                                                   tmp_path):
+    from carpool.server import ServerConfig, start_server
+    from carpool.server.batch_store import BatchStore
+
+    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None, batch_dir=str(tmp_path))
+    rows = [{"custom_id": f"t{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "tiny-random", "messages": [{"role": "user", "content": f"n {i}"}], "max_tokens": 2}}
+            for i in range(6)]
+    with start_server(cfg, engine=tiny_engine) as srv:
+        assert srv.call(_admit(srv.state)) is not None  # held: the batch answers nothing before the stop
+        client = _client(srv)
+        f = client.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(r) + "\n" for r in rows).encode())),
+                                purpose="batch")
+        batch_id = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id
+        _wait(client, batch_id, lambda b: b.status == "in_progress")
+    (tmp_path / "work" / batch_id / "output.jsonl").write_text(json.dumps(
+        {"custom_id": "t0", "error": None, "id": "batch_req_x", "response": {"status_code": 200, "body": {}}}) + "\n")
+    store = BatchStore(tmp_path)  # the window passed while the server was down
+    doc = store.get_batch(batch_id)
+    assert doc is not None
+    doc["expires_at"] = doc["created_at"] - 1
+    store.save_batch(doc)
+    store.close()
+    with start_server(cfg, engine=tiny_engine) as srv:
+        client = _client(srv)
+        b = _wait(client, batch_id, lambda b: b.status not in ("in_progress", "finalizing"))
+        assert b.status == "expired" and b.expired_at is not None
+        assert (b.request_counts.completed, b.request_counts.failed) == (1, 5)
+        errors = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    assert sorted(e["custom_id"] for e in errors) == [f"t{i}" for i in range(1, 6)]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"} and all(e["response"] is None for e in errors)
