@@ -103,6 +103,15 @@ class WaitingQueue:
         return iter([e[-1] for e in sorted(self._entries.values())])
 
 
+# Prompt tokens of background work (batch lines) computed per step at most.  An online request
+# that arrives mid-step waits for that step to end; a step holding a long background prefill
+# chunk would add its whole cost to the online request's time to first token.  Small chunks
+# keep that wait short while the batch still moves every step.  This bounds a latency, it
+# picks no kernel route: the cost of a token differs by machine, the order of magnitude of a
+# 128-token chunk next to a decode step does not.
+BACKGROUND_CHUNK = 128
+
+
 def _is_decode(seq: Sequence, n: int) -> bool:
     return n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens + 1 == seq.num_tokens
 
@@ -136,7 +145,8 @@ def _finished(out: SchedulerOutput) -> SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", enable_chunked_prefill: bool = True):
+                 policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                 background_chunk: int = BACKGROUND_CHUNK):
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.bm = block_manager
@@ -144,6 +154,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.chunked = enable_chunked_prefill
+        self.background_chunk = background_chunk
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -203,6 +214,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = time.monotonic()
         out = SchedulerOutput()
+        budget, background_left = self._schedule_running(out, now)
+        # Admit waiting sequences (not in a step that had to preempt: memory is tight).
+        if not out.preempted:
+            self._admit_waiting(out, budget, background_left, now)
+        return _finished(out)
+
+    def _schedule_running(self, out: SchedulerOutput, now: float) -> tuple[int, int]:
+        """The running sequences' share of the step; the token budget and background prefill
+        tokens left for waiting ones."""
         budget = self.max_num_batched_tokens
         key = self._key(now)
         self.running.sort(key=key)
@@ -210,9 +230,12 @@ class Scheduler:
         queue = [s for s in self.running if s.num_uncomputed == 1] + \
                 [s for s in self.running if s.num_uncomputed != 1]
         kept: list[Sequence] = []
+        background_left = self.background_chunk if self.chunked else budget
         while queue:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed, budget)
+            if n > 1 and seq.priority >= BACKGROUND_PRIORITY:
+                n = min(n, background_left)
             if n <= 0 or (not self.chunked and n < seq.num_uncomputed):
                 kept.append(seq)  # no budget left this step; it stays running
                 continue
@@ -235,47 +258,57 @@ class Scheduler:
                 out.num_decode_tokens += 1
             else:
                 out.num_prefill_tokens += n
+                if seq.priority >= BACKGROUND_PRIORITY:
+                    background_left -= n
         self.running = kept
+        return budget, background_left
 
-        # Admit waiting sequences (not in a step that had to preempt: memory is tight).
-        if not out.preempted:
-            # Full blocks this step's prefills compute: a waiting sequence whose next block is one
-            # of them (n choices of one prompt, a shared system prompt) waits a step and then hits
-            # the prefix cache instead of computing the same block twice in one forward.
-            pending = self._pending_blocks(out.scheduled)
-            deferred: list[Sequence] = []
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting.peek()
-                cached = self.bm.match_prefix(seq)
-                if pending and self._next_block_pending(seq, len(cached), pending):
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, background_left: int, now: float) -> None:
+        # Full blocks this step's prefills compute: a waiting sequence whose next block is one
+        # of them (n choices of one prompt, a shared system prompt) waits a step and then hits
+        # the prefix cache instead of computing the same block twice in one forward.
+        pending = self._pending_blocks(out.scheduled)
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek()
+            cached = self.bm.match_prefix(seq)
+            if pending and self._next_block_pending(seq, len(cached), pending):
+                deferred.append(self.waiting.pop())
+                if len(deferred) >= self.max_num_seqs:
+                    break  # a step looks at O(max_num_seqs) waiting sequences, not the whole queue
+                continue
+            num_cached = len(cached) * self.bm.block_size
+            remaining = seq.num_tokens - num_cached
+            n = min(remaining, budget)
+            if seq.priority >= BACKGROUND_PRIORITY:
+                n = min(n, background_left)
+                if n <= 0:  # this step's background prefill is spent: foreground ones may still join
                     deferred.append(self.waiting.pop())
                     if len(deferred) >= self.max_num_seqs:
-                        break  # a step looks at O(max_num_seqs) waiting sequences, not the whole queue
+                        break
                     continue
-                num_cached = len(cached) * self.bm.block_size
-                remaining = seq.num_tokens - num_cached
-                n = min(remaining, budget)
-                if not self.chunked and n < remaining:
-                    break
-                if self.bm.blocks_needed(seq, n, cached) > self.bm.num_free_blocks:
-                    break
-                self.waiting.pop()
-                self.bm.prefix_queries += seq.num_tokens
-                self.bm.prefix_hits += num_cached
-                if not seq.admitted_once:
-                    seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
-                    seq.first_scheduled_time = now
-                    seq.admitted_once = True
-                seq.wait_accum += now - seq.waiting_since
-                self.bm.attach_cached(seq, cached)
-                self.bm.allocate(seq, n)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.scheduled.append((seq, n))
-                out.num_prefill_tokens += n
-                budget -= n
-                if self.bm.enable_prefix_caching:
-                    pending |= self._pending_blocks([(seq, n)])
-            for seq in deferred:
-                self.waiting.push(seq, self._order[id(seq)])
-        return _finished(out)
+            if not self.chunked and n < remaining:
+                break
+            if self.bm.blocks_needed(seq, n, cached) > self.bm.num_free_blocks:
+                break
+            self.waiting.pop()
+            self.bm.prefix_queries += seq.num_tokens
+            self.bm.prefix_hits += num_cached
+            if not seq.admitted_once:
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                seq.first_scheduled_time = now
+                seq.admitted_once = True
+            seq.wait_accum += now - seq.waiting_since
+            self.bm.attach_cached(seq, cached)
+            self.bm.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            out.num_prefill_tokens += n
+            budget -= n
+            if seq.priority >= BACKGROUND_PRIORITY:
+                background_left -= n
+            if self.bm.enable_prefix_caching:
+                pending |= self._pending_blocks([(seq, n)])
+        for seq in deferred:
+            self.waiting.push(seq, self._order[id(seq)])

@@ -278,3 +278,34 @@ def test_background_sits_out_the_steps_of_a_foreground_prompt(tiny, h, policy):
     assert fg_steps and fg_steps[0]["num_scheduled_seqs"] == 1  # the step giving its first token: alone
     assert [tokens[f"bg{i}"] for i in range(3)] == alone  # they went on where they were
     assert len(tokens["fg"]) == 3
+
+
+def test_background_prefill_is_computed_in_small_chunks(tiny, h):
+    """A step holds at most BACKGROUND_CHUNK prompt tokens of background work (an online
+    request arriving mid-step waits for that step), while a foreground prompt takes the whole
+    token budget; the background tokens are the ones it gives alone."""
+    from carpool.engine.protocol import BACKGROUND_PRIORITY
+    from carpool.engine.scheduler import BACKGROUND_CHUNK
+
+    _, loaded = tiny
+    cfg = h.engine_config(max_num_batched_tokens=512)
+    ps = h.prompts(12, [300, 200])
+    alone = [o.token_ids for o in LLM(cfg, loaded=loaded).generate(reqs_for(ps, 4))]
+    eng = LLMEngine(cfg, loaded=loaded)
+    steps = []
+    eng.add_step_listener(steps.append)
+    for i, p in enumerate(ps):
+        eng.add_request(GenerateRequest(request_id=f"bg{i}", prompt_token_ids=p, params=greedy(4),
+                                        priority=BACKGROUND_PRIORITY))
+    tokens: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    assert steps and max(s["num_prefill_tokens"] for s in steps) == BACKGROUND_CHUNK
+    assert [tokens["bg0"], tokens["bg1"]] == alone
+    fresh = h.prompts(13, [300])[0]  # not in the prefix cache
+    eng.add_request(GenerateRequest(request_id="fg", prompt_token_ids=fresh, params=greedy(1)))
+    before = len(steps)
+    while eng.has_unfinished():
+        eng.step()
+    assert steps[before]["num_prefill_tokens"] == 300  # the foreground prompt in one step
