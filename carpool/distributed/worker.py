@@ -34,7 +34,7 @@ from carpool.jobs.parts import build_parts, job_defaults
 from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.readers import Reader, parse_jsonl_lines
 from carpool.jobs.summary import JobStats
-from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template
+from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, repeat_id, repeat_reason
 from carpool.jobs.writer import error_line
 
 if TYPE_CHECKING:
@@ -277,6 +277,14 @@ def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path
     Returns how many lines were rewritten.
     """
     earlier = SeenIds()
+    # Every id in every shard's files: a name made up for a repeat must be none of them (a user
+    # may have named a task ``a#line-2`` in another shard).
+    taken = SeenIds()
+    for out, err, _marker in parts:
+        for p in (out, err):
+            if p is not None and p.exists():
+                for cid in _ids(p):
+                    taken.add(cid)
     fixed = 0
     for shard, (out, err, _marker) in zip(shards, parts, strict=True):
         files = [p for p in (out, err) if p is not None and p.exists()]
@@ -297,10 +305,8 @@ def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path
                     cid = line_id(line)
                     if cid in dups:
                         n = line_of.get(cid, 0)
-                        # The same words as the runner's own refusal (carpool/jobs/runner.py).
-                        bad = BadLine(n, f"{cid}#line-{n}", "custom_id",
-                                      f"duplicate custom_id {cid!r}: it was used on an earlier line; "
-                                      "custom_ids must be unique in a file")
+                        # The same name and words as the runner's own refusal.
+                        bad = BadLine(n, repeat_id(cid, n, taken.add), "custom_id", repeat_reason(cid))
                         line = error_line(bad.custom_id, ErrorKind.INVALID_INPUT, bad.message, n, "custom_id")
                         fixed += 1
                         if p == out and err is not None:
