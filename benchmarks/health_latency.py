@@ -2,7 +2,7 @@
 
     flock /tmp/carpool-bench.lock python benchmarks/health_latency.py [--model smollm2] [--runs 3] [--out FILE]
 
-Issue 20's bar: /health within 100 ms under any single request.  Starts `carpool serve` as a
+The bar: /health within 100 ms under any single request.  Starts `carpool serve` as a
 subprocess on a free loopback port; a thread asks GET /health back to back on a kept-alive
 connection (its own, outside the load's event loop) and records every latency, while the
 main thread runs one phase at a time:

@@ -3,7 +3,7 @@
 Two shapes (every line a ``carpool run`` task: custom_id, messages, max_tokens, temperature 0):
 
 - ``short``: summarise tasks, a prompt of 20-300 words (uniform), 24 output tokens: the
-  shape of issue 22's first report.
+  shape of a user's first report.
 - ``long``: long mixed prompts of 20-2000 tokens, log-uniform (most are short, most of the
   tokens are in the long ones), half of them behind one of four shared system prompts
   (so a prefix cache matters), 16-128 output tokens (uniform).

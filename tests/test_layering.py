@@ -207,7 +207,7 @@ def test_a_cycle_and_an_upward_arrow_are_caught(monkeypatch):
 
 
 def test_importing_every_module_changes_no_environment_variable():
-    """Library code sets nothing process-wide at import (issue 19): no OMP_WAIT_POLICY, no HF
+    """Library code sets nothing process-wide at import: no OMP_WAIT_POLICY, no HF
     offline mode.  The command line and the scripts call ``configure_process()`` themselves."""
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""The labelled text pairs the semantic cache is measured on (issue 23).
+"""The labelled text pairs the semantic cache is measured on.
 
 ``carpool/cache/data/pairs_tune.txt`` and ``pairs_heldout.txt`` hold pairs written by hand,
 one a line: ``kind | same/diff | text a | text b``.  ``same``: one right answer for both
@@ -84,7 +84,7 @@ def decide(sims: np.ndarray, threshold: float, pairs: Sequence[Pair], verify: bo
     """Which pairs the cache would serve: similarity >= threshold and, by mode, a check.
 
     ``verify``: True -- the verification stage (the default); "legacy" -- the negation and
-    number guards of before issue 23; False -- the similarity alone.  ``checked`` reuses
+    number guards the verification stage replaced; False -- the similarity alone.  ``checked`` reuses
     ``verdicts(pairs)`` across thresholds.
     """
     hit = np.asarray(sims) >= threshold

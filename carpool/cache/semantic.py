@@ -6,7 +6,7 @@ A request's final user text (``keys.semantic_text``) is embedded with all-MiniLM
 endpoint, system prompt, earlier turns, every parameter).  The nearest entries with cosine
 similarity >= ``threshold`` are candidates; a candidate is a hit only when the verification
 stage (``verify.py``: an alignment of the two texts' words) finds no difference that can change
-the answer -- a sentence embedding cannot see swapped roles, antonyms or "all"/"some" (issue 23).
+the answer -- a sentence embedding cannot see swapped roles, antonyms or "all"/"some".
 Every hit reports its similarity, the stored text and that entry's id.
 
 Storage, in one directory (by default ``<cache dir>/semantic`` beside results.sqlite):
@@ -67,7 +67,7 @@ CREATE INDEX IF NOT EXISTS entries_scope_text ON entries(scope, text);
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
 _CANDIDATES = 8  # nearest entries verified per lookup, best first; the first that passes wins
 
-# The checks before issue 23, kept for comparison (benchmarks/semantic_quality.py): a sentence
+# The checks the verification stage replaced, kept for comparison (benchmarks/semantic_quality.py): a sentence
 # embedding barely moves when "not" is added or a number changes, yet the
 # answer flips ("would recommend" / "would not recommend" score 0.94, "order 1234" /
 # "order 1235" near 0.99).  So a hit also needs the same count of negation words and,
@@ -91,7 +91,7 @@ def _guard_features(text: str) -> tuple[int, tuple[str, ...]]:
 
 
 def legacy_guards_pass(text: str, matched: str) -> bool:
-    """The negation and number checks of before issue 23 (the verification stage replaced them)."""
+    """The negation and number checks the verification stage replaced (kept for comparison)."""
     neg_a, num_a = _guard_features(text)
     neg_b, num_b = _guard_features(matched)
     if neg_a != neg_b:

@@ -3,7 +3,7 @@
 A sentence embedding is close to a bag of words: "Alice wrote to Bob" / "Bob wrote to
 Alice" score 0.999, "Which is larger ...?" / "Which is smaller ...?" 0.971, "Are all
 spiders venomous?" / "Are some ...?" 0.972.  No similarity threshold separates these from
-re-punctuated or re-cased copies (issue 23).  So a FAISS candidate above the threshold is
+re-punctuated or re-cased copies.  So a FAISS candidate above the threshold is
 only a hit when this check, run over the words of the two texts, finds no difference that
 can change an answer.
 

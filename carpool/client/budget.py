@@ -1,7 +1,7 @@
 """Requests-per-minute and tokens-per-minute budgets.
 
 The interface is deliberately tiny so a shared implementation (a Redis-backed bucket
-for several machines, issue 8) can replace the local one:
+for several machines) can replace the local one:
 
     class Budget(Protocol):
         async def acquire(self, requests: int = 1, tokens: int = 0) -> float | None: ...  # may say seconds waited

@@ -1,6 +1,6 @@
 """What may be retried, and how long to wait.
 
-The rules (issue 4):
+The rules:
 - always safe: the connection failed before the request was sent; 429 and 503 (the
   server refused the work without doing it);
 - for idempotent tasks (greedy generation, embeddings): also other 5xx, read timeouts,

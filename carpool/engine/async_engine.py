@@ -230,7 +230,7 @@ def _put_all(items: list) -> None:
 
 # A prompt of more text than this is tokenized on a worker thread (the tokenizer has its own
 # lock): a long one takes seconds, during which the event loop would serve nobody
-# (issue 20: a 3 MB body held /health for 4 s).  A short one costs less than the thread hop.
+# (a 3 MB body once held /health for 4 s).  A short one costs less than the thread hop.
 OFF_LOOP_CHARS = 16_384
 
 

@@ -1,7 +1,6 @@
 """Grammar-constrained decoding (JSON Schema, any JSON object, regex, choice, Lark) via llguidance.
 
-Why llguidance (measured 2026-12-03 on this machine with SmolLM2's 49k tokenizer; the figures
-are in /work/coord/notes/engine-surface.md): of xgrammar 0.2.9, llguidance 1.9.1 and
+Why llguidance (measured 2026-12-03 on a 2-core machine with SmolLM2's 49k tokenizer): of xgrammar 0.2.9, llguidance 1.9.1 and
 outlines-core 0.2.14, only llguidance produced JSON that parses and validates in 100% of
 sampled walks (xgrammar let raw control characters into strings); a grammar compiles in
 ~1 ms with no per-vocabulary preprocessing (outlines-core: 20-140 ms per schema); a mask costs

@@ -131,7 +131,7 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed tensor on fresh anonymous memory: the kernel hands out its pages zeroed when they
     are first touched, so the 2 GB KV cache costs nothing to allocate and only the pages a job
     uses are ever faulted in.  torch.zeros wrote every byte up front: 1.2 s of each engine start
-    on the 2-core machine (issue 21).  Page-aligned, which the SIMD kernels are happy with."""
+    on a 2-core machine.  Page-aligned, which the SIMD kernels are happy with."""
     n = 1
     for d in shape:
         n *= d

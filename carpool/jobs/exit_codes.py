@@ -1,6 +1,6 @@
 """The exit codes of ``carpool run``: what a script calling it can rely on (docs/run.md).
 
-One table for the whole team (decided in /work/coord/STATUS.md, 2026-12-03):
+One table for every verb, so a script can tell what happened from the code alone:
 
 ====  =====================================================================================
 0     every task succeeded (tasks skipped on resume count when their line is a success line)

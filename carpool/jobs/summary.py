@@ -70,7 +70,7 @@ class JobStats:
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
     interrupted: bool = False
-    # Set by the outage handling (issue 20) when the endpoints stayed down past
+    # Set by the outage handling when the endpoints stayed down past
     # --outage-timeout and the job stopped: exit code 4 (carpool.jobs.exit_codes).
     stopped_by_outage: bool = False
     outage_stop: str = ""  # the pause it stopped in ("paused: endpoint down since ...")

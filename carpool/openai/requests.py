@@ -50,7 +50,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions API and vLLM
 # No token of the byte-level BPE vocabularies carpool runs is longer than this many characters
 # (SmolLM2's longest is 81 bytes: a newline and 80 spaces), so a prompt of more than
 # max_model_len * this many characters cannot fit and is refused before it is tokenized:
-# tokenizing a 30 MB body took 77 s and 4 GB (issue 20).
+# tokenizing a 30 MB body took 77 s and 4 GB.
 MAX_CHARS_PER_TOKEN = 128
 DEFAULT_MAX_N = 16
 

@@ -1,5 +1,5 @@
 """Connection hygiene: a cap with a clean refusal, OpenAI error bodies for protocol errors,
-timeouts, and rate-limited logging (issue 20: ~20k silent connections used to exhaust the
+timeouts, and rate-limited logging (a flood of ~20k silent connections used to exhaust the
 file descriptors, /health timed out and the log took 328k tracebacks in 45 s).
 
 - ``GuardedSite`` listens like aiohttp's ``TCPSite``; past ``max_connections`` open

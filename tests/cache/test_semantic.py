@@ -32,7 +32,7 @@ def labelled(embedder):
 
 
 def test_the_bar_on_the_labelled_set_at_the_default_settings(labelled):
-    # Issue 23's bar: precision >= 0.99 at recall >= 0.8 on the set tuned on.  Measured with
+    # The bar: precision >= 0.99 at recall >= 0.8 on the set tuned on.  Measured with
     # all-MiniLM-L6-v2 (docs/cache.md): tune 1.000 / 0.827, held-out 1.000 / 0.793.
     pairs, sims, checked = labelled["tune"]
     result = score(decide(sims, DEFAULT_THRESHOLD, pairs, checked=checked), pairs)
@@ -61,7 +61,7 @@ def test_the_two_false_hits_of_the_issue_are_misses_and_paraphrases_still_hit(tm
     sem = SemanticCache(tmp_path / "sem", embedder=embedder)
     stored = ["Who wrote the letter, Alice or Bob? Alice wrote to Bob.", "Which is larger, a cat or a dog?"]
     sem.add_many([("s", t, {"answer": i}) for i, t in enumerate(stored)])
-    # The two false hits of issue 23 (similarity 0.999 and 0.971 to the stored texts).
+    # Two false hits once seen (similarity 0.999 and 0.971 to the stored texts).
     assert sem.lookup("s", "Who wrote the letter, Alice or Bob? Bob wrote to Alice.") is None
     assert sem.lookup("s", "Which is smaller, a cat or a dog?") is None
     assert sem.stats()["verify_rejections_by_reason"] == {"comparative": 1, "order": 1}

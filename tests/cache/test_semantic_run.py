@@ -19,8 +19,8 @@ TEXTS = [
     "Who wrote the letter, Alice or Bob? Alice wrote to Bob.",   # r0: asked for real
     "Which is larger, a cat or a dog?",                          # r1: asked for real
     "who wrote the letter - Alice or Bob?  Alice wrote to Bob!",  # r2: a copy of r0: a hit
-    "Who wrote the letter, Alice or Bob? Bob wrote to Alice.",   # r3: the false hit: asked
-    "Which is smaller, a cat or a dog?",                         # r4: the false hit: asked
+    "Who wrote the letter, Alice or Bob? Bob wrote to Alice.",   # r3: a reported false hit: asked
+    "Which is smaller, a cat or a dog?",                         # r4: a reported false hit: asked
     "Which is larger, a dog or a cat?",                          # r5: the same as r1: a hit
 ]
 

@@ -7,7 +7,7 @@ import pytest
 from carpool.cache.pairs import DIFF_KINDS, SAME_KINDS, SPLITS, load_pairs
 from carpool.cache.verify import tiles, tokens, verify
 
-# The two false hits of issue 23, and more of their kind: each must be refused, with the reason.
+# Two false hits once seen, and more of their kind: each must be refused, with the reason.
 REFUSED = [
     ("Who wrote the letter, Alice or Bob? Alice wrote to Bob.",
      "Who wrote the letter, Alice or Bob? Bob wrote to Alice.", "order"),

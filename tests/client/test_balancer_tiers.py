@@ -1,4 +1,4 @@
-"""The balancer's weights and fallback tiers, and the endpoint dialects (issue 18.3).
+"""The balancer's weights and fallback tiers, and the endpoint dialects.
 
 Real ``Balancer`` objects driven through ``pick`` / ``done`` as the HTTP backend drives them;
 what reaches a server is checked end to end in tests/jobs/test_endpoints_file.py.

@@ -1,6 +1,6 @@
 """Hostile sampling values are refused up front or computed safely; a request that fails in a step fails alone.
 
-The repros of issue 20 (temperature 1e-300, 1e-40, NaN; top_k 1e30) each once ended the
+These repros (temperature 1e-300, 1e-40, NaN; top_k 1e30) each once ended the
 whole engine.  Here every one either raises ``EngineError`` naming the field at
 ``make_sequence`` or runs beside ordinary requests, which finish normally.
 """
@@ -143,7 +143,7 @@ def test_a_request_that_fails_inside_a_step_fails_alone(tiny, h):
 
 
 def test_async_engine_refuses_and_contains(tiny, h):
-    """Through the EngineClient: the issue's repros are refused (or run), a step failure ends one
+    """Through the EngineClient: the reported repros are refused (or run), a step failure ends one
     stream with an error delta, and the engine still serves every request after."""
     model, loaded = tiny
     ps = h.prompts(33, [6, 6])

@@ -1,7 +1,7 @@
 """The two examples a user copies, run as the README says: extraction to a schema, classification
 with a confidence.  On the packaged SmolLM2, in-process, through the real ``carpool run`` CLI.
 
-The bar of issue 17: every extraction answer parses and validates against the schema (100%).
+The bar: every extraction answer parses and validates against the schema (100%).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 18.6: the Python API takes lists, DataFrames and Datasets and gives back the same
+"""The Python API takes lists, DataFrames and Datasets and gives back the same
 kind, in input order; ``run_batch`` works inside a running event loop (Jupyter).
 
 Against the fault server (a real HTTP server on 127.0.0.1) that holds the first task back,

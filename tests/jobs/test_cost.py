@@ -1,4 +1,4 @@
-"""Issue 18.7: ``carpool run --estimate`` (real tokenizers, nothing sent), prices from the
+"""``carpool run --estimate`` (real tokenizers, nothing sent), prices from the
 flags or the built-in table, and the $ spent / saved in the summary and the report."""
 
 import asyncio

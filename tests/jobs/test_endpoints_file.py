@@ -1,4 +1,4 @@
-"""Issue 18.3: endpoints as a file, ``--header``, Azure OpenAI and ``max_completion_tokens``.
+"""Endpoints as a file, ``--header``, Azure OpenAI and ``max_completion_tokens``.
 
 Everything through ``carpool run`` in a subprocess against fault servers (real HTTP on
 127.0.0.1) that check what they were sent: headers, the key from the named variable, the

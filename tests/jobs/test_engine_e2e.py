@@ -75,7 +75,7 @@ def test_embedding_tasks_on_the_embedder(engine, tmp_path):
 
 def test_each_prompt_is_templated_once(engine, tmp_path, monkeypatch):
     # The admission check counts the prompt's tokens; the call and the engine reuse them
-    # (templating ran three times a task before: ~1.4 ms of the event loop's time each, issue 21).
+    # (templating ran three times a task before: ~1.4 ms of the event loop's time each).
     tok = engine.tokenizer
     calls = []
     real = tok.apply_chat_template

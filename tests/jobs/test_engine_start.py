@@ -1,4 +1,4 @@
-"""The in-process engine starts in the background while the job gets going (issue 21).
+"""The in-process engine starts in the background while the job gets going.
 
 An in-process job whose first task is a generation task begins building its engine on a
 thread once its journal is open; the first admission check waits for it.  A job of

@@ -1,4 +1,4 @@
-"""The same task file gives the same bodies in-process and through a real `carpool serve` (issue 17.1).
+"""The same task file gives the same bodies in-process and through a real `carpool serve`.
 
 `carpool run` on the embedded engine and `carpool run --endpoint` against `carpool serve` (a
 subprocess on 127.0.0.1) both go through carpool.openai; this runs one file both ways on the
@@ -7,7 +7,7 @@ the output lines.  The file covers each point where the copies used to disagree:
 max_tokens (the rest of the context, not 16), a completion without it (16), a developer message
 (-> system, merged with the system message), content parts (joined with "\\n"), n=2 with a seed,
 and lines both must refuse naming the same field (an empty stop string, top_logprobs without
-logprobs).  And the OpenAI surface of issue 17: logprobs (chat and completions), a JSON schema,
+logprobs).  And the OpenAI surface both serve: logprobs (chat and completions), a JSON schema,
 JSON mode, tools under "required" and a named function, penalties with logit_bias and a seed.
 """
 
@@ -42,7 +42,7 @@ TASKS = [
      "messages": [{"role": "user", "content": "hi"}]},
     {"custom_id": "top-logprobs-alone", "temperature": 0, "max_tokens": 4, "top_logprobs": 2,
      "messages": [{"role": "user", "content": "hi"}]},
-    # the surface of issue 17
+    # the OpenAI surface both must serve
     {"custom_id": "chat-logprobs", "temperature": 0, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
      "messages": [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]},
     {"custom_id": "completion-logprobs", "temperature": 0, "max_tokens": 5, "logprobs": 2,

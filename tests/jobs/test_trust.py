@@ -1,4 +1,4 @@
-"""Issue 18.1-2: a journal that cannot be poisoned, and exit codes a script can rely on.
+"""A journal that cannot be poisoned, and exit codes a script can rely on.
 
 Everything through ``carpool run`` in a subprocess against the fault server (a real HTTP
 server on 127.0.0.1), as a user's script would call it.
@@ -36,7 +36,7 @@ def test_exit_code_table_is_the_decided_one():
     assert exit_code(st) == ExitCode.TASKS_FAILED
     st.interrupted = True
     assert exit_code(st) == ExitCode.INTERRUPTED
-    st.stopped_by_outage = True  # set by the outage handling (issue 20)
+    st.stopped_by_outage = True  # set by the outage handling
     assert exit_code(st) == ExitCode.OUTAGE
 
 

@@ -1,5 +1,5 @@
-"""Hostile clients against `carpool serve` (issue 20, points 3, 4 and 6): each test is one of
-the issue's repros, run against the real server (in a thread, over the tiny engine).
+"""Hostile clients against `carpool serve`: each test is one of
+the reported repros, run against the real server (in a thread, over the tiny engine).
 
 - tokenizing never holds the event loop: /health answers while a long prompt is being
   tokenized, and a body of more text than the context can hold is refused before it is
@@ -83,7 +83,7 @@ def chat(text: str, **extra) -> bytes:
 # -- 3: nothing heavy on the event loop ------------------------------------------------------
 
 def test_health_answers_while_a_long_prompt_is_tokenized(server, monkeypatch):
-    # The issue's 3 MB body (/health took 4.1 s): the text budget is lifted so that it is
+    # The reported 3 MB body (/health took 4.1 s): the text budget is lifted so that it is
     # templated and tokenized (~2 s here), then refused as past the context.  On the event
     # loop, nothing else was answered meanwhile.
     import carpool.openai.requests

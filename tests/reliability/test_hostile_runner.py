@@ -1,4 +1,4 @@
-"""Hostile input to ``carpool run`` (issue 20, point 5): each test is one of the issue's repros.
+"""Hostile input to ``carpool run``: each test is one of the reported repros.
 
 - custom_ids are any non-empty string: ``\\n``, ``\\r``, ``\\0`` used to raise before sending
   (labelled ``engine_error``), and a 10k-character one got the server's 400 (the id travelled

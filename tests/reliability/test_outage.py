@@ -1,4 +1,4 @@
-"""An outage pauses the job; it never fails its tasks (issue 20, point 1).
+"""An outage pauses the job; it never fails its tasks.
 
 `carpool serve` (tiny-random, a subprocess on a fixed port) is SIGKILLed in the middle of a
 60-task `carpool run`:
@@ -26,7 +26,7 @@ from reliability_helpers import chat_task, complete_ids, run_cmd, write_jsonl
 from carpool.testing.fixtures import free_port
 
 N = 60
-OUTAGE_S = 40.0  # the issue's figure; well past the ~10 s the retries used to last
+OUTAGE_S = 40.0  # the reported figure; well past the ~10 s the retries used to last
 
 
 def _start_serve(port: int) -> subprocess.Popen:
@@ -83,7 +83,7 @@ def _lines(out: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_40_second_outage_pauses_the_job_and_loses_nothing(tmp_path):
-    # The issue's repro: 47 of 60 tasks failed (connect_error) over a 40 s outage, as the
+    # The reported repro: 47 of 60 tasks failed (connect_error) over a 40 s outage, as the
     # 6 attempts were burnt in ~10 s.  The restarted server starts loading while the port
     # is still closed, so the port is closed for ~40 s without the test waiting 40 s plus
     # a start-up.

@@ -1,4 +1,4 @@
-"""Retry-After of a 429 follows the current drain rate, capped at a few seconds (issue 20).
+"""Retry-After of a 429 follows the current drain rate, capped at a few seconds.
 
 Before: the rate was taken over the last 64 departures whatever their age, so after sparse
 traffic a burst that drained in 1.7 s was told to come back in up to 36 s (60 at most).
@@ -33,7 +33,7 @@ def test_a_burst_after_sparse_traffic_is_told_its_own_drain_time():
         clock.t += 10
         t.started()
     # The burst: 40 requests at once; the engine takes one out of the waiting room every
-    # 1/23 s (40 in 1.7 s, the issue's figures); every refused request comes straight back.
+    # 1/23 s (40 in 1.7 s, the reported figures); every refused request comes straight back.
     queue = [ctl.try_admit(1, 10) for _ in range(40)]
     admitted = [t for t in queue if isinstance(t, Ticket)]
     told = [r.retry_after_s for r in queue if isinstance(r, Rejection)]

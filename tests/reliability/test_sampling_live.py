@@ -1,6 +1,6 @@
-"""Random sampling parameters against a live `carpool serve` (issue 20, point 2's property test).
+"""Random sampling parameters against a live `carpool serve`.
 
-The issue's repro: ``temperature`` 1e-300 (or 1e-40, NaN) or ``top_k`` 10^30 made the engine
+The reported repro: ``temperature`` 1e-300 (or 1e-40, NaN) or ``top_k`` 10^30 made the engine
 fail for good (503 ``engine_failed`` to every later request and /health).  The engine side
 landed with tests/engine/test_sampling_safety.py; this drives the whole server: hypothesis
 sends bodies with NaN, infinities, subnormals, negative zero and huge integers in every

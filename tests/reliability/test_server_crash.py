@@ -68,5 +68,5 @@ def test_runner_rides_out_a_server_sigkill_and_restart(tmp_path):
     s = json.loads(summary.read_text())
     assert s["ok"] == n - len(failed) and s["errors"] == ({"maybe_executed": len(failed)} if failed else {})
     # It saw the server down: either a request met the refusal, or the resets opened the
-    # endpoint's circuit breaker first and the requests waited for its probes (issue 20).
+    # endpoint's circuit breaker first and the requests waited for its probes.
     assert s["retries"].get("connect_error", 0) > 0 or s["outages"]["outages"] >= 1, s

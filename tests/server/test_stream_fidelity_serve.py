@@ -31,7 +31,7 @@ CASES = [
                                                  "temperature": 0.8, "seed": 3, "max_tokens": 7,
                                                  "ignore_eos": True}),
     ("completion-token-ids", "completion", {"prompt": [5, 17, 42, 99], "temperature": 0, "max_tokens": 5}),
-    # the surface of issue 17
+    # the OpenAI surface both must serve
     ("chat-logprobs", "chat", {"messages": MSG, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
                                "logprobs": True, "top_logprobs": 4}),
     ("chat-n2-logprobs-penalties", "chat", {"messages": MSG, "n": 2, "temperature": 0.9, "seed": 11,
