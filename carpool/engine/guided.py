@@ -1,8 +1,8 @@
 """Grammar-constrained decoding (JSON Schema, any JSON object, regex, choice, Lark) via llguidance.
 
-Why llguidance (measured 2026-12-03 on a 2-core machine with SmolLM2's 49k tokenizer): of xgrammar 0.2.9, llguidance 1.9.1 and
-outlines-core 0.2.14, only llguidance produced JSON that parses and validates in 100% of
-sampled walks (xgrammar let raw control characters into strings); a grammar compiles in
+Why llguidance (measured 2026-12-03 on a 2-core machine with SmolLM2's 49k tokenizer): of
+xgrammar 0.2.9, llguidance 1.9.1 and outlines-core 0.2.14, only llguidance produced JSON that
+parses and validates in 100% of sampled walks (xgrammar let raw control characters into strings); a grammar compiles in
 ~1 ms with no per-vocabulary preprocessing (outlines-core: 20-140 ms per schema); a mask costs
 ~75 us per row, against a forward of ~100 ms; and it is one small wheel with no dependencies
 (xgrammar pulls triton).
