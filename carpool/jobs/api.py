@@ -284,6 +284,13 @@ def _run_stopped_by_sigterm(job: Coroutine[Any, Any, Any]) -> Any:
         raise SystemExit(128 + signal.SIGTERM) from None  # not reached: the signal ends the process
 
 
+def _named(args: dict[str, Any]) -> dict[str, Any]:
+    """The job options among ``run_batch``'s arguments (its ``locals()`` on entry): the named
+    keywords and the ``**options`` spread beside them."""
+    named = {k: v for k, v in args.items() if k not in ("tasks", "output", "with_summary", "estimate", "options")}
+    return {**named, **args["options"]}
+
+
 async def arun_batch(
     tasks: Any, output: str | os.PathLike | None = None, *,
     endpoint: str | None = None, endpoints: str | Sequence[str] | None = None, model: str | None = None,
@@ -295,11 +302,7 @@ async def arun_batch(
     dry_run: bool = False, estimate: bool = False, **options: Any,
 ) -> Any:
     """``run_batch`` for async code: ``await carpool.arun_batch(tasks, ...)`` (same arguments)."""
-    named = dict(endpoint=endpoint, endpoints=endpoints, model=model, api_key=api_key,
-                 response_format=response_format, max_tokens=max_tokens, temperature=temperature,
-                 template=template, system=system, concurrency=concurrency, max_concurrency=max_concurrency,
-                 rpm=rpm, tpm=tpm, cache=cache, ordered=ordered, progress=progress, report=report,
-                 engine_config=engine_config, dry_run=dry_run, **options)
+    named = _named(locals())
     return await _arun(tasks, output, with_summary, estimate, named)
 
 
@@ -356,11 +359,7 @@ def run_batch(
 
     Inside a running event loop (Jupyter) the job runs on a thread with a loop of its own.
     """
-    named = dict(endpoint=endpoint, endpoints=endpoints, model=model, api_key=api_key,
-                 response_format=response_format, max_tokens=max_tokens, temperature=temperature,
-                 template=template, system=system, concurrency=concurrency, max_concurrency=max_concurrency,
-                 rpm=rpm, tpm=tpm, cache=cache, ordered=ordered, progress=progress, report=report,
-                 engine_config=engine_config, dry_run=dry_run, **options)
+    named = _named(locals())
 
     def job() -> Any:
         return asyncio.run(_arun(tasks, output, with_summary, estimate, named))
