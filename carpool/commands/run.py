@@ -82,9 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rpm", type=float, help="requests per minute budget")
     g.add_argument("--tpm", type=float, help="tokens per minute budget")
     g.add_argument("--ordered", action="store_true", help="write results in input order")
-    g.add_argument("--prefix-order", action="store_true",
-                   help="send tasks sharing a prompt prefix together (within --prefix-window tasks)")
-    g.add_argument("--prefix-window", type=int, default=1024)
+    g.add_argument("--prefix-order", dest="prefix_order", action="store_true", default=None,
+                   help="send tasks sharing a long prompt prefix together, over the whole JSONL file "
+                        "(default with --endpoint: on when the file's prompts share long prefixes)")
+    g.add_argument("--no-prefix-order", dest="prefix_order", action="store_false",
+                   help="send tasks in the file's order")
+    g.add_argument("--prefix-window", type=int, default=1024,
+                   help="tasks sorted together where the whole file cannot be planned (--ordered, CSV, Parquet)")
     g.add_argument("--max-pending", type=int, default=2048, help="tasks held in memory at once")
     g = p.add_argument_group("reliability")
     g.add_argument("--max-attempts", type=int, default=6)

@@ -28,6 +28,7 @@ from carpool.jobs.fingerprint import engine_model_name, job_identity, make_finge
 from carpool.jobs.journal import Journal
 from carpool.jobs.options import RunOptions
 from carpool.jobs.output_format import output_target
+from carpool.jobs.prefix_plan import PlannedSource, wants_plan
 from carpool.jobs.readers import Reader, RecordSource, TaskSource
 from carpool.jobs.tasks import Task, TaskDefaults
 from carpool.jobs.tokens import CountedSource, openai_counter, openai_encoding_name
@@ -178,7 +179,9 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
     ones (the input file's reader, ``opts.budget`` or local RPM/TPM buckets, the local balancer)."""
     messages: list[str] = []
     if source is None:
-        source = Reader(opts.input, opts.fmt, opts.template, job_defaults(opts))
+        reader = Reader(opts.input, opts.fmt, opts.template, job_defaults(opts))
+        source = PlannedSource(reader, force=opts.prefix_order is True) \
+            if wants_plan(opts) and PlannedSource.usable(reader) else reader
     encoding = openai_encoding_name(opts.defaults.model or "") if opts.tpm and opts.endpoints else None
     if encoding is not None:
         # A TPM budget for an OpenAI model: its real BPE is cheap next to a request, and a

@@ -37,6 +37,7 @@ from carpool.jobs.dedup import Dedup, Lead
 from carpool.jobs.journal import DoneSet, SeenIds
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import JobParts
+from carpool.jobs.prefix_plan import PlannedSource, WindowOrder
 from carpool.jobs.progress import Progress
 from carpool.jobs.summary import JobStats
 from carpool.jobs.tasks import BadLine, Task, prefix_key
@@ -280,7 +281,12 @@ class Pipeline:
 
     # -- reading and admission ------------------------------------------------------------
     async def _produce(self, done: DoneSet, writer: ResultWriter) -> None:
-        o = self.opts
+        src = self.parts.source
+        planned = isinstance(src, PlannedSource)
+        if isinstance(src, PlannedSource):  # the pass over the whole file, off the event loop
+            await asyncio.to_thread(src.prepare)
+            self.stats.prefix_order = src.info.to_dict()
+        order = WindowOrder(self.opts, planned)
         window: list[tuple[_TaskWriter, Task]] = []
         n = 0
         for item in self.parts.source:
@@ -301,9 +307,9 @@ class Pipeline:
             task = self._admit(item, out)
             if task is None:
                 continue
-            if o.prefix_order:
+            if order.wants(task):
                 window.append((out, task))
-                if len(window) >= o.prefix_window:
+                if len(window) >= order.size:
                     self._dispatch_window(window)
                     window = []
                 continue

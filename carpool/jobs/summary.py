@@ -53,6 +53,7 @@ class JobStats:
     semantic_similarities: list = field(default_factory=list)  # (custom_id, similarity), first 1000
     semantic_audit: dict | None = None  # --semantic-audit N: carpool.cache.audit.SemanticAudit.report()
     concurrency: dict | None = None  # the limiter's summary(): the limit the job ran at, and why
+    prefix_order: dict | None = None  # carpool.jobs.prefix_plan.PlanInfo of a planned input file
     dedup_fanouts: int = 0
     saved_tokens: int = 0  # tokens of answers that cost nothing: cache hits and dedup fan-outs
     saved_prompt_tokens: int = 0  # the same, split as the bill splits them
@@ -164,4 +165,5 @@ class JobStats:
             "cache_ttl_s": self.cache_ttl_s,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
             **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
+            **({"prefix_order": self.prefix_order} if self.prefix_order is not None else {}),
         }

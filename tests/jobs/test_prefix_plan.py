@@ -1,0 +1,138 @@
+"""Prefix-aware order over the whole input file: groups reach the server together,
+the file is never held in memory, and resume, dedup and duplicate ids work as in file order."""
+
+import json
+import random
+import tracemalloc
+
+from carpool.jobs.api import run_batch
+from carpool.jobs.prefix_plan import PlannedSource
+from carpool.jobs.readers import Reader
+from carpool.jobs.tasks import Task
+from carpool.testing.fault_server import FaultConfig
+
+
+def doc(d: int, n: int = 1200) -> str:
+    return f"Document {d}: " + " ".join(f"w{d}x{i}" for i in range(n // 6))
+
+
+def write_docs(path, docs=30, questions=4, seed=0, extra=None):
+    """``docs`` long documents with ``questions`` questions each, shuffled; custom_id d<doc>q<question>."""
+    rows = [{"custom_id": f"d{d}q{q}", "temperature": 0, "max_tokens": 4,
+             "messages": [{"role": "user", "content": doc(d) + f"\nQuestion {q}?"}]}
+            for d in range(docs) for q in range(questions)]
+    random.Random(seed).shuffle(rows)
+    rows += extra or []
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+def doc_runs(order):
+    """How many runs of consecutive tasks of one document the server saw."""
+    docs = [cid.split("q")[0] for cid in order]
+    return sum(1 for i, d in enumerate(docs) if i == 0 or docs[i - 1] != d)
+
+
+def test_default_groups_a_shuffled_file_past_the_window(fault_server, tmp_path):
+    srv = fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    write_docs(src, docs=30, questions=4)
+    out = tmp_path / "out.jsonl"
+    # The window (8 tasks) is far smaller than the file: only the whole-file plan can group it.
+    s = run_batch(src, out, endpoints=[srv.url], model="m", cache="off", concurrency=1, prefix_window=8)
+    assert doc_runs(srv.server.order) == 30  # each document's questions sent one after another
+    assert s["prefix_order"]["mode"] == "planned" and s["prefix_order"]["groups"] == 30
+    got = {json.loads(x)["custom_id"] for x in out.read_text().splitlines()}
+    assert got == {f"d{d}q{q}" for d in range(30) for q in range(4)} and s["ok"] == 120
+
+
+def test_off_and_short_prompts_keep_the_file_order(fault_server, tmp_path):
+    srv = fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    rows = write_docs(src, docs=10, questions=3)
+    run_batch(src, tmp_path / "a.jsonl", endpoints=[srv.url], model="m", cache="off", concurrency=1,
+              prefix_order=False)
+    assert srv.server.order == [r["custom_id"] for r in rows]
+    short = tmp_path / "short.jsonl"
+    with open(short, "w") as f:  # a shared short instruction: not worth moving anything
+        for i in range(40):
+            f.write(json.dumps({"custom_id": f"s{i}", "temperature": 0, "max_tokens": 4, "messages": [
+                {"role": "system", "content": ["Be brief.", "Be kind."][i % 2]},
+                {"role": "user", "content": f"q{i}"}]}) + "\n")
+    srv.server.reset_counts()
+    srv.server.order.clear()
+    s = run_batch(short, tmp_path / "b.jsonl", endpoints=[srv.url], model="m", cache="off", concurrency=1)
+    assert srv.server.order == [f"s{i}" for i in range(40)]
+    assert s["prefix_order"]["mode"] == "short prompts"
+
+
+def test_resume_with_order_on_sends_only_what_is_not_done(fault_server, tmp_path):
+    srv = fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    write_docs(src, docs=12, questions=4, seed=3)
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, endpoints=[srv.url], model="m", cache="off", concurrency=2)
+    keep = out.read_text().splitlines(keepends=True)[:17]
+    out.write_text("".join(keep))
+    done_before = {json.loads(x)["custom_id"] for x in keep}
+    srv.server.reset_counts()
+    s = run_batch(src, out, endpoints=[srv.url], model="m", cache="off", concurrency=2)
+    ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"d{d}q{q}" for d in range(12) for q in range(4))
+    assert s["skipped_done_before"] == 17 and s["done"] == 31
+    assert not done_before & set(srv.server.seen)
+
+
+def test_dedup_and_repeated_ids_as_in_file_order(fault_server, tmp_path):
+    srv = fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    twin = {"custom_id": "twin", "temperature": 0, "max_tokens": 4,
+            "messages": [{"role": "user", "content": doc(0) + "\nQuestion 0?"}]}  # the same request as d0q0
+    # d3q1 again at the end of the file: the plan would send its group early, yet the later
+    # line must still be the one refused.
+    again = {"custom_id": "d3q1", "temperature": 0, "max_tokens": 4,
+             "messages": [{"role": "user", "content": doc(0) + "\nQuestion 9?"}]}
+    write_docs(src, docs=6, questions=2, extra=[twin, again])
+    out = tmp_path / "out.jsonl"
+    s = run_batch(src, out, endpoints=[srv.url], model="m", cache="off", concurrency=4)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    by_id = {d["custom_id"]: d for d in lines}
+    assert len(lines) == 14 and "d3q1#line-14" in by_id and by_id["d3q1#line-14"]["error"] is not None
+    assert by_id["d3q1"]["error"] is None
+    # twin and d0q0 (next to each other once planned): one request between them
+    assert s["dedup_fanouts"] == 1 and s["sent"] == 12
+    assert srv.server.seen.get("twin", 0) + srv.server.seen.get("d0q0", 0) == 1
+
+
+def test_plan_holds_a_few_bytes_a_line_never_the_tasks(tmp_path):
+    src = tmp_path / "big.jsonl"
+    groups, per = 2000, 10  # 20,000 lines, groups far apart in the file
+    rng = random.Random(1)
+    ids = [(g, q) for g in range(groups) for q in range(per)]
+    rng.shuffle(ids)
+    with open(src, "w") as f:
+        for g, q in ids:
+            f.write(json.dumps({"custom_id": f"g{g}q{q}", "prompt": f"[{g}] " + "shared context " * 60 + f"q{q}"})
+                    + "\n")
+    source = PlannedSource(Reader(src))
+    tracemalloc.start()
+    try:
+        source.prepare()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    n = groups * per
+    assert source.info.mode == "planned" and source.info.lines == n
+    assert source.info.bytes_held <= 80 * n
+    # The prompts alone are ~20 MB; the pass holds its arrays and a few temporaries.
+    assert peak < 200 * n + (2 << 20)
+    seen_groups, last = set(), None
+    for item in source:
+        assert isinstance(item, Task)
+        g = item.custom_id.split("q")[0]
+        if g != last:
+            assert g not in seen_groups  # a group is never split
+            seen_groups.add(g)
+            last = g
+    assert len(seen_groups) == groups and source.max_held == 1
