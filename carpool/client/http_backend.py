@@ -512,4 +512,5 @@ def _take_usage(res: CallResult, usage: dict | None) -> None:
         res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         res.completion_tokens = int(usage.get("completion_tokens") or 0)
         details = usage.get("prompt_tokens_details") or {}
+        res.cached_reported = isinstance(details, dict) and details.get("cached_tokens") is not None
         res.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0

@@ -512,6 +512,7 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_row("throughput", f"{f(d['requests_per_s'])} req/s, {f(d['tokens_per_s'])} tok/s "
                             f"({f(d['output_tokens_per_s'])} out tok/s)")
     t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
+    t.add_row("prompt tokens cached by the server", stats.prompt_reuse.summary_text())
     t.add_row("TTFT P50 / P99", f"{f(d['ttft_ms_p50'])} / {f(d['ttft_ms_p99'])} ms")
     t.add_row("TPOT P50 / P99", f"{f(d['tpot_ms_p50'])} / {f(d['tpot_ms_p99'])} ms")
     if stats.concurrency is not None:

@@ -485,6 +485,7 @@ class Pipeline:
             st.prompt_tokens += res.prompt_tokens
             st.completion_tokens += res.completion_tokens
             st.cached_prompt_tokens += res.cached_tokens
+            st.prompt_reuse.add(res.endpoint, res.prompt_tokens, res.cached_tokens, res.cached_reported)
             st.ttft.add(res.ttft_s)
             st.tpot.add(res.tpot_s)
             st.e2e.add(res.e2e_s)

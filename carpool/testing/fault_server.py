@@ -23,7 +23,7 @@ import json
 import random
 import time
 import urllib.parse
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -83,6 +83,10 @@ class FaultConfig:
     # 401 naming what was missing (as OpenAI and Azure refuse a missing or wrong key).
     require_headers: dict[str, str] = field(default_factory=dict)
     require_query: dict[str, str] = field(default_factory=dict)
+    # A prefix cache of this many blocks (64 characters of the prompt each, least recently
+    # used out): answers then report usage.prompt_tokens_details.cached_tokens as vLLM does,
+    # and prefix_queries / prefix_hits count prompt tokens as vLLM's /metrics counters do.
+    prefix_cache_blocks: int | None = None
 
     @classmethod
     def zero(cls) -> FaultConfig:
@@ -112,6 +116,9 @@ class FaultServer:
         # What was received, for tests that check what a client sent (the first 1000):
         # {"method", "path", "query", "headers", "body"}.
         self.received: list[dict] = []
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def counts(self) -> dict:
         return {
@@ -299,7 +306,7 @@ class FaultServer:
         if cfg.token_latency_s and not cfg.zero_latency:
             await asyncio.sleep(cfg.token_latency_s * n_tokens)
         text = " ".join(_words(key, n_tokens))
-        usage = _usage(body, n_tokens)
+        usage = self._usage(body, n_tokens)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
             out = {"id": "chatcmpl-" + key[-12:], "object": "chat.completion", "created": int(time.time()),
@@ -364,13 +371,36 @@ class FaultServer:
         await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage_chunk = {"id": cid, "object": last["object"], "model": model, "choices": [],
-                           "usage": _usage(body, n_tokens)}
+                           "usage": self._usage(body, n_tokens)}
             await resp.write(b"data: " + json.dumps(usage_chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.completed[key] += 1
         self.status_counts[200] += 1
         return resp
+
+    def _usage(self, body: dict, n_tokens: int) -> dict:
+        usage = _usage(body, n_tokens)
+        size = self.config.prefix_cache_blocks
+        if size is None:
+            return usage
+        text = json.dumps(body.get("messages") or body.get("prompt") or "")
+        h, matched, hit = 0, 0, True
+        for i in range(0, len(text) - 63, 64):  # whole blocks only, as a paged KV cache
+            h = hash((h, text[i:i + 64]))
+            if hit and h in self._blocks:
+                matched += 64
+            else:
+                hit = False
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > size:
+            self._blocks.popitem(last=False)
+        cached = min(matched // 4, usage["prompt_tokens"])
+        self.prefix_queries += usage["prompt_tokens"]
+        self.prefix_hits += cached
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def _error(self, status: int, message: str, retry_after: float | None) -> web.Response:
         self.status_counts[status] += 1

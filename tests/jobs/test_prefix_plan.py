@@ -136,3 +136,33 @@ def test_plan_holds_a_few_bytes_a_line_never_the_tasks(tmp_path):
             seen_groups.add(g)
             last = g
     assert len(seen_groups) == groups and source.max_held == 1
+
+
+def test_summary_sums_the_cached_prompt_tokens_per_endpoint(fault_server, tmp_path):
+    a = fault_server(FaultConfig(prefix_cache_blocks=10_000))
+    b = fault_server(FaultConfig(prefix_cache_blocks=10_000))
+    src = tmp_path / "in.jsonl"
+    write_docs(src, docs=8, questions=4)
+    s = run_batch(src, tmp_path / "out.jsonl", endpoints=[a.url, b.url], model="m", cache="off", concurrency=2)
+    pc = s["prompt_cache"]
+    servers = {a.url: a.server, b.url: b.server}
+    assert set(pc["endpoints"]) == set(servers)
+    for url, e in pc["endpoints"].items():
+        assert e["cached_prompt_tokens"] == servers[url].prefix_hits  # what that server said it reused
+        assert e["prompt_tokens"] == servers[url].prefix_queries
+    assert pc["cached_prompt_tokens"] == a.server.prefix_hits + b.server.prefix_hits > 0
+    assert s["cached_prompt_tokens"] == pc["cached_prompt_tokens"]
+    assert 0 < pc["cached_share"] < 1 and pc["answers_reporting_cached"] == 32
+
+
+def test_summary_says_when_the_server_reports_no_cached_tokens(fault_server, tmp_path):
+    from carpool.jobs.prompt_cache import PromptReuse
+
+    srv = fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    write_docs(src, docs=2, questions=2)
+    s = run_batch(src, tmp_path / "out.jsonl", endpoints=[srv.url], model="m", cache="off")
+    assert s["prompt_cache"]["answers"] == 4 and s["prompt_cache"]["cached_share"] is None
+    reuse = PromptReuse()
+    reuse.add(srv.url, 100, 0, False)
+    assert "not reported" in reuse.summary_text() and reuse.progress_text() == ""
