@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default with --endpoint: on when the file's prompts share long prefixes)")
     g.add_argument("--no-prefix-order", dest="prefix_order", action="store_false",
                    help="send tasks in the file's order")
+    g.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_false",
+                   help="several endpoints: send by load alone (default: tasks sharing a prompt prefix go to "
+                        "the endpoint that had it, while that one is not overloaded)")
     g.add_argument("--prefix-window", type=int, default=1024,
                    help="tasks sorted together where the whole file cannot be planned (--ordered, CSV, Parquet)")
     g.add_argument("--max-pending", type=int, default=2048, help="tasks held in memory at once")
@@ -261,7 +264,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         stream=not args.no_stream,
         timeouts=Timeouts(args.connect_timeout, args.read_timeout, args.total_timeout),
         max_attempts=args.max_attempts, outage_timeout=args.outage_timeout, ordered=args.ordered,
-        prefix_order=args.prefix_order,
+        prefix_order=args.prefix_order, prefix_routing=args.prefix_routing,
         prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
         cache_namespace=args.cache_namespace or None,
         cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, semantic_audit=args.semantic_audit,

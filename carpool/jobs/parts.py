@@ -119,7 +119,8 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
 
         specs = job_endpoints(opts)
         http = HttpBackend(specs, model=opts.defaults.model, stream=opts.stream, timeouts=opts.timeouts,
-                           max_connections=opts.max_concurrency or 0, balancer=balancer)
+                           max_connections=opts.max_concurrency or 0, balancer=balancer,
+                           prefix_routing=opts.prefix_routing)
         label = f"http {', '.join(s.name for s in specs)}"
         model = opts.engine_model
         if opts.endpoint_specs:  # the models the endpoints are sent, for cache keys of tasks naming none

@@ -25,7 +25,6 @@ together; otherwise the file is streamed as it is (a no-op beyond the sample).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from array import array
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from carpool.client.affinity import h64, prompt_text
 from carpool.jobs.options import RunOptions
 from carpool.jobs.readers import Reader, TooLong, cr_only, file_lines, numbered_lines, parse_jsonl_lines
 from carpool.jobs.tasks import BadLine, Task
@@ -44,35 +44,6 @@ from carpool.jobs.tasks import BadLine, Task
 LEVELS = (512, 2048, 8192, 32768)
 MIN_SHARED_CHARS = LEVELS[0]
 SAMPLE_RECORDS = 512  # records looked at before deciding to read the whole file twice
-
-
-def prompt_text(obj: object, limit: int = LEVELS[-1]) -> str | None:
-    """The start of a raw record's prompt as the server sees it (chat messages in order,
-    a completion prompt or an embedding input), up to ``limit`` characters; None when the
-    record holds none (a bad line: it keeps its place)."""
-    body = _body(obj)
-    if body is None:
-        return None
-    msgs = body.get("messages")
-    if isinstance(msgs, list):
-        parts, n = [], 0
-        for m in msgs:
-            if not isinstance(m, dict):
-                return None
-            c = m.get("content")
-            part = f"{m.get('role')}:{c if isinstance(c, str) else json.dumps(c, sort_keys=True)}\n"
-            parts.append(part)
-            n += len(part)
-            if n >= limit:
-                break
-        return "".join(parts)[:limit]
-    for name in ("prompt", "input"):
-        v = body.get(name)
-        if isinstance(v, str):
-            return v[:limit]
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            return v[0][:limit]
-    return None
 
 
 def _body(obj: object) -> dict | None:
@@ -92,10 +63,6 @@ def conversation_head(obj: object, min_chars: int) -> str | None:
         return None
     head = prompt_text({"messages": msgs[:-1]})
     return head if head is not None and len(head) >= min_chars else None
-
-
-def _h64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 def _record_id(obj: object, line_no: int) -> str:
@@ -132,13 +99,13 @@ class _Rows:
     def add(self, offset: int, line_no: int, cid: str, text: str | None, head: str | None) -> None:
         self.offset.append(offset)
         self.line_no.append(line_no)
-        self.id_hash.append(_h64(cid))
-        self.head.append(_h64(head) if head is not None else 0)
+        self.id_hash.append(h64(cid))
+        self.head.append(h64(head) if head is not None else 0)
         row = len(self.offset) - 1
         for lv, arr in zip(LEVELS, self.levels, strict=True):
             # A line without a prompt is a group of its own: its row number cannot collide
             # with a 64-bit hash in practice, and it keeps the line in place.
-            arr.append(_h64(text[:lv]) if text is not None else row)
+            arr.append(h64(text[:lv]) if text is not None else row)
 
     def nbytes(self) -> int:
         return sum(a.itemsize * len(a) for a in (self.offset, self.line_no, self.id_hash, self.head, *self.levels))
