@@ -23,6 +23,7 @@ from carpool.client import limiter
 from carpool.client.base import Backend, CallResult, Request
 from carpool.client.budget import Budget, make_budget
 from carpool.client.limiter import FixedLimiter
+from carpool.jobs import limit_start
 from carpool.jobs.caching import TaskCache, open_task_cache
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
 from carpool.jobs.journal import Journal
@@ -76,6 +77,8 @@ class JobParts:
     # Begins starting the job's engine in the background; the pipeline calls it first thing,
     # so the model loads while the job opens its journal and reads its first tasks.
     start_engine: Callable[[], None] | None = None
+    # Started as the job begins, cancelled when it ends (the limiter asking the servers where to start).
+    primers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 def job_defaults(opts: RunOptions) -> TaskDefaults:
@@ -179,6 +182,7 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
     """The parts ``opts`` asks for; ``source``, ``budget`` and ``balancer`` replace the default
     ones (the input file's reader, ``opts.budget`` or local RPM/TPM buckets, the local balancer)."""
     messages: list[str] = []
+    reader: Reader | None = None
     if source is None:
         reader = Reader(opts.input, opts.fmt, opts.template, job_defaults(opts))
         source = PlannedSource(reader, force=opts.prefix_order is True) \
@@ -195,6 +199,9 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
     if budget is None:
         budget = opts.budget if opts.budget is not None else make_budget(opts.rpm, opts.tpm)
     caches = open_task_cache(opts, target.model, endpoint_identity(opts), messages)
-    return JobParts(source=source, journal=journal, backend=target.backend, limiter=job_limiter(opts),
+    lim = job_limiter(opts)
+    primers, remember = limit_start.wire(opts, lim, reader if reader is not None else source)
+    return JobParts(source=source, journal=journal, backend=target.backend, limiter=lim,
                     budget=budget, caches=caches, check=target.check, label=target.label,
-                    closers=target.closers, messages=messages, start_engine=start_engine)
+                    closers=[*target.closers, *remember], messages=messages, start_engine=start_engine,
+                    primers=primers)

@@ -194,6 +194,7 @@ class Pipeline:
         counter = asyncio.get_running_loop().run_in_executor(None, parts.source.count)
         counter.add_done_callback(lambda f: setattr(st, "total", f.result()) if not f.exception() else None)
         ticker = asyncio.create_task(self._tick(writer, progress))
+        primers: list[asyncio.Future] = [asyncio.ensure_future(p()) for p in parts.primers]
         # A job that began starting its engine counts from then: elapsed holds the whole start.
         st.started = began if parts.start_engine is not None else time.monotonic()
         try:
@@ -204,6 +205,8 @@ class Pipeline:
                 await self._run_audit(parts.caches.audit)
         finally:
             ticker.cancel()
+            for p in primers:
+                p.cancel()
             for t in list(self._pending):
                 t.cancel()
             writer.close()

@@ -87,6 +87,9 @@ class FaultConfig:
     # used out): answers then report usage.prompt_tokens_details.cached_tokens as vLLM does,
     # and prefix_queries / prefix_hits count prompt tokens as vLLM's /metrics counters do.
     prefix_cache_blocks: int | None = None
+    # A vLLM-style /metrics page publishing this KV cache (vllm:cache_config_info, blocks of
+    # 16 tokens) and the prefix-cache counters; None: no /metrics (404).
+    kv_cache_tokens: int | None = None
 
     @classmethod
     def zero(cls) -> FaultConfig:
@@ -146,6 +149,7 @@ class FaultServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/openai/models", self._models)
         app.router.add_get("/stats", self._stats)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
@@ -169,6 +173,22 @@ class FaultServer:
     def _cards(self) -> list[dict]:
         return [m if isinstance(m, dict) else {"id": m, "object": "model", "owned_by": "fault-server"}
                 for m in self.config.models or []]
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        kv = self.config.kv_cache_tokens
+        if kv is None:
+            return web.Response(status=404, text="no /metrics here")
+        refused = self._auth_problem(request)
+        if refused is not None:
+            return refused
+        info = f'block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="{kv // 16}"'
+        lines = ["# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0",
+                 "# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{engine="0"}} {self.in_flight}',
+                 "# TYPE vllm:prefix_cache_queries counter",
+                 f'vllm:prefix_cache_queries_total{{engine="0"}} {self.prefix_queries}',
+                 "# TYPE vllm:prefix_cache_hits counter",
+                 f'vllm:prefix_cache_hits_total{{engine="0"}} {self.prefix_hits}']
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         refused = self._auth_problem(request)
