@@ -516,6 +516,10 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
                             f"({f(d['output_tokens_per_s'])} out tok/s)")
     t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
     t.add_row("prompt tokens cached by the server", stats.prompt_reuse.summary_text())
+    po = stats.prefix_order
+    if po is not None and po["mode"] == "planned":
+        t.add_row("prefix order", f"{po['grouped_tasks']:,} tasks in {po['groups']:,} shared-prefix groups sent "
+                                  f"together ({po['moved']:,} moved; --no-prefix-order: file order)")
     t.add_row("TTFT P50 / P99", f"{f(d['ttft_ms_p50'])} / {f(d['ttft_ms_p99'])} ms")
     t.add_row("TPOT P50 / P99", f"{f(d['tpot_ms_p50'])} / {f(d['tpot_ms_p99'])} ms")
     if stats.concurrency is not None:

@@ -285,6 +285,7 @@ class Pipeline:
     # -- reading and admission ------------------------------------------------------------
     async def _produce(self, done: DoneSet, writer: ResultWriter) -> None:
         src = self.parts.source
+        src = getattr(src, "source", src)  # a source wrapping the planned one (CountedSource)
         planned = isinstance(src, PlannedSource)
         if isinstance(src, PlannedSource):  # the pass over the whole file, off the event loop
             await asyncio.to_thread(src.prepare)
