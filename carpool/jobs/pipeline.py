@@ -216,6 +216,9 @@ class Pipeline:
                 st.outages = self.executor.gate.summary()
             st.sample(parts.limiter.snapshot())
             st.concurrency = parts.limiter.summary()
+            affinity = getattr(getattr(parts.backend, "balancer", None), "affinity", None)
+            if affinity is not None:
+                st.routing = affinity.summary()
             progress.stop()
             await self._close()  # the backend's close waits for an engine start still running
             st.engine_start_s = parts.backend.engine_start_s

@@ -55,6 +55,7 @@ class JobStats:
     semantic_audit: dict | None = None  # --semantic-audit N: carpool.cache.audit.SemanticAudit.report()
     concurrency: dict | None = None  # the limiter's summary(): the limit the job ran at, and why
     prefix_order: dict | None = None  # carpool.jobs.prefix_plan.PlanInfo of a planned input file
+    routing: dict | None = None  # several endpoints: carpool.client.affinity.Affinity.summary()
     dedup_fanouts: int = 0
     saved_tokens: int = 0  # tokens of answers that cost nothing: cache hits and dedup fan-outs
     saved_prompt_tokens: int = 0  # the same, split as the bill splits them
@@ -168,4 +169,5 @@ class JobStats:
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
             **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
             **({"prefix_order": self.prefix_order} if self.prefix_order is not None else {}),
+            **({"routing": self.routing} if self.routing is not None else {}),
         }

@@ -166,3 +166,27 @@ def test_summary_says_when_the_server_reports_no_cached_tokens(fault_server, tmp
     reuse = PromptReuse()
     reuse.add(srv.url, 100, 0, False)
     assert "not reported" in reuse.summary_text() and reuse.progress_text() == ""
+
+
+def test_ordered_output_keeps_input_order_while_windows_group(fault_server, tmp_path):
+    srv = fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    rows = write_docs(src, docs=6, questions=4)
+    out = tmp_path / "out.jsonl"
+    # A window larger than --max-pending must not wait for slots that only it could free.
+    s = run_batch(src, out, endpoints=[srv.url], model="m", cache="off", concurrency=1, ordered=True,
+                  max_pending=12, prefix_window=64)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [r["custom_id"] for r in rows]
+    assert "prefix_order" not in s  # --ordered: no whole-file plan
+    sent = srv.server.order
+    for half in (sent[:12], sent[12:]):  # each window of 12 (max_pending) sent grouped
+        docs = [cid.split("q")[0] for cid in half]
+        assert doc_runs(half) == len(set(docs))
+
+
+def test_routing_summary_counts_requests_that_followed_their_group(fault_server, tmp_path):
+    a, b = fault_server(FaultConfig()), fault_server(FaultConfig())
+    src = tmp_path / "in.jsonl"
+    write_docs(src, docs=5, questions=4)
+    s = run_batch(src, tmp_path / "out.jsonl", endpoints=[a.url, b.url], model="m", cache="off", concurrency=2)
+    assert s["routing"]["followed"] == 15 and s["routing"]["overflowed"] == 0  # the first of each group is new
