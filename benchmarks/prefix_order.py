@@ -179,8 +179,15 @@ def variant_options(variant: str) -> dict:
             "order_only": {"prefix_routing": False}}[variant]
 
 
-def shapes_mode(a: argparse.Namespace, urls: list[str], model: str, tmp: str, variants: tuple[str, ...]) -> list[dict]:
-    rows = []
+def save(a: argparse.Namespace, doc: dict) -> None:
+    """The JSON so far (after every job: a run cut short keeps what it measured)."""
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def shapes_mode(a: argparse.Namespace, urls: list[str], model: str, tmp: str, variants: tuple[str, ...],
+                doc: dict) -> list[dict]:
+    rows = doc.setdefault("rows", [])
     for run in range(1, a.runs + 1):
         for shape in a.shapes:
             tasks = shape_tasks(shape, a.words, a.thrash_docs, a.seed)
@@ -193,6 +200,7 @@ def shapes_mode(a: argparse.Namespace, urls: list[str], model: str, tmp: str, va
                        **run_job(urls, model, src, out, **variant_options(variant))}
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
+                save(a, doc)
                 for p in (src, out):
                     with contextlib.suppress(OSError):
                         os.remove(p)
@@ -223,9 +231,9 @@ def summarise(rows: list[dict], baseline: str) -> dict:
     return out
 
 
-def engine_mode(a: argparse.Namespace, tmp: str) -> list[dict]:
+def engine_mode(a: argparse.Namespace, tmp: str, doc: dict) -> list[dict]:
     """The in-process engine (smollm2, ``--engine-kv-gb`` of KV cache): order forced on vs off."""
-    rows = []
+    rows = doc.setdefault("rows", [])
     tasks = shape_tasks("thrash", a.words, a.thrash_docs, a.seed)
     for run in range(1, a.runs + 1):
         for variant, order in (("on", True), ("off", False)) if run % 2 else (("off", False), ("on", True)):
@@ -245,6 +253,7 @@ def engine_mode(a: argparse.Namespace, tmp: str) -> list[dict]:
                    "cached_share": s["prompt_cache"]["cached_share"]}
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
+            save(a, doc)
     return rows
 
 
@@ -264,28 +273,28 @@ def main() -> None:
     p.add_argument("--engine-kv-gb", type=float, default=0.25)
     p.add_argument("--json-out")
     a = p.parse_args()
+    # SIGTERM ends the run as Ctrl-C does: the servers started here are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     doc: dict = {"cpu": cpu_info(), "args": vars(a), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="prefix-order-bench-") as tmp:
         if a.engine:
-            doc["rows"] = engine_mode(a, tmp)
+            engine_mode(a, tmp, doc)
             doc["summary"] = summarise(doc["rows"], "off")
         elif a.replicas > 1:
             with contextlib.ExitStack() as stack:
                 urls = [stack.enter_context(vllm_server(a.port + i, a.kv_gb, cpu_bind=str(i % (os.cpu_count() or 1))))
                         for i in range(a.replicas)]
-                doc["rows"] = shapes_mode(a, urls, a.model, tmp, ("default", "order_only", "round_robin"))
+                shapes_mode(a, urls, a.model, tmp, ("default", "order_only", "round_robin"), doc)
             doc["summary"] = summarise(doc["rows"], "round_robin")
         elif a.server == "vllm":
             with vllm_server(a.port, a.kv_gb) as url:
-                doc["rows"] = shapes_mode(a, [url], a.model, tmp, VARIANTS)
+                shapes_mode(a, [url], a.model, tmp, VARIANTS, doc)
             doc["summary"] = summarise(doc["rows"], "presorted")
         else:
-            doc["rows"] = shapes_mode(a, [a.server], a.model, tmp, VARIANTS)
+            shapes_mode(a, [a.server], a.model, tmp, VARIANTS, doc)
             doc["summary"] = summarise(doc["rows"], "presorted")
-    text = json.dumps(doc, indent=2)
-    if a.json_out:
-        Path(a.json_out).write_text(text + "\n")
-    print(text)
+    save(a, doc)
+    print(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":
