@@ -41,7 +41,7 @@ MAX_ENTRIES = 256  # endpoint sets remembered (the oldest forgotten)
 
 _INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
-_MAX_SEQS = re.compile(r'^(?:vllm|carpool):max_num_seqs(?:\{[^}]*\})?\s+([0-9.eE+]+)', re.M)
+_MAX_SEQS = re.compile(r'^(?:vllm|carpool):max_num_seqs(?:\{[^}]*\})?\s+([0-9.eE+-]+)', re.M)
 
 
 def store_key(urls: Iterable[str], model: str | None) -> str:
@@ -105,7 +105,9 @@ def capacity_from_metrics(text: str, tokens_per_request: float) -> int | None:
     m = _MAX_SEQS.search(text)
     if m is not None:
         with contextlib.suppress(ValueError):
-            return max(1, int(float(m.group(1))))
+            n = int(float(m.group(1)))
+            if n > 0:  # 0: the server does not know yet (its engine still starting)
+                return n
     info = _INFO.search(text)
     if info is None:
         return None
