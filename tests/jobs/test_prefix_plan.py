@@ -190,3 +190,24 @@ def test_routing_summary_counts_requests_that_followed_their_group(fault_server,
     write_docs(src, docs=5, questions=4)
     s = run_batch(src, tmp_path / "out.jsonl", endpoints=[a.url, b.url], model="m", cache="off", concurrency=2)
     assert s["routing"]["followed"] == 15 and s["routing"]["overflowed"] == 0  # the first of each group is new
+
+
+def test_bad_and_blank_lines_keep_their_line_numbers_when_planned(tmp_path):
+    src = tmp_path / "in.jsonl"
+    rows = write_docs(src, docs=5, questions=3)
+    lines = src.read_text().splitlines()
+    lines.insert(4, "")  # line 5: blank
+    lines.insert(7, '{"custom_id": "broken", "messages": [')  # line 8: not JSON
+    src.write_text("\r\n".join(lines) + "\r\n")  # CRLF lines plan as well
+    source = PlannedSource(Reader(src))
+    items = list(source)
+    assert source.info.mode == "planned" and len(items) == len(rows) + 1
+    bad = [i for i in items if not isinstance(i, Task)]
+    assert len(bad) == 1 and bad[0].line_no == 8 and bad[0].custom_id == "line-8"
+    by_id = {i.custom_id: i.line_no for i in items if isinstance(i, Task)}
+    for n, line in enumerate(lines, 1):
+        if line.startswith('{"custom_id": "d'):
+            assert by_id[json.loads(line)["custom_id"]] == n
+    cr = tmp_path / "cr.jsonl"
+    cr.write_bytes(src.read_bytes().replace(b"\r\n", b"\r"))
+    assert not PlannedSource.usable(Reader(cr))  # old Mac lines: read in windows instead
