@@ -217,7 +217,7 @@ def summarise(rows: list[dict], baseline: str) -> dict:
         for variant in sorted({r["variant"] for r in mine}):
             rs = [r for r in mine if r["variant"] == variant]
             per[variant] = {"tok_s": [r["total_tok_s"] for r in rs], "wall_s": [r["wall_s"] for r in rs],
-                            "server_hit_rate": [r["server_hit_rate"] for r in rs],
+                            "server_hit_rate": [r.get("server_hit_rate", r.get("cached_share")) for r in rs],
                             "median_tok_s": statistics.median(r["total_tok_s"] for r in rs)}
             ratios = []
             for r in rs:

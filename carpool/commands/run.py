@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ordered", action="store_true", help="write results in input order")
     g.add_argument("--prefix-order", dest="prefix_order", action="store_true", default=None,
                    help="send tasks sharing a long prompt prefix together, over the whole JSONL file "
-                        "(default with --endpoint: on when the file's prompts share long prefixes)")
+                        "(default: on when the file's prompts share long prefixes)")
     g.add_argument("--no-prefix-order", dest="prefix_order", action="store_false",
                    help="send tasks in the file's order")
     g.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_false",

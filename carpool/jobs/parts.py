@@ -194,8 +194,8 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
         source = CountedSource(source, openai_counter(encoding))
     journal = make_journal(opts)
     target = make_backend(opts, balancer)
-    start_engine = target.start_engine if target.start_engine is not None and _starts_with_generation(source) \
-        else None
+    start_engine = target.start_engine if target.start_engine is not None and \
+        _starts_with_generation(reader if reader is not None else source) else None
     if budget is None:
         budget = opts.budget if opts.budget is not None else make_budget(opts.rpm, opts.tpm)
     caches = open_task_cache(opts, target.model, endpoint_identity(opts), messages)

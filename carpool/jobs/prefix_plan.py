@@ -239,13 +239,13 @@ class PlannedSource:
 
 
 def wants_plan(opts: RunOptions) -> bool:
-    """Whether the job's input file is to be planned: on by default for endpoints (``None``),
-    forced by ``--prefix-order``, never with ``--no-prefix-order`` nor ``--ordered``; the
-    in-process engine is left in file order unless forced (its own prefix cache gained
-    nothing measurable from the order on this job shape, docs/run.md)."""
+    """Whether the job's input file is to be planned: by default (``None``) for endpoints and
+    the in-process engine alike (its prefix cache thrashes the same way: docs/run.md), forced
+    by ``--prefix-order``, never with ``--no-prefix-order`` nor ``--ordered``, nor for the echo
+    backend (no cache to feed)."""
     if opts.prefix_order is False or opts.ordered:
         return False
-    return opts.prefix_order is True or bool(opts.endpoints)
+    return opts.prefix_order is True or not opts.echo
 
 
 class WindowOrder:
@@ -256,7 +256,7 @@ class WindowOrder:
 
     def __init__(self, opts: RunOptions, planned: bool):
         self.size = max(1, min(opts.prefix_window, opts.max_pending))
-        auto = opts.prefix_order is None and bool(opts.endpoints)
+        auto = opts.prefix_order is None and not opts.echo
         self.on = not planned and opts.prefix_order is True
         self.auto = not planned and not self.on and auto
 

@@ -211,3 +211,14 @@ def test_bad_and_blank_lines_keep_their_line_numbers_when_planned(tmp_path):
     cr = tmp_path / "cr.jsonl"
     cr.write_bytes(src.read_bytes().replace(b"\r\n", b"\r"))
     assert not PlannedSource.usable(Reader(cr))  # old Mac lines: read in windows instead
+
+
+def test_who_plans_by_default():
+    from carpool.jobs.options import RunOptions
+    from carpool.jobs.prefix_plan import wants_plan
+
+    assert wants_plan(RunOptions("in", "out", endpoints=["http://x/v1"]))
+    assert wants_plan(RunOptions("in", "out"))  # the in-process engine: its prefix cache thrashes alike
+    assert not wants_plan(RunOptions("in", "out", echo=True))
+    assert not wants_plan(RunOptions("in", "out", ordered=True, prefix_order=True))  # windows instead
+    assert not wants_plan(RunOptions("in", "out", endpoints=["http://x/v1"], prefix_order=False))
