@@ -6,7 +6,7 @@ the server close together, and again for each task when they are spread over the
 A window of the tasks in memory sees only the groups that happen to fall inside it, so
 ``PlannedSource`` looks at the whole file first: one pass keeps, per line, its byte
 offset, its line number and a few 64-bit hashes of its prompt's start (the messages
-before a chat's last one, then growing lengths), about 64 bytes a line whatever the
+before a chat's last one, then growing lengths), 72 bytes a line with the order, whatever the
 prompt size, never a task.  Sorting those rows by the first appearance of each prefix
 group (coarse to fine, then by line) gives the order; the tasks are then read again one at a time from their offsets.
 
