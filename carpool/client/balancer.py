@@ -15,6 +15,10 @@ rotation for a cool-down that doubles with each consecutive failure (capped), an
 back after it; one success resets it.  When every endpoint is cooling down the one that
 comes back first is used anyway (the retry policy decides whether to wait).
 
+With an ``Affinity`` (the default of a job with several endpoints) a request whose
+prompt starts like an earlier one's goes where that one went, while that endpoint is not
+overloaded (``carpool.client.affinity``): its prefix cache holds the shared start.
+
 Each endpoint also has a circuit breaker (``carpool.client.breaker``): an endpoint that
 does not answer at all is not picked while its breaker is open, and when every breaker is
 open the ``gate`` holds the job's requests back (a pause, not failures).
@@ -26,6 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from carpool.client.affinity import Affinity
 from carpool.client.breaker import BreakerPolicy, CircuitBreaker, OutageGate
 from carpool.client.budget import TokenBuckets
 from carpool.client.endpoints import EndpointSpec
@@ -67,7 +72,9 @@ class Endpoint:
 
 class Balancer:
     def __init__(self, urls: Sequence[str | EndpointSpec], cooldown_s: float = 1.0, max_cooldown_s: float = 30.0,
-                 failures_to_cool: int = 1, breaker: BreakerPolicy | None = None):
+                 failures_to_cool: int = 1, breaker: BreakerPolicy | None = None,
+                 affinity: Affinity | None = None):
+        """``affinity``: keep a request's prefix group on the endpoint that had it (None: by load only)."""
         if not urls:
             raise ValueError("at least one endpoint URL is needed")
         specs = [u if isinstance(u, EndpointSpec) else EndpointSpec(u) for u in urls]
@@ -75,9 +82,11 @@ class Balancer:
         self.cooldown_s, self.max_cooldown_s = cooldown_s, max_cooldown_s
         self.failures_to_cool = failures_to_cool
         self.gate = OutageGate([e.breaker for e in self.endpoints])
+        self.affinity = affinity
 
-    def pick(self, tokens: int = 0) -> Endpoint:
-        """The endpoint for the next request (``tokens``: its estimate, for per-endpoint TPM)."""
+    def pick(self, tokens: int = 0, keys: Sequence[int] = ()) -> Endpoint:
+        """The endpoint for the next request (``tokens``: its estimate, for per-endpoint TPM;
+        ``keys``: its prefix keys, ``carpool.client.affinity.prefix_keys``)."""
         if len(self.endpoints) == 1:
             ep = self.endpoints[0]
         else:
@@ -89,7 +98,8 @@ class Balancer:
                 tier = min(e.priority for e in ready)  # fallbacks only while the tiers before are out
                 ready = [e for e in ready if e.priority == tier]
                 ready = [e for e in ready if e.budget_wait(tokens) <= 0] or ready
-                ep = self._least_loaded(ready)
+                ep = self.affinity.choose(keys, ready, self._least_loaded) if keys and self.affinity is not None \
+                    else self._least_loaded(ready)
             else:
                 ep = min(up, key=lambda e: (e.cooldown_until, e.priority))
         ep.outstanding += 1

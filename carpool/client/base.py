@@ -48,6 +48,7 @@ class CallResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_reported: bool = False  # the answer's usage carried prompt_tokens_details.cached_tokens
     endpoint: str = ""
     # For bench (a backend built with record_chunks=True): time.perf_counter() when the request
     # was sent and when each chunk carrying text (HTTP) or tokens (in-process) arrived.

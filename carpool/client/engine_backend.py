@@ -154,6 +154,7 @@ class EngineBackend:
         usage = res.body["usage"]
         res.prompt_tokens, res.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
         res.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+        res.cached_reported = True
         res.status_code, res.ok = 200, True
         return res
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from carpool.client.affinity import Affinity, prefix_keys
 from carpool.client.balancer import Balancer, Endpoint
 from carpool.client.base import CallResult, Request
 from carpool.client.breaker import NO_ANSWER, BreakerPolicy, OutageGate, State
@@ -48,13 +49,15 @@ class HttpBackend:
     def __init__(self, endpoints: list[str] | list[EndpointSpec] | None, model: str | None = None,
                  api_key: str | None = None, stream: bool = True, timeouts: Timeouts | None = None,
                  max_connections: int = 0, balancer: Balancer | None = None, breaker: BreakerPolicy | None = None,
-                 *, fresh_connections: bool = False, record_chunks: bool = False):
+                 *, fresh_connections: bool = False, record_chunks: bool = False, prefix_routing: bool = True):
         """``endpoints``: base URLs (``api_key`` as a Bearer token for all) or ``EndpointSpec``s
         (each with its own headers, model, dialect; ``api_key`` unused); ``model``: sent when a
-        request names none and its endpoint has no model of its own."""
+        request names none and its endpoint has no model of its own; ``prefix_routing``: a
+        request follows its prefix group's endpoint (``carpool.client.affinity``)."""
         if balancer is None:
             specs = [e if isinstance(e, EndpointSpec) else plain_specs([e], api_key)[0] for e in endpoints or []]
-            balancer = Balancer(specs, breaker=breaker)
+            balancer = Balancer(specs, breaker=breaker,
+                                affinity=Affinity() if prefix_routing and len(specs) > 1 else None)
         self.balancer = balancer
         self.model = model
         self.stream = stream
@@ -143,7 +146,8 @@ class HttpBackend:
         return body
 
     async def call(self, req: Request) -> CallResult:
-        ep = self.balancer.pick(req.est_tokens)
+        keys = prefix_keys(req.body) if self.balancer.affinity is not None else ()
+        ep = self.balancer.pick(req.est_tokens, keys)
         if ep.budget is not None:
             # The endpoint's own RPM/TPM (the job's is the executor's): counted as in flight
             # on it meanwhile, so the balancer sends the next requests elsewhere.
@@ -512,4 +516,5 @@ def _take_usage(res: CallResult, usage: dict | None) -> None:
         res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         res.completion_tokens = int(usage.get("completion_tokens") or 0)
         details = usage.get("prompt_tokens_details") or {}
+        res.cached_reported = isinstance(details, dict) and details.get("cached_tokens") is not None
         res.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0

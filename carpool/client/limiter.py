@@ -143,7 +143,8 @@ class FixedLimiter:
 # Why the adaptive limit last moved: a few words for the progress line, a sentence for the summary.
 REASON_SHORT = {"slow start": "slow start", "batch full": "batch full at {batch}", "server queue": "queue in server",
           "probe up": "probing up", "throughput plateau": "plateau", "429s": "429s at {ceiling}",
-          "429 probe": "429 probe", "429 recovery": "after 429s"}
+          "429 probe": "429 probe", "429 recovery": "after 429s", "server capacity": "start: server capacity",
+          "last job": "start: last job"}
 REASON_WHY = {
     "slow start": "still growing: the server took every request into its batch",
     "batch full": "the server's batch is full at {batch} decoding; more in flight would only queue there",
@@ -153,6 +154,8 @@ REASON_WHY = {
     "429s": "the server answered 429/503 at {ceiling} in flight",
     "429 probe": "probing one past the level that drew 429/503 ({ceiling})",
     "429 recovery": "growing back below the 429/503 level ({ceiling})",
+    "server capacity": "started at what the server's /metrics say it can run at once, still measuring",
+    "last job": "started where the last job against these endpoints settled, still measuring",
 }
 
 
@@ -258,6 +261,16 @@ class AdaptiveLimiter(FixedLimiter):
         self._hold = 0  # windows to wait before the next probe upward (grows when probes fail)
         self._hold_base = 1
         self._win = _Window(self.clock(), self.limit, 0, 0)
+
+    def start_at(self, value: float, reason: str) -> bool:
+        """Begin at ``value`` instead of ramping up to it (what the server says it can take,
+        where the last job settled: ``carpool.client.start_limit``).  Only while still in slow
+        start and only upward: what the job measured itself wins.  True when it moved."""
+        if self.phase != "start" or value <= self.limit:
+            return False
+        self._set(value, reason)
+        self._peak_t = self.clock()  # "batch full" is judged from here, not from before the jump
+        return True
 
     # -- events ---------------------------------------------------------------------------
     def _on_first_token(self, ttft: float | None) -> None:

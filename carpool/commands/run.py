@@ -85,9 +85,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rpm", type=flags.positive_float, help="requests per minute budget")
     g.add_argument("--tpm", type=flags.positive_float, help="tokens per minute budget")
     g.add_argument("--ordered", action="store_true", help="write results in input order")
-    g.add_argument("--prefix-order", action="store_true",
-                   help="send tasks sharing a prompt prefix together (within --prefix-window tasks)")
-    g.add_argument("--prefix-window", type=flags.positive_int, default=1024)
+    g.add_argument("--prefix-order", dest="prefix_order", action="store_true", default=None,
+                   help="send tasks sharing a long prompt prefix together, over the whole JSONL file "
+                        "(default: on when the file's prompts share long prefixes)")
+    g.add_argument("--no-prefix-order", dest="prefix_order", action="store_false",
+                   help="send tasks in the file's order")
+    g.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_false",
+                   help="several endpoints: send by load alone (default: tasks sharing a prompt prefix go to "
+                        "the endpoint that had it, while that one is not overloaded)")
+    g.add_argument("--prefix-window", type=flags.positive_int, default=1024,
+                   help="tasks sorted together where the whole file cannot be planned (--ordered, CSV, Parquet)")
     g.add_argument("--max-pending", type=flags.positive_int, default=2048, help="tasks held in memory at once")
     g = p.add_argument_group("reliability")
     g.add_argument("--max-attempts", type=flags.positive_int, default=6)
@@ -251,7 +258,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         stream=not args.no_stream,
         timeouts=Timeouts(args.connect_timeout, args.read_timeout, args.total_timeout),
         max_attempts=args.max_attempts, outage_timeout=args.outage_timeout, ordered=args.ordered,
-        prefix_order=args.prefix_order,
+        prefix_order=args.prefix_order, prefix_routing=args.prefix_routing,
         prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
         cache_namespace=args.cache_namespace or None,
         cache_sampled=args.cache_sampled, semantic_cache=args.semantic_cache, semantic_audit=args.semantic_audit,
@@ -556,6 +563,11 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_row("throughput", f"{f(d['requests_per_s'])} req/s, {f(d['tokens_per_s'])} tok/s "
                             f"({f(d['output_tokens_per_s'])} out tok/s)")
     t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
+    t.add_row("prompt tokens cached by the server", stats.prompt_reuse.summary_text())
+    po = stats.prefix_order
+    if po is not None and po["mode"] == "planned":
+        t.add_row("prefix order", f"{po['grouped_tasks']:,} tasks in {po['groups']:,} shared-prefix groups sent "
+                                  f"together ({po['moved']:,} moved; --no-prefix-order: file order)")
     t.add_row("TTFT P50 / P99", f"{f(d['ttft_ms_p50'])} / {f(d['ttft_ms_p99'])} ms")
     t.add_row("TPOT P50 / P99", f"{f(d['tpot_ms_p50'])} / {f(d['tpot_ms_p99'])} ms")
     if stats.concurrency is not None:

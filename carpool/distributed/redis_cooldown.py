@@ -200,14 +200,14 @@ class SharedBalancer(Balancer):
             if _key(ep) in shared:
                 ep.cooldown_until = max(ep.cooldown_until, now + shared[_key(ep)][0])
 
-    def pick(self, tokens: int = 0) -> Endpoint:
+    def pick(self, tokens: int = 0, keys: Sequence[int] = ()) -> Endpoint:
         now = time.monotonic()
         if len(self.endpoints) > 1 and now >= self._next_refresh and (
             self._refreshing is None or self._refreshing.done()
         ):
             self._next_refresh = now + self.refresh_s
             self._refreshing = self._spawn(self.refresh())
-        return super().pick(tokens)
+        return super().pick(tokens, keys)
 
     def done(self, ep: Endpoint, ok: bool, endpoint_fault: bool = False) -> None:
         was_failing = ep.consecutive_failures > 0

@@ -381,4 +381,5 @@ class LLMEngine:
             "generation_tokens": self.generation_tokens,
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
+            "max_num_seqs": self.scheduler.max_num_seqs,  # what a client may keep in flight usefully
         }

@@ -59,8 +59,12 @@ class RunOptions:
     # until then an outage pauses the job instead of failing its tasks.
     outage_timeout: float = 900.0
     ordered: bool = False
-    prefix_order: bool = False
+    # None: prefix-aware order decided per job (carpool.jobs.prefix_plan); True: forced; False: off.
+    prefix_order: bool | None = None
     prefix_window: int = 1024
+    # Several endpoints: a prefix group stays on the endpoint that had it while that one is
+    # not overloaded (carpool.client.affinity); False: by load alone.
+    prefix_routing: bool = True
     cache: str | None = None  # None: the default SQLite file; "off"; sqlite:///...; redis://...
     cache_ttl: float | None = DEFAULT_TTL_S  # seconds a stored answer is served; None: for ever
     cache_sampled: bool = False

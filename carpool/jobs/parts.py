@@ -23,11 +23,13 @@ from carpool.client import limiter
 from carpool.client.base import Backend, CallResult, Request
 from carpool.client.budget import Budget, make_budget
 from carpool.client.limiter import FixedLimiter
+from carpool.jobs import limit_start
 from carpool.jobs.caching import TaskCache, open_task_cache
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
 from carpool.jobs.journal import Journal
 from carpool.jobs.options import RunOptions
 from carpool.jobs.output_format import output_target
+from carpool.jobs.prefix_plan import PlannedSource, wants_plan
 from carpool.jobs.readers import Reader, RecordSource, TaskSource
 from carpool.jobs.tasks import Task, TaskDefaults
 from carpool.jobs.tokens import CountedSource, openai_counter, openai_encoding_name
@@ -75,6 +77,8 @@ class JobParts:
     # Begins starting the job's engine in the background; the pipeline calls it first thing,
     # so the model loads while the job opens its journal and reads its first tasks.
     start_engine: Callable[[], None] | None = None
+    # Started as the job begins, cancelled when it ends (the limiter asking the servers where to start).
+    primers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 def job_defaults(opts: RunOptions) -> TaskDefaults:
@@ -127,7 +131,8 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
 
         specs = job_endpoints(opts)
         http = HttpBackend(specs, model=opts.defaults.model, stream=opts.stream, timeouts=opts.timeouts,
-                           max_connections=opts.max_concurrency or 0, balancer=balancer)
+                           max_connections=opts.max_concurrency or 0, balancer=balancer,
+                           prefix_routing=opts.prefix_routing)
         label = f"http {', '.join(s.name for s in specs)}"
         model = opts.engine_model
         if opts.endpoint_specs:  # the models the endpoints are sent, for cache keys of tasks naming none
@@ -186,8 +191,11 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
     """The parts ``opts`` asks for; ``source``, ``budget`` and ``balancer`` replace the default
     ones (the input file's reader, ``opts.budget`` or local RPM/TPM buckets, the local balancer)."""
     messages: list[str] = []
+    reader: Reader | None = None
     if source is None:
-        source = Reader(opts.input, opts.fmt, opts.template, job_defaults(opts))
+        reader = Reader(opts.input, opts.fmt, opts.template, job_defaults(opts))
+        source = PlannedSource(reader, force=opts.prefix_order is True) \
+            if wants_plan(opts) and PlannedSource.usable(reader) else reader
     encoding = openai_encoding_name(opts.defaults.model or "") if opts.tpm and opts.endpoints else None
     if encoding is not None:
         # A TPM budget for an OpenAI model: its real BPE is cheap next to a request, and a
@@ -195,11 +203,14 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
         source = CountedSource(source, openai_counter(encoding))
     journal = make_journal(opts)
     target = make_backend(opts, balancer)
-    start_engine = target.start_engine if target.start_engine is not None and _starts_with_generation(source) \
-        else None
+    start_engine = target.start_engine if target.start_engine is not None and \
+        _starts_with_generation(reader if reader is not None else source) else None
     if budget is None:
         budget = opts.budget if opts.budget is not None else make_budget(opts.rpm, opts.tpm)
     caches = open_task_cache(opts, target.model, endpoint_identity(opts), messages)
-    return JobParts(source=source, journal=journal, backend=target.backend, limiter=job_limiter(opts),
+    lim = job_limiter(opts)
+    primers, remember = limit_start.wire(opts, lim, reader if reader is not None else source)
+    return JobParts(source=source, journal=journal, backend=target.backend, limiter=lim,
                     budget=budget, caches=caches, check=target.check, label=target.label,
-                    closers=target.closers, messages=messages, start_engine=start_engine)
+                    closers=[*target.closers, *remember], messages=messages, start_engine=start_engine,
+                    primers=primers)

@@ -39,6 +39,7 @@ from carpool.jobs.dedup import Dedup, Lead
 from carpool.jobs.journal import DoneSet, SeenIds
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import JobParts
+from carpool.jobs.prefix_plan import PlannedSource, WindowOrder
 from carpool.jobs.progress import Progress
 from carpool.jobs.readers import TaskSource
 from carpool.jobs.structured import check_answer
@@ -236,6 +237,7 @@ class Pipeline:
         counter = asyncio.get_running_loop().run_in_executor(None, parts.source.count)
         counter.add_done_callback(lambda f: setattr(st, "total", f.result()) if not f.exception() else None)
         ticker = asyncio.create_task(self._tick(writer, progress))
+        primers: list[asyncio.Future] = [asyncio.ensure_future(p()) for p in parts.primers]
         # A job that began starting its engine counts from then: elapsed holds the whole start.
         st.started = began if parts.start_engine is not None else time.monotonic()
         try:
@@ -249,6 +251,8 @@ class Pipeline:
             raise
         finally:
             ticker.cancel()
+            for p in primers:
+                p.cancel()
             await self._end_pending()
             writer.close()
             st.finished = time.monotonic()
@@ -257,6 +261,9 @@ class Pipeline:
                 st.outages = self.executor.gate.summary()
             st.sample(parts.limiter.snapshot())
             st.concurrency = parts.limiter.summary()
+            affinity = getattr(getattr(parts.backend, "balancer", None), "affinity", None)
+            if affinity is not None:
+                st.routing = affinity.summary()
             progress.stop()
             await self._close()  # the backend's close waits for an engine start still running
             st.engine_start_s = parts.backend.engine_start_s
@@ -339,7 +346,13 @@ class Pipeline:
 
     # -- reading and admission ------------------------------------------------------------
     async def _produce(self, done: DoneSet, writer: ResultWriter) -> None:
-        o = self.opts
+        src = self.parts.source
+        src = getattr(src, "source", src)  # a source wrapping the planned one (CountedSource)
+        planned = isinstance(src, PlannedSource)
+        if isinstance(src, PlannedSource):  # the pass over the whole file, off the event loop
+            await asyncio.to_thread(src.prepare)
+            self.stats.prefix_order = src.info.to_dict()
+        order = WindowOrder(self.opts, planned)
         window: list[tuple[_TaskWriter, Task]] = []
         n = 0
         for item in self.parts.source:
@@ -361,9 +374,9 @@ class Pipeline:
             task = self._admit(item, out)
             if task is None:
                 continue
-            if o.prefix_order:
+            if order.wants(task):
                 window.append((out, task))
-                if len(window) >= o.prefix_window:
+                if len(window) >= order.size:
                     self._dispatch_window(window)
                     window = []
                 continue
@@ -554,6 +567,7 @@ class Pipeline:
             st.prompt_tokens += res.prompt_tokens
             st.completion_tokens += res.completion_tokens
             st.cached_prompt_tokens += res.cached_tokens
+            st.prompt_reuse.add(res.endpoint, res.prompt_tokens, res.cached_tokens, res.cached_reported)
             st.ttft.add(res.ttft_s)
             st.tpot.add(res.tpot_s)
             st.e2e.add(res.e2e_s)

@@ -92,6 +92,7 @@ class Progress:
         rps, tps = self._rates()
         completed = s.done + s.skipped
         hits = s.cache_hits + s.semantic_hits + s.dedup_fanouts
+        extra = s.prompt_reuse.progress_text() + extra
         if self._tqdm is not None:
             if s.total is not None and self._tqdm.total != s.total:
                 self._tqdm.total = s.total

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from carpool.jobs.prices import Prices, cost_doc
+from carpool.jobs.prompt_cache import PromptReuse
 from carpool.redact import redact_text
 
 
@@ -54,6 +55,8 @@ class JobStats:
     semantic_similarities: list = field(default_factory=list)  # (custom_id, similarity), first 1000
     semantic_audit: dict | None = None  # --semantic-audit N: carpool.cache.audit.SemanticAudit.report()
     concurrency: dict | None = None  # the limiter's summary(): the limit the job ran at, and why
+    prefix_order: dict | None = None  # carpool.jobs.prefix_plan.PlanInfo of a planned input file
+    routing: dict | None = None  # several endpoints: carpool.client.affinity.Affinity.summary()
     dedup_fanouts: int = 0
     saved_tokens: int = 0  # tokens of answers that cost nothing: cache hits and dedup fan-outs
     saved_prompt_tokens: int = 0  # the same, split as the bill splits them
@@ -62,6 +65,7 @@ class JobStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    prompt_reuse: PromptReuse = field(default_factory=PromptReuse)  # the servers' prefix-cache reuse
     retries: Counter = field(default_factory=Counter)
     ttft: Reservoir = field(default_factory=Reservoir)
     tpot: Reservoir = field(default_factory=Reservoir)
@@ -148,7 +152,7 @@ class JobStats:
             "tokens_per_s": round(self.tokens / el, 1) if el else None,
             "output_tokens_per_s": round(self.completion_tokens / el, 1) if el else None,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens, "prompt_cache": self.prompt_reuse.to_dict(),
             "sent": self.sent, "retries": dict(self.retries),
             "ttft_ms_p50": ms(self.ttft, 50), "ttft_ms_p99": ms(self.ttft, 99),
             "tpot_ms_p50": ms(self.tpot, 50), "tpot_ms_p99": ms(self.tpot, 99),
@@ -166,4 +170,6 @@ class JobStats:
             "cache_ttl_s": self.cache_ttl_s,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
             **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
+            **({"prefix_order": self.prefix_order} if self.prefix_order is not None else {}),
+            **({"routing": self.routing} if self.routing is not None else {}),
         }

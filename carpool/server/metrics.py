@@ -44,6 +44,8 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("num_preemptions", "vllm:num_preemptions", "Cumulative number of preemptions", "counter"),
     ("prompt_tokens", "vllm:prompt_tokens", "Number of prefill tokens processed", "counter"),
     ("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed", "counter"),
+    # The batch limit, so a client can start at it instead of ramping up (carpool.client.start_limit).
+    ("max_num_seqs", "carpool:max_num_seqs", "Sequences the engine runs in one batch at most", "gauge"),
 )
 
 

@@ -23,7 +23,7 @@ import json
 import random
 import time
 import urllib.parse
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -89,6 +89,13 @@ class FaultConfig:
     # Answer with the last user message (or the prompt) as it is, finish_reason "stop": a
     # model that says what the test wrote (e.g. the JSON a structured-output test needs).
     echo: bool = False
+    # A prefix cache of this many blocks (64 characters of the prompt each, least recently
+    # used out): answers then report usage.prompt_tokens_details.cached_tokens as vLLM does,
+    # and prefix_queries / prefix_hits count prompt tokens as vLLM's /metrics counters do.
+    prefix_cache_blocks: int | None = None
+    # A vLLM-style /metrics page publishing this KV cache (vllm:cache_config_info, blocks of
+    # 16 tokens) and the prefix-cache counters; None: no /metrics (404).
+    kv_cache_tokens: int | None = None
 
     @classmethod
     def zero(cls) -> FaultConfig:
@@ -122,6 +129,9 @@ class FaultServer:
         # What was received, for tests that check what a client sent (the first 1000):
         # {"method", "path", "query", "headers", "body"}.
         self.received: list[dict] = []
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def counts(self) -> dict:
         return {
@@ -149,6 +159,7 @@ class FaultServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/openai/models", self._models)
         app.router.add_get("/stats", self._stats)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
@@ -172,6 +183,22 @@ class FaultServer:
     def _cards(self) -> list[dict]:
         return [m if isinstance(m, dict) else {"id": m, "object": "model", "owned_by": "fault-server"}
                 for m in self.config.models or []]
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        kv = self.config.kv_cache_tokens
+        if kv is None:
+            return web.Response(status=404, text="no /metrics here")
+        refused = self._auth_problem(request)
+        if refused is not None:
+            return refused
+        info = f'block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="{kv // 16}"'
+        lines = ["# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0",
+                 "# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{engine="0"}} {self.in_flight}',
+                 "# TYPE vllm:prefix_cache_queries counter",
+                 f'vllm:prefix_cache_queries_total{{engine="0"}} {self.prefix_queries}',
+                 "# TYPE vllm:prefix_cache_hits counter",
+                 f'vllm:prefix_cache_hits_total{{engine="0"}} {self.prefix_hits}']
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         refused = self._auth_problem(request)
@@ -309,7 +336,7 @@ class FaultServer:
         if cfg.token_latency_s and not cfg.zero_latency:
             await asyncio.sleep(cfg.token_latency_s * n_tokens)
         text = " ".join(self._words(body, key, n_tokens))
-        usage = _usage(body, n_tokens)
+        usage = self._usage(body, n_tokens)
         finish = "stop" if cfg.echo else "length"
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
@@ -381,13 +408,36 @@ class FaultServer:
         await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage_chunk = {"id": cid, "object": last["object"], "model": model, "choices": [],
-                           "usage": _usage(body, n_tokens)}
+                           "usage": self._usage(body, n_tokens)}
             await resp.write(b"data: " + json.dumps(usage_chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.completed[key] += 1
         self.status_counts[200] += 1
         return resp
+
+    def _usage(self, body: dict, n_tokens: int) -> dict:
+        usage = _usage(body, n_tokens)
+        size = self.config.prefix_cache_blocks
+        if size is None:
+            return usage
+        text = json.dumps(body.get("messages") or body.get("prompt") or "")
+        h, matched, hit = 0, 0, True
+        for i in range(0, len(text) - 63, 64):  # whole blocks only, as a paged KV cache
+            h = hash((h, text[i:i + 64]))
+            if hit and h in self._blocks:
+                matched += 64
+            else:
+                hit = False
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > size:
+            self._blocks.popitem(last=False)
+        cached = min(matched // 4, usage["prompt_tokens"])
+        self.prefix_queries += usage["prompt_tokens"]
+        self.prefix_hits += cached
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def _error(self, status: int, message: str, retry_after: float | None) -> web.Response:
         self.status_counts[status] += 1
