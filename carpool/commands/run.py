@@ -374,13 +374,13 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         opts = options_from_args(args)
-        _say_all(start_checks(opts, args))
-        if opts.batch is not None:
+        if opts.batch is not None:  # refuses flags the batch path cannot honour
             from carpool.jobs.batch_api.runner import BatchRunner
 
             runner: Runner | BatchRunner = BatchRunner(opts, notify=_say)
         else:
             runner = Runner(opts, notify=_say)
+        _say_all(start_checks(opts, args))
         stats = run_with_signals(runner)
     except (FileNotFoundError, ValueError) as e:  # StartRefused is a ValueError
         _tell(f"carpool run: {e}")

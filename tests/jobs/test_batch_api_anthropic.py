@@ -236,7 +236,7 @@ def test_retry_errors_resubmits_only_the_error_lines_and_leaves_one_line_per_id(
     assert sorted(second.server.received) == ["t1", "t2"]
 
 
-def test_a_wrong_key_refuses_the_start_and_an_unreachable_provider_stops_resumably(anthropic, tmp_path):
+def test_a_wrong_key_or_an_unreachable_provider_refuses_the_start(anthropic, tmp_path):
     srv = anthropic()
     tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
     _tasks(tasks, 4)
@@ -247,8 +247,8 @@ def test_a_wrong_key_refuses_the_start_and_an_unreachable_provider_stops_resumab
     assert not srv.server.received
     args = [a if a != srv.url else "http://127.0.0.1:9" for a in _args(srv, tasks, out)]  # nothing listens
     r = cli(*args, "--max-attempts", "2", env=KEY)
-    assert r.returncode == 4, r.stderr
-    assert "cannot connect" in r.stderr and "the same command picks them up" in r.stderr
+    assert r.returncode == 2, r.stderr  # checked at start, before anything is submitted
+    assert "nothing answers at http://127.0.0.1:9" in r.stderr
 
 
 def test_polls_the_provider_does_not_answer_are_waited_out(anthropic, tmp_path):
@@ -260,3 +260,19 @@ def test_polls_the_provider_does_not_answer_are_waited_out(anthropic, tmp_path):
     _check_output(out, ids)
     assert "HTTP 529" in r.stderr and "polling on" in r.stderr
     assert srv.server.polls > 5
+
+
+def test_a_second_run_on_the_same_output_is_refused_before_submitting(anthropic, tmp_path):
+    from carpool.jobs.output_lock import OutputLock
+
+    srv = anthropic()
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    _tasks(tasks, 4)
+    held = OutputLock(out)  # another run is writing this output
+    held.acquire()
+    try:
+        r = cli(*_args(srv, tasks, out), env=KEY)
+    finally:
+        held.release()
+    assert r.returncode == 2, r.stderr
+    assert "out.jsonl" in r.stderr and not srv.server.received

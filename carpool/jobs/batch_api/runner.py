@@ -21,7 +21,9 @@ from carpool.jobs.batch_api.options import BatchOptions
 from carpool.jobs.batch_api.provider import Provider
 from carpool.jobs.exit_codes import StartRefused
 from carpool.jobs.options import RunOptions
-from carpool.jobs.output_format import output_target, write_parquet
+from carpool.jobs.output_format import output_target, write_table
+from carpool.jobs.output_lock import OutputLock
+from carpool.jobs.prices import Prices
 from carpool.jobs.readers import TaskSource
 from carpool.jobs.runner import Runner, job_prices
 from carpool.jobs.summary import JobStats
@@ -68,9 +70,30 @@ class BatchRunner:
             if part is not None:
                 part.request_stop()
 
+    def terminate(self) -> None:
+        """SIGTERM: stop as Ctrl-C does.  Nothing waits on a stream here: the batches stay
+        submitted at the provider and the same command picks them up."""
+        self.request_stop()
+
     async def run(self) -> JobStats:
         target = output_target(self.opts.output)
         prices = job_prices(self.opts)
+        lock = OutputLock(target.journal)
+        lock.acquire()  # another run writing this output: refused before anything is submitted
+        try:
+            stats = await self._batches(prices)
+        finally:
+            lock.release()
+        finished = not (stats.interrupted or stats.stopped_by_outage)
+        assert self.job is not None
+        if finished and self.job.state.online:
+            stats = await self._online(stats)  # a Runner of its own, which takes the lock again
+        if target.is_table and finished:
+            rows = await asyncio.to_thread(write_table, target)
+            self.messages.append(f"wrote {target.path} ({rows:,} rows) from its journal {target.journal}")
+        return stats
+
+    async def _batches(self, prices: Prices | None) -> JobStats:
         provider = make_provider(self.batch, self.notify)
         self.job = BatchJob(self.opts, self.batch, provider, self.notify, self.source)
         if self._stopped:
@@ -80,12 +103,6 @@ class BatchRunner:
         self.messages = self.job.messages
         if self.opts.ordered:
             self.messages.append("--ordered has no effect through a batch API: lines are written as batches end")
-        finished = not (stats.interrupted or stats.stopped_by_outage)
-        if finished and self.job.state.online:
-            stats = await self._online(stats)
-        if target.kind == "parquet" and finished:
-            rows = await asyncio.to_thread(write_parquet, target.journal, target.path)
-            self.messages.append(f"wrote {target.path} ({rows:,} rows) from its journal {target.journal}")
         return stats
 
     async def _online(self, stats: JobStats) -> JobStats:
