@@ -1,6 +1,6 @@
 """`carpool run --batch-api openai` against `carpool serve`, the SERVER killed with -9 mid-run.
 
-    flock /tmp/carpool-heavy.lock python benchmarks/batch_run_kill9.py [--tasks 600] [--kills 3] [--model smollm2]
+    flock /tmp/carpool-heavy.lock python benchmarks/batch_run_kill9.py [--tasks 1000] [--kills 3] [--model smollm2]
 
 One `carpool run` subprocess submits a job through the batch path (several batches, so a kill
 can land while batches are uploaded, created, running or being downloaded) to a `carpool serve`
@@ -107,11 +107,21 @@ def kill_loop(a, rng: random.Random, port: int, store: str, run: subprocess.Pope
         srv_ctx.__exit__(None, None, None)
         pause = rng.uniform(0.0, a.max_pause)
         kills.append({"at_s": round(time.monotonic() - t0, 1), "after_s": round(delay, 2),
-                      "down_s": round(pause, 2), "lines_written": _lines(a.out)})
+                      "down_s": round(pause, 2), "lines_written": _lines(a.out),
+                      "batches_created": _created(a.out)})
         time.sleep(pause)
         srv_ctx = start_server_process(serve_args(a, port, store))
         srv = srv_ctx.__enter__()
     return kills, (srv_ctx, srv)
+
+
+def _created(out: Path) -> int | None:
+    """How many of its batches the run has created (its own index; None before it has one)."""
+    try:
+        doc = json.loads(Path(str(out) + ".batches", "index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return sum(1 for b in doc.get("batches", []) if b.get("batch_id"))
 
 
 def _lines(out: Path) -> int:
@@ -121,9 +131,9 @@ def _lines(out: Path) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--tasks", type=int, default=600)
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=150, help="--batch-max-requests of the run")
+    p.add_argument("--tasks", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=200, help="--batch-max-requests of the run")
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--window", type=float, default=20.0, help="a kill comes 0.5..this many seconds after a start")
     p.add_argument("--max-pause", type=float, default=3.0, help="the server stays down 0..this many seconds")
@@ -162,7 +172,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "batch_run_kill9", "model": a.model, "cpu": cpu_name(), **cpu_flags(), "seed": seed,
         "tasks": a.tasks, "max_tokens": a.max_tokens, "batch_size": a.batch_size, "kills": kills,
-        "run_exit_code": code, **result,
+        "kills_done": sum(1 for k in kills if "skipped" not in k), "run_exit_code": code, **result,
         "received": {"never": len(want - set(counts)), "once": sum(1 for n in counts.values() if n == 1),
                      "twice_or_more": sum(1 for n in counts.values() if n > 1)},
         "batches": batches, "batches_ended_unfinished": resubmitting,
