@@ -151,6 +151,9 @@ async def preflight(opts: RunOptions, wait_s: float = 0.0, probe: bool = True,
         reader = Reader(opts.input, opts.fmt, opts.template, opts.defaults)
         check_template(opts, reader)
         notes += check_tasks(opts, reader)
-    if probe and opts.endpoints and not opts.echo:
+    # A batch run is not probed: its first API call checks the key and the route, and a run
+    # resumed while the provider is away must wait out --outage-timeout on the batches it
+    # already submitted (exit 4, resumable), not be refused as if nothing had been sent.
+    if probe and opts.endpoints and not opts.echo and opts.batch is None:
         notes += await probe_endpoints(job_endpoints(opts), wait_s, min(opts.timeouts.connect_s, 10.0), say)
     return notes
