@@ -136,6 +136,16 @@ def check_tasks(opts: RunOptions, reader: Reader) -> list[str]:
     return notes
 
 
+def _resumes_batches(opts: RunOptions) -> bool:
+    if opts.batch is None or opts.fresh:
+        return False
+    from carpool.jobs.batch_api.state import BatchState
+
+    state = BatchState(opts.output)
+    state.load()
+    return bool(state.active())
+
+
 async def preflight(opts: RunOptions, wait_s: float = 0.0, probe: bool = True,
                     say: Callable[[str], None] | None = None) -> list[str]:
     """Everything checked before the first task; raises ``StartRefused``; returns warnings.
@@ -151,6 +161,9 @@ async def preflight(opts: RunOptions, wait_s: float = 0.0, probe: bool = True,
         reader = Reader(opts.input, opts.fmt, opts.template, opts.defaults)
         check_template(opts, reader)
         notes += check_tasks(opts, reader)
-    if probe and opts.endpoints and not opts.echo:
+    # A batch run that already submitted batches is not probed: resumed while the provider
+    # is away, it must wait out --outage-timeout on them (exit 4, resumable), not be refused
+    # as if nothing had been sent.  A fresh one is checked like an online job.
+    if probe and opts.endpoints and not opts.echo and not _resumes_batches(opts):
         notes += await probe_endpoints(job_endpoints(opts), wait_s, min(opts.timeouts.connect_s, 10.0), say)
     return notes

@@ -276,3 +276,22 @@ def test_a_second_run_on_the_same_output_is_refused_before_submitting(anthropic,
         held.release()
     assert r.returncode == 2, r.stderr
     assert "out.jsonl" in r.stderr and not srv.server.received
+
+
+def test_a_run_with_submitted_batches_waits_for_a_provider_that_is_away(anthropic, tmp_path):
+    """A resume whose batches are at the provider is not refused at start when the provider
+    does not answer: it waits out --outage-timeout on them and stops resumably (exit 4)."""
+    from carpool.jobs.batch_api.state import RUNNING, BatchState, Entry
+
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    ids = _tasks(tasks, 4)
+    state = BatchState(out)
+    state.provider = "anthropic"
+    state.write_ids("b0", [[cid, cid, i + 1, {"i": i}] for i, cid in enumerate(ids)])
+    state.entries = [Entry("b0", "claude-test", len(ids), status=RUNNING, batch_id="msgbatch_gone")]
+    state.save()
+    srv = anthropic()
+    args = [a if a != srv.url else "http://127.0.0.1:9" for a in _args(srv, tasks, out)]  # nothing listens
+    r = cli(*args, "--max-attempts", "2", "--outage-timeout", "1s", env=KEY)
+    assert r.returncode == 4, r.stderr
+    assert "the same command picks them up" in r.stderr

@@ -233,3 +233,26 @@ def test_a_create_whose_answer_was_lost_is_found_by_its_metadata(serve, tmp_path
     assert ("was never created" in r.stderr) == (not created)
     assert len(_batch_ids(serve) - before) == 1
     assert _received(serve, before) == Counter({cid: 1 for cid in ids})
+
+
+def test_sigterm_mid_run_stops_it_as_interrupted_and_the_same_command_finishes(serve, tmp_path):
+    """A process manager's SIGTERM while batches run: exit 130 with nothing lost or sent
+    twice, and the same command picks the submitted batches up."""
+    before = _batch_ids(serve)
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    ids = _tasks(tasks, N)
+    args = _args(serve, tasks, out, "--batch-max-requests", "30")
+    index = tmp_path / "out.jsonl.batches" / "index.json"
+    proc = subprocess.Popen([sys.executable, "-m", "carpool.cli", "run", *map(str, args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 120
+    while not (index.exists() and '"batch_id": "' in index.read_text()):
+        assert proc.poll() is None and time.monotonic() < end, "no batch was created"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    r = cli(*args, timeout=300)
+    assert r.returncode == 0, r.stderr
+    _check(out, ids)
+    assert _received(serve, before) == Counter({cid: 1 for cid in ids})

@@ -71,9 +71,14 @@ class BatchRunner:
                 part.request_stop()
 
     def terminate(self) -> None:
-        """SIGTERM: stop as Ctrl-C does.  Nothing waits on a stream here: the batches stay
-        submitted at the provider and the same command picks them up."""
-        self.request_stop()
+        """SIGTERM: as Ctrl-C for the batches (polling stops at once; what was submitted is
+        picked up by the same command), and the online runner's own SIGTERM for the requests
+        sent online, so a process manager's stop ends the run within seconds in either part."""
+        self._stopped = True
+        if self.job is not None:
+            self.job.request_stop()
+        if self.online is not None:
+            self.online.terminate()
 
     async def run(self) -> JobStats:
         target = output_target(self.opts.output)
