@@ -90,10 +90,15 @@ def test_compiles_past_the_pool_and_its_queue_get_429(tiny_engine, tiny_config):
                        grammar_timeout_s=600, grammar_workers=1, grammar_max_waiting=0)
     with start_server(cfg, engine=tiny_engine) as srv:
         slow, out = in_background(srv.base_url, {**CHAT, "structured_outputs": {"grammar": SLOW_LARK}})
-        small = {**CHAT, "structured_outputs": {"choice": ["yes", "no"]}}
-        busy = post(srv.base_url, small)
+
+        def small(k: int) -> dict:  # a grammar not compiled before: a cached one needs no worker
+            return {**CHAT, "structured_outputs": {"choice": [f"yes {k}", "no"]}}
+
+        k = 0
+        busy = post(srv.base_url, small(k))
         while busy[0] != 429 and slow.is_alive():  # until the slow compile holds the only worker
-            busy = post(srv.base_url, small)
+            k += 1
+            busy = post(srv.base_url, small(k))
         assert busy[0] == 429, busy
         assert busy[1]["error"]["code"] == "grammar_busy"
         assert slow.is_alive()
@@ -101,7 +106,7 @@ def test_compiles_past_the_pool_and_its_queue_get_429(tiny_engine, tiny_config):
         assert status == 200, body
         slow.join(300)
         assert_clean_400(*out["answer"], "structured_outputs.grammar")
-        assert post(srv.base_url, small)[0] == 200  # the worker is free again
+        assert post(srv.base_url, small(k + 1))[0] == 200  # the worker is free again
 
 
 HOSTILE = [
