@@ -89,7 +89,16 @@ def test_compiles_past_the_pool_and_its_queue_get_429(tiny_engine, tiny_config):
     cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None, max_grammar_bytes=64 * 2**20,
                        grammar_timeout_s=600, grammar_workers=1, grammar_max_waiting=0)
     with start_server(cfg, engine=tiny_engine) as srv:
-        slow, out = in_background(srv.base_url, {**CHAT, "structured_outputs": {"grammar": SLOW_LARK}})
+        body = {**CHAT, "structured_outputs": {"grammar": SLOW_LARK}}
+        out: dict = {}
+
+        def send_slow() -> None:  # until it holds the worker (a probe's compile may hold it first)
+            while (answer := post(srv.base_url, body))[0] == 429:
+                pass
+            out["answer"] = answer
+
+        slow = threading.Thread(target=send_slow, daemon=True)
+        slow.start()
 
         def small(k: int) -> dict:  # a grammar not compiled before: a cached one needs no worker
             return {**CHAT, "structured_outputs": {"choice": [f"yes {k}", "no"]}}
