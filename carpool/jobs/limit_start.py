@@ -7,6 +7,7 @@ background while the first requests go out.  A closer keeps where this job settl
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Awaitable, Callable
 
@@ -27,7 +28,9 @@ SAMPLE = 64  # tasks whose size stands for the job's requests
 
 
 def _sample_estimates(source: TaskSource) -> list[int]:
-    it = iter(source)
+    # A copy: a source that counts what it yields (a Ray shard checks every task it handed out
+    # got a line) must count the job's own pass only.
+    it = iter(copy.copy(source))
     try:
         return [t.request.est_tokens for t in itertools.islice(it, SAMPLE) if isinstance(t, Task)]
     finally:
