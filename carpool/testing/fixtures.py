@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from carpool.testing.fault_server import FaultConfig
 
 
 class _Startable(Protocol):
@@ -30,12 +29,13 @@ S = TypeVar("S", bound=_Startable)
 
 
 @contextmanager
-def started_servers(factory: Callable[[FaultConfig | None], S]) -> Iterator[Callable[..., S]]:
-    """Yields ``start(config=None)``, which builds a server with ``factory``, starts it and
-    returns it; every server started that way is stopped when the block ends."""
+def started_servers(factory: Callable[[Any], S]) -> Iterator[Callable[..., S]]:
+    """Yields ``start(config=None)``, which builds a server with ``factory`` (from its config:
+    a ``FaultConfig``, or another test server's), starts it and returns it; every server
+    started that way is stopped when the block ends."""
     started: list[S] = []
 
-    def start(config: FaultConfig | None = None) -> S:
+    def start(config: Any = None) -> S:
         srv = factory(config)
         srv.start()
         started.append(srv)

@@ -19,6 +19,7 @@ import pytest
 from job_helpers import cli, lines
 
 from carpool.testing.anthropic_batch_server import AnthropicBatchConfig, ThreadedAnthropicBatchServer
+from carpool.testing.fixtures import started_servers
 
 KEY = {"ANTHROPIC_API_KEY": "test-key"}
 ODD_IDS = ["id with space/7", "x" * 70, "ünïcode"]  # none fits Anthropic's custom_id pattern
@@ -26,17 +27,8 @@ ODD_IDS = ["id with space/7", "x" * 70, "ünïcode"]  # none fits Anthropic's cu
 
 @pytest.fixture
 def anthropic():
-    started: list[ThreadedAnthropicBatchServer] = []
-
-    def start(**config) -> ThreadedAnthropicBatchServer:
-        srv = ThreadedAnthropicBatchServer(AnthropicBatchConfig(**config))
-        srv.start()
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
+    with started_servers(ThreadedAnthropicBatchServer) as start:
+        yield lambda **config: start(AnthropicBatchConfig(**config))
 
 
 def _tasks(path: Path, n: int) -> list[str]:
