@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 
-
 class _Startable(Protocol):
     def start(self) -> Any: ...
     def stop(self) -> None: ...
