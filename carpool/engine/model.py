@@ -356,7 +356,7 @@ class LlamaModel:
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, down, next_ln, self.eps)
         # h is the final norm of every row; the head runs only on the rows that sample.
-        return self._head(h.index_select(0, meta.logits_index), k)
+        return self._head(h.index_select(0, meta.logits_index), k, meta)
 
     def _forward_int8(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k: Kernels) -> torch.Tensor:
@@ -393,9 +393,9 @@ class LlamaModel:
             else:
                 h = k.add_rms_norm(x, down, self.norm, eps)
         # h is the final norm of every row (model dtype); the head runs only on the rows that sample.
-        return self._head(h.index_select(0, meta.logits_index), k)
+        return self._head(h.index_select(0, meta.logits_index), k, meta)
 
-    def _head(self, h: torch.Tensor, k: Kernels | None) -> torch.Tensor:
+    def _head(self, h: torch.Tensor, k: Kernels | None, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [S, vocab] (model dtype) of the final-norm rows ``h``.
 
         An int8 head (``quant.QUANTIZE_LM_HEAD``) ranks, the model-dtype head decides: the int8
@@ -404,6 +404,9 @@ class LlamaModel:
         model-dtype head's unless its token fell outside the int8 top k.  The other logits (what
         a temperature draw may reach, and top_logprobs beyond k) stay int8's.
         """
+        # The head reads a fifth of a small model's weights (SmolLM2: 49152 x 576): a step may
+        # still stop before it.
+        _check_interrupt(meta)
         if not isinstance(self.head, Int8Linear):
             return self.head_linear(h, k) if k is not None else linear(h, self.head)
         if h.shape[0] == 0:
@@ -451,7 +454,7 @@ class LlamaModel:
             x = x + linear(F.silu(g) * u, layer["down"])
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = _rms_norm(x, next_ln, self.eps)
-        return self._head(h.index_select(0, meta.logits_index), None)
+        return self._head(h.index_select(0, meta.logits_index), None, meta)
 
     def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:
