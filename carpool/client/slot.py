@@ -26,11 +26,10 @@ _DROP_KINDS = (ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED)
 
 
 class LimiterSlot:
-    __slots__ = ("decoding", "held", "limiter", "sample")
+    __slots__ = ("decoding", "limiter", "sample")
 
     def __init__(self, limiter: FixedLimiter):
         self.limiter = limiter
-        self.held = False
         self.decoding = False  # the backend saw the first token of a streamed answer
         # What the release tells the limiter (``FixedLimiter.release``'s keywords); None: nothing
         # to learn, the slot is only given back.
@@ -39,12 +38,10 @@ class LimiterSlot:
     async def __aenter__(self) -> LimiterSlot:
         # A cancellation while waiting leaves nothing held: ``acquire`` gives a granted slot back.
         await self.limiter.acquire()
-        self.held = True
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        self.held = False
         self.limiter.release(**(self.sample or {}), decoding=self.decoding)
 
     def attempt(self) -> Callable[[], None]:
