@@ -28,9 +28,17 @@ at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Ten
 at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n);
 }  // namespace carpool
 
+// The compute ops run without the GIL, as torch's own ops do: a server's event loop shares the
+// process with the engine's thread, and while a kernel held the GIL an arriving request could
+// not even be read (it waited for the interpreter's switch interval, ~5 ms, at every hand-over).
+// Their arguments are converted before the release and nothing in them touches Python objects.
+namespace {
+const pybind11::call_guard<pybind11::gil_scoped_release> kNoGil;
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &carpool::best_isa, "widest instruction set this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512");
-  m.def("attention", &carpool::attention, "paged attention of a flat batch (writes the new K/V first)");
+  m.def("attention", &carpool::attention, kNoGil, "paged attention of a flat batch (writes the new K/V first)");
   m.def("cpu_has_avx512_bf16", &carpool::cpu_has_avx512_bf16, "whether this CPU runs AVX-512 BF16");
   m.def("attention_bf16_enabled", &carpool::attention_bf16_enabled,
         "whether bf16 prefill blocks run on AVX-512 BF16 dot products (default: where the CPU has them)");
@@ -41,18 +49,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "off: decode rows of an int8 KV cache are staged into bf16 like every other item (tests compare)");
   m.def("set_attention_bf16_enabled", &carpool::set_attention_bf16_enabled,
         "turn the AVX-512 BF16 prefill path on (where the CPU has it) or off (the fp32 path)");
-  m.def("add_rms_norm", &carpool::add_rms_norm, "x += residual (in place, optional); returns rms_norm(x) * w");
-  m.def("silu_mul", &carpool::silu_mul, "[gate | up] -> silu(gate) * up");
-  m.def("top_k_rows", &carpool::top_k_rows, "each row's k largest columns, largest first");
-  m.def("rope_", &carpool::rope_, "rotate-half RoPE in place on the q and k heads of qkv");
-  m.def("quantize_rows", &carpool::quantize_rows, "each row to int8 with its own fp32 scale (amax / 127)");
-  m.def("int8_dequantize", &carpool::int8_dequantize, "int32 acc * row scale * column scale (+ bias) -> dtype");
-  m.def("add_rms_norm_quant", &carpool::add_rms_norm_quant,
+  m.def("add_rms_norm", &carpool::add_rms_norm, kNoGil, "x += residual (in place, optional); returns rms_norm(x) * w");
+  m.def("silu_mul", &carpool::silu_mul, kNoGil, "[gate | up] -> silu(gate) * up");
+  m.def("top_k_rows", &carpool::top_k_rows, kNoGil, "each row's k largest columns, largest first");
+  m.def("rope_", &carpool::rope_, kNoGil, "rotate-half RoPE in place on the q and k heads of qkv");
+  m.def("quantize_rows", &carpool::quantize_rows, kNoGil, "each row to int8 with its own fp32 scale (amax / 127)");
+  m.def("int8_dequantize", &carpool::int8_dequantize, kNoGil, "int32 acc * row scale * column scale (+ bias) -> dtype");
+  m.def("add_rms_norm_quant", &carpool::add_rms_norm_quant, kNoGil,
         "x += residual (in place, optional), then rms_norm(x) * w quantized to int8 rows");
-  m.def("silu_mul_quant", &carpool::silu_mul_quant, "[gate | up] -> silu(gate) * up, quantized to int8 rows");
+  m.def("silu_mul_quant", &carpool::silu_mul_quant, kNoGil, "[gate | up] -> silu(gate) * up, quantized to int8 rows");
   m.def("cpu_has_vnni_gemm", &carpool::cpu_has_vnni_gemm, "whether this CPU runs int8_gemm (AVX-512 VNNI)");
-  m.def("int8_gemm", &carpool::int8_gemm, "int8 [M, K] x a pack_vnni weight -> int32 [M, N] (AVX-512 VNNI)");
-  m.def("int8_gemm_dequant", &carpool::int8_gemm_dequant,
+  m.def("int8_gemm", &carpool::int8_gemm, kNoGil, "int8 [M, K] x a pack_vnni weight -> int32 [M, N] (AVX-512 VNNI)");
+  m.def("int8_gemm_dequant", &carpool::int8_gemm_dequant, kNoGil,
         "int8_gemm scaled back: T((sums * row scale) * column scale) (+ bias) [M, N] in dtype");
-  m.def("bf16_gemm", &carpool::bf16_gemm, "bf16 [M, K] x a pack_bf16 weight -> bf16 [M, N] (AVX-512 BF16)");
+  m.def("bf16_gemm", &carpool::bf16_gemm, kNoGil, "bf16 [M, K] x a pack_bf16 weight -> bf16 [M, N] (AVX-512 BF16)");
 }
