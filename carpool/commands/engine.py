@@ -63,6 +63,12 @@ def render(plan: Any) -> str:
         lines.append(f"      {p['rows']:>5d} rows after {p['cached']:>4d}: kernel {_ms(p.get('kernel'))} ms, "
                      f"flash {_ms(p.get('flash'))} ms")
     lines.append("decode attention: SIMD kernel (the only route on the kernel path)")
+    grains = t.get("grain") or {}
+    for label, limit, key in (("row-wise passes", plan.row_grain, "light"), ("SiLU * up", plan.silu_grain, "silu")):
+        lines.append(f"{label}: one thread up to {limit} values, all threads above")
+        for p in grains.get(key) or []:
+            lines.append(f"      {p['rows']:>5d} rows x {p['width']}: one thread {_ms(p.get('one'))} ms, "
+                         f"split {_ms(p.get('split'))} ms")
     return "\n".join(lines)
 
 

@@ -59,8 +59,10 @@ class ModelRunner:
         """Route the model by the engine plan (cached, or measured now: a few seconds, once)."""
         if not self.planned:
             max_rows, max_seqs, max_len = self.limits
-            self.model.apply_plan(plan_measure.obtain(self.model, kernels, max_rows, max_seqs, max_len,
-                                                      self.kv_cache_dtype, self.plan_setting))
+            plan = plan_measure.obtain(self.model, kernels, max_rows, max_seqs, max_len, self.kv_cache_dtype,
+                                       self.plan_setting)
+            self.model.apply_plan(plan)
+            kernels.set_row_grains(plan.row_grain, plan.silu_grain)
             self.planned = True
 
     def _context_slots(self, seqs: list[Sequence], num_ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

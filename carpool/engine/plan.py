@@ -14,7 +14,9 @@ The routes a plan holds:
 - ``weight_only_max_rows``: int8 batches of at most this many rows run weight-only
   (``_weight_int8pack_mm``), larger ones quantize the activations;
 - ``flash_min_work``: a prefill chunk whose attention work (rows x keys seen) is at least this
-  runs torch's flash attention, smaller ones the SIMD kernel (None: never flash).
+  runs torch's flash attention, smaller ones the SIMD kernel (None: never flash);
+- ``row_grain`` / ``silu_grain``: a row-wise pass (residual add + RMSNorm, RoPE, quantizing rows;
+  SiLU * up) over at most this many values runs on one thread, a larger one on all of them.
 
 ``DEFAULT`` is the fallback when nothing is measured (``CARPOOL_ENGINE_PLAN=default``): the
 routes a 2-core Zen 5 preferred.  ``CARPOOL_ENGINE_PLAN`` (or ``extra["plan"]``) also forces
@@ -34,6 +36,9 @@ ROW_BUCKETS = (16, 64, 256, 1024, 2048)
 WEIGHT_ONLY_ROWS = (1, 2, 4, 8)
 UNBOUNDED = 1 << 30  # rows past every timed bucket
 MODES = ("measure", "remeasure", "default")
+# The fallback's row-wise passes: up to 128K values (SiLU * up: 32K) on one thread (a 2-core Zen 5).
+DEFAULT_ROW_GRAIN = 1 << 17
+DEFAULT_SILU_GRAIN = 1 << 15
 
 RouteTable = tuple[tuple[int, str], ...]
 
@@ -44,6 +49,8 @@ class Plan:
     int8_gemm: dict[str, RouteTable]
     weight_only_max_rows: int
     flash_min_work: int | None
+    row_grain: int = DEFAULT_ROW_GRAIN
+    silu_grain: int = DEFAULT_SILU_GRAIN
     source: str = "default"  # default | measured | cached, and "+forced" when overridden
     timings: dict[str, Any] = field(default_factory=dict, compare=False)
     fingerprint: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -56,6 +63,7 @@ class Plan:
         return {"gemm": {k: [list(e) for e in v] for k, v in self.gemm.items()},
                 "int8_gemm": {k: [list(e) for e in v] for k, v in self.int8_gemm.items()},
                 "weight_only_max_rows": self.weight_only_max_rows, "flash_min_work": self.flash_min_work,
+                "row_grain": self.row_grain, "silu_grain": self.silu_grain,
                 "source": self.source, "timings": self.timings, "fingerprint": self.fingerprint}
 
     @classmethod
@@ -73,7 +81,9 @@ class Plan:
         fmw = d["flash_min_work"]
         return cls(gemm=table(d["gemm"]), int8_gemm=table(d["int8_gemm"]),
                    weight_only_max_rows=int(d["weight_only_max_rows"]),
-                   flash_min_work=None if fmw is None else int(fmw), source=str(d.get("source", "cached")),
+                   flash_min_work=None if fmw is None else int(fmw),
+                   row_grain=int(d.get("row_grain", DEFAULT_ROW_GRAIN)),
+                   silu_grain=int(d.get("silu_grain", DEFAULT_SILU_GRAIN)), source=str(d.get("source", "cached")),
                    timings=dict(d.get("timings") or {}), fingerprint=dict(d.get("fingerprint") or {}))
 
 
@@ -176,6 +186,20 @@ def choose_flash_min_work(points: list[dict[str, float]]) -> int | None:
     return start
 
 
+GRAIN_ROUTES = ("one", "split")  # one thread first: it wakes nobody and leaves the other core alone
+
+
+def choose_grain(points: list[dict[str, float]]) -> int:
+    """Points {rows, width, one, split} (one pass over rows x width values on one thread / on all)
+    -> the values up to which a pass stays on one thread: the largest timed pass where one thread
+    still won (0: splitting won everywhere).  Passes larger than any timed one split."""
+    single = 0
+    for p in points:
+        if _fastest({"one": p["one"], "split": p["split"]}, GRAIN_ROUTES) == "one":
+            single = max(single, int(p["rows"] * p["width"]))
+    return single
+
+
 def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
     """The plan the timings call for (pure).  ``timings`` (as ``plan_measure.measure`` returns
     and the plan file keeps): ``gemm`` / ``int8_gemm``: {linear: {rows: {route: s}}},
@@ -186,20 +210,31 @@ def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
     int8 = {**base.int8_gemm, **choose_gemm(timings.get("int8_gemm") or {})}
     wo = timings.get("weight_only")
     prefill = timings.get("prefill")
+    grain = timings.get("grain") or {}
     return Plan(gemm=gemm, int8_gemm=int8,
                 weight_only_max_rows=choose_weight_only(wo) if wo else base.weight_only_max_rows,
                 flash_min_work=choose_flash_min_work(prefill) if prefill else base.flash_min_work,
+                row_grain=_grain(grain.get("light"), base.row_grain),
+                silu_grain=_grain(grain.get("silu"), base.silu_grain),
                 source="measured", timings=timings)
 
 
+def _grain(points: list[dict[str, float]] | None, fallback: int) -> int:
+    return choose_grain(points) if points else fallback
+
+
 # ----------------------------------------------------------------------------- forcing
+
+
+_NUMBER_KEYS = ("weight_only_max_rows", "row_grain", "silu_grain")
 
 
 def parse_overrides(text: str) -> dict[str, str]:
     """``"gemm=onednn,prefill=flash"`` -> a dict; ValueError naming the bad item and the choices.
 
     Keys: gemm (carpool|onednn, every bf16 linear), int8_gemm (carpool|onednn), prefill
-    (kernel|flash: every prefill chunk's attention), weight_only_max_rows (an integer).  The
+    (kernel|flash: every prefill chunk's attention), and whole numbers weight_only_max_rows,
+    row_grain and silu_grain (values a row-wise pass holds at most to run on one thread).  The
     words "measure" (the default: the cached plan, else measured now), "remeasure" (measured now
     whatever is cached) and "default" (no measuring, the fallback plan) stand alone."""
     choices = {"gemm": GEMM_ROUTES, "int8_gemm": GEMM_ROUTES, "prefill": PREFILL_ROUTES}
@@ -211,12 +246,12 @@ def parse_overrides(text: str) -> dict[str, str]:
             continue
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or key not in (*choices, "weight_only_max_rows"):
+        if not sep or key not in (*choices, *_NUMBER_KEYS):
             raise ValueError(f"engine plan override {item!r}: use KEY=VALUE with KEY one of "
-                             f"{', '.join((*choices, 'weight_only_max_rows'))}, or one of {', '.join(MODES)}")
-        if key == "weight_only_max_rows":
+                             f"{', '.join((*choices, *_NUMBER_KEYS))}, or one of {', '.join(MODES)}")
+        if key in _NUMBER_KEYS:
             if not value.isdigit():
-                raise ValueError(f"engine plan override {item!r}: weight_only_max_rows takes a whole number")
+                raise ValueError(f"engine plan override {item!r}: {key} takes a whole number")
         elif value not in choices[key]:
             raise ValueError(f"engine plan override {item!r}: {key} must be one of {', '.join(choices[key])}")
         out[key] = value
@@ -231,8 +266,9 @@ def apply_overrides(plan: Plan, overrides: dict[str, str]) -> Plan:
             changes[key] = _uniform(((UNBOUNDED, overrides[key]),))
     if "prefill" in overrides:
         changes["flash_min_work"] = 0 if overrides["prefill"] == "flash" else None
-    if "weight_only_max_rows" in overrides:
-        changes["weight_only_max_rows"] = int(overrides["weight_only_max_rows"])
+    for key in _NUMBER_KEYS:
+        if key in overrides:
+            changes[key] = int(overrides[key])
     if not changes:
         return plan
     return replace(plan, source=plan.source + "+forced", **changes)

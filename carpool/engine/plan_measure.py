@@ -9,6 +9,7 @@ Every timing is the best of several calls, the candidates called in turns (``rac
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -166,6 +167,42 @@ def _prefill_timings(model: LlamaModel, k: Kernels, max_rows: int, max_len: int,
     return {"prefill": points} if points else {}
 
 
+# Row counts a row-wise pass is timed at, one thread against all (the thread-grain limits).
+GRAIN_ROWS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_NEVER_SPLIT = 1 << 40
+
+
+def _time_grain(op: Callable[[], Any], set_limit: Callable[[int], None]) -> dict[str, float]:
+    def on(limit: int) -> Callable[[], None]:
+        def call() -> None:
+            set_limit(limit)
+            op()
+        return call
+
+    return race({"one": on(_NEVER_SPLIT), "split": on(0)})
+
+
+def _grain_timings(model: LlamaModel, k: Kernels, max_rows: int, clock: _Clock) -> dict[str, Any]:
+    """Per row count, residual add + RMSNorm at the hidden width and SiLU * up at the MLP's, each
+    run on one thread and split between all (``Kernels.set_row_grains``; the caller restores)."""
+    if torch.get_num_threads() < 2:
+        return {}
+    hidden, inter = model.config.hidden_size, model.config.intermediate_size
+    w = model.layers[0]["ln2"]
+    light, silu = [], []
+    for rows in (r for r in GRAIN_ROWS if r <= max(max_rows, GRAIN_ROWS[0])):
+        if clock.out:
+            break
+        x, r = torch.randn(rows, hidden).to(model.dtype), torch.randn(rows, hidden).to(model.dtype)
+        gu = torch.randn(rows, 2 * inter).to(model.dtype)
+        norm = _time_grain(functools.partial(k.add_rms_norm, x, r, w, model.eps),
+                           lambda v: k.set_row_grains(v, _NEVER_SPLIT))
+        light.append({"rows": rows, "width": hidden, **norm})
+        silu.append({"rows": rows, "width": inter, **_time_grain(functools.partial(k.silu_mul, gu),
+                                                                 lambda v: k.set_row_grains(_NEVER_SPLIT, v))})
+    return {"grain": {"light": light, "silu": silu}} if light else {}
+
+
 PASSES = 2
 
 
@@ -190,11 +227,16 @@ def measure(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len
     timings: dict[str, Any] = {}
     # Two passes, seconds apart, each time the better of the two: a stretch of the other core
     # being busy elsewhere spoils a pass's timings of a few shapes, rarely both passes' of the same.
-    for _ in range(PASSES):
-        one = _gemm_timings(model, k, max_rows, max_seqs, clock)
-        one.update(_weight_only_timings(model, k, clock))
-        one.update(_prefill_timings(model, k, max_rows, max_len, kv_cache_dtype, clock))
-        timings = _best_of(timings, one) if timings else one
+    grains = k.row_grains()
+    try:
+        for _ in range(PASSES):
+            one = _gemm_timings(model, k, max_rows, max_seqs, clock)
+            one.update(_weight_only_timings(model, k, clock))
+            one.update(_prefill_timings(model, k, max_rows, max_len, kv_cache_dtype, clock))
+            one.update(_grain_timings(model, k, max_rows, clock))
+            timings = _best_of(timings, one) if timings else one
+    finally:
+        k.set_row_grains(*grains)
     timings["seconds"] = round(time.perf_counter() - t0, 3)
     timings["complete"] = not clock.out
     return timings

@@ -20,6 +20,7 @@ from carpool.engine.plan import (
     choose,
     choose_flash_min_work,
     choose_gemm,
+    choose_grain,
     choose_weight_only,
     default_plan,
     parse_overrides,
@@ -106,9 +107,35 @@ def test_forced_routes_override_and_bad_ones_name_the_choices():
 
 def test_plan_json_round_trip():
     plan = choose({"gemm": {"qkv": gemm_times(r16=(1.0, 2.0), r64=(2.0, 1.0))},
-                   "prefill": [point(64, 0, 2, 1)]})
+                   "prefill": [point(64, 0, 2, 1)],
+                   "grain": {"light": [grain(64, 576, 1, 2)], "silu": [grain(64, 1536, 2, 1)]}})
     back = Plan.from_json(json.loads(json.dumps(plan.to_json())))
     assert back == plan and back.timings == plan.timings
+    assert (back.row_grain, back.silu_grain) == (64 * 576, 0)
+
+
+def grain(rows, width, one, split):
+    return {"rows": rows, "width": width, "one": one, "split": split}
+
+
+def test_thread_grain_is_the_largest_pass_one_thread_still_won():
+    """A machine where waking the second thread is dear keeps more rows on one thread than one
+    where it is cheap; noise inside the margin keeps one thread."""
+    dear_wake = [grain(8, 576, 1, 3), grain(64, 576, 5, 7), grain(256, 576, 20, 12), grain(1024, 576, 80, 41)]
+    cheap_wake = [grain(8, 576, 1, 3), grain(64, 576, 5, 3), grain(256, 576, 20, 11), grain(1024, 576, 80, 41)]
+    assert choose_grain(dear_wake) == 64 * 576
+    assert choose_grain(cheap_wake) == 8 * 576
+    assert choose_grain([grain(8, 576, 1.0, 0.99), grain(64, 576, 8, 4)]) == 8 * 576  # within MARGIN
+    assert choose_grain([grain(8, 576, 2, 1), grain(64, 576, 8, 4)]) == 0  # splitting won everywhere
+    plan = choose({"grain": {"light": dear_wake, "silu": cheap_wake}})
+    assert (plan.row_grain, plan.silu_grain) == (64 * 576, 8 * 576)
+    fallback = default_plan()
+    untimed = choose({})
+    assert (untimed.row_grain, untimed.silu_grain) == (fallback.row_grain, fallback.silu_grain)
+    forced = apply_overrides(plan, parse_overrides("row_grain=0,silu_grain=1000000"))
+    assert (forced.row_grain, forced.silu_grain) == (0, 1000000)
+    with pytest.raises(ValueError, match="row_grain takes a whole number"):
+        parse_overrides("row_grain=many")
 
 
 # ----------------------------------------------------------------------------- the plan file
@@ -198,7 +225,8 @@ def _generate(loaded, h, dtype: str, plan: str, ps: list[list[int]], n: int, **k
 
 
 ROUTES = ["measure", "default", "gemm=carpool,prefill=kernel", "gemm=onednn,prefill=flash",
-          "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash"]
+          "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash", "row_grain=0,silu_grain=0",
+          "row_grain=1099511627776,silu_grain=1099511627776"]
 
 
 @pytest.mark.parametrize("plan", ROUTES)
@@ -226,6 +254,9 @@ def test_every_bf16_route_answers_as_transformers(tiny, h, kernels, plan, monkey
         assert not calls
     if "gemm=carpool" in plan and kernels.has_bf16_gemm:
         assert calls
+    if "row_grain" in plan:  # the forced limits are the ones the kernels run with
+        limit = dict(item.split("=") for item in plan.split(","))["row_grain"]
+        assert kernels.row_grains() == (int(limit), int(limit))
 
 
 @pytest.mark.parametrize("weight_only", [0, 4])

@@ -204,6 +204,14 @@ class Kernels:
         """``x += residual`` (in place, when given), then returns rms_norm(x) * weight."""
         return self.module.add_rms_norm(x, residual, weight, eps, self.isa)
 
+    def set_row_grains(self, light_values: int, silu_values: int) -> None:
+        """The values a row-wise pass (residual add + RMSNorm, RoPE, quantize...; SiLU * up) holds at
+        most to run on one thread.  Process-wide: the kernels' own setting, not this object's."""
+        self.module.set_row_grains(light_values, silu_values)
+
+    def row_grains(self) -> tuple[int, int]:
+        return tuple(self.module.row_grains())
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.module.silu_mul(gate_up, self.isa)
 

@@ -6,22 +6,21 @@
 // The math is fp32 and rounds to T where Hugging Face's Llama rounds (after every torch op in the
 // model dtype), so bf16 results match transformers' instead of being merely close.
 
-// Rows per thread chunk for rows of n values: at most ~128K values run on the calling thread
-// alone (at::parallel_for then never wakes the pool).  Measured at 64 rows (a decode batch), 2
-// threads with OMP_WAIT_POLICY=PASSIVE vs 1: quantize_rows 74 vs 6 us (576 wide), the q|k|v
-// scale-back 73 vs 18 us, residual add + RMSNorm + quantize 65 vs 35 us, bf16 residual add +
-// RMSNorm 83 vs 24 us, bf16 SiLU * up 115 vs 71 us: waking the second thread costs more than it
-// saves at these sizes.  Prefill chunks (hundreds of rows) still split between the threads.
-inline int64_t row_grain(int64_t n) { return std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(n, 1)); }
+// Rows per thread chunk for rows of n values: a pass over at most g_row_grain_values values runs on
+// the calling thread alone (at::parallel_for then never wakes the pool), a larger one splits
+// between the threads.  Where the split starts paying depends on the machine: waking a passive
+// thread cost ~25 us on a 2-core Zen 4 and ~4 us on a Zen 5, so at 64 rows residual add + RMSNorm
+// ran 83 us on 2 threads vs 24 on 1 on the first and 16 vs 11.6 on the second.  The engine plan
+// times both ways on the model's widths at its first start and sets the limits (set_row_grains);
+// layers.cpp holds them.
+inline int64_t row_grain(int64_t n) {
+  return std::max<int64_t>(8, g_row_grain_values.load(std::memory_order_relaxed) / std::max<int64_t>(n, 1));
+}
 
-// SiLU * up (an exp and a division a value) costs several light passes: its chunks hold a quarter
-// of row_grain's values, so a 64-row decode batch (1536 wide) splits between the two threads.
-// Measured on the Zen 5 this runs on now (a passive wake ~4 us there, against ~25 on the Zen 4
-// above), 64 rows, 1 thread vs 2: bf16 SiLU * up 44 vs 33 us, the int8 one (dequantize, SiLU *
-// up, quantize) 59 vs 42; the light ops lost there (residual add + RMSNorm 11.6 vs 16, int8
-// residual add + RMSNorm + quantize 16 vs 21, the q|k|v scale-back + RoPE 17 vs 21 us), so their
-// limit stays.
-inline int64_t silu_row_grain(int64_t n) { return row_grain(4 * n); }
+// SiLU * up (an exp and a division a value) costs several light passes, so it has its own limit.
+inline int64_t silu_row_grain(int64_t n) {
+  return std::max<int64_t>(8, g_silu_grain_values.load(std::memory_order_relaxed) / std::max<int64_t>(n, 1));
+}
 
 // x rounded to T and back: what torch stores after one op in dtype T.  In registers: going
 // through a stack buffer (store, load) made the int8 SiLU * up, which rounds four times a

@@ -6,12 +6,30 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "simd.h"
+
+namespace carpool {
+// The values a row-wise pass holds at most to run on one thread (layer_kernels.h's row_grain);
+// these starting values are what a 2-core Zen 5 preferred, the engine plan sets measured ones.
+std::atomic<int64_t> g_row_grain_values{int64_t{1} << 17};
+std::atomic<int64_t> g_silu_grain_values{int64_t{1} << 15};
+
+void set_row_grains(int64_t light_values, int64_t silu_values) {
+  TORCH_CHECK(light_values >= 0 && silu_values >= 0, "set_row_grains: the limits are counts of values, >= 0");
+  g_row_grain_values.store(light_values, std::memory_order_relaxed);
+  g_silu_grain_values.store(silu_values, std::memory_order_relaxed);
+}
+
+std::tuple<int64_t, int64_t> row_grains() {
+  return {g_row_grain_values.load(std::memory_order_relaxed), g_silu_grain_values.load(std::memory_order_relaxed)};
+}
+}  // namespace carpool
 
 #define CARPOOL_KERNELS "layer_kernels.h"
 #include "per_isa.h"

@@ -26,6 +26,8 @@ at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n);
 at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Tensor row_scale, at::Tensor col_scale,
                              c10::optional<at::Tensor> bias, at::ScalarType dtype);
 at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n);
+void set_row_grains(int64_t light_values, int64_t silu_values);
+std::tuple<int64_t, int64_t> row_grains();
 }  // namespace carpool
 
 // The compute ops run without the GIL, as torch's own ops do: a server's event loop shares the
@@ -49,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "off: decode rows of an int8 KV cache are staged into bf16 like every other item (tests compare)");
   m.def("set_attention_bf16_enabled", &carpool::set_attention_bf16_enabled,
         "turn the AVX-512 BF16 prefill path on (where the CPU has it) or off (the fp32 path)");
+  m.def("set_row_grains", &carpool::set_row_grains,
+        "values a row-wise pass holds at most to run on one thread: (light ops, SiLU * up)");
+  m.def("row_grains", &carpool::row_grains, "the limits set_row_grains set: (light ops, SiLU * up)");
   m.def("add_rms_norm", &carpool::add_rms_norm, kNoGil, "x += residual (in place, optional); returns rms_norm(x) * w");
   m.def("silu_mul", &carpool::silu_mul, kNoGil, "[gate | up] -> silu(gate) * up");
   m.def("top_k_rows", &carpool::top_k_rows, kNoGil, "each row's k largest columns, largest first");
