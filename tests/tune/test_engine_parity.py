@@ -87,7 +87,7 @@ def test_background_prefill_goes_in_the_engines_chunks(linear_cost):
     bg = SimRequest("bg", 0.0, 1000, 2, priority=BACKGROUND_PRIORITY)
     alone = simulate(linear_cost, [fg], max_num_batched_tokens=2048)
     background = simulate(linear_cost, [bg], max_num_batched_tokens=2048)
-    assert [s["num_prefill_tokens"] for s in alone.steps][0] == 1000
+    assert alone.steps[0]["num_prefill_tokens"] == 1000
     prefills = [s["num_prefill_tokens"] for s in background.steps if s["num_prefill_tokens"]]
     assert max(prefills) == BACKGROUND_CHUNK and sum(prefills) == 1000
     assert background.ttft_s["p50"] > alone.ttft_s["p50"]
