@@ -25,10 +25,9 @@ class SimSequence(Sequence):
     concurrency cap held it back); it is the sequence's arrival time for the scheduler.
     """
 
-    def __init__(self, req: SimRequest, seqno: int, submit: float, block_size: int, keys: list[tuple]):
+    def __init__(self, req: SimRequest, submit: float, block_size: int, keys: list[tuple]):
         super().__init__(req.request_id, [0] * req.prompt_len, _PARAMS, block_size, req.priority, submit)
         self.req = req
-        self.seqno = seqno
         self.submit = submit
         self.block_hashes = [hash(k) for k in keys]
         self.preemptions = 0

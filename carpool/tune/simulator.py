@@ -174,15 +174,15 @@ class Simulator:
         self.batch_area = 0.0
         self.token_area = 0.0
         self.n_steps = 0
-        self._preempted_step = False
         self._last_release = self.t0
         self.n_blocks = self._num_blocks(reqs)
-        # The engine's own block manager and scheduler decide each continuous step.  A cache of
-        # no blocks still gets a manager of one: every request is refused before it.
-        self.bm = BlockManager(max(self.n_blocks, 1), self.cfg.block_size, self.cfg.enable_prefix_caching)
-        self.sched = Scheduler(self.bm, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens,
-                               self.cfg.scheduling_policy, self.cfg.enable_chunked_prefill)
         self.queue: list[SimSequence] = []  # static and dynamic batching: requests not yet in a batch
+        if self.cfg.batching == "continuous":
+            # The engine's own block manager and scheduler decide each step.  A cache of no
+            # blocks still gets a manager of one: every request is refused before it.
+            self.bm = BlockManager(max(self.n_blocks, 1), self.cfg.block_size, self.cfg.enable_prefix_caching)
+            self.sched = Scheduler(self.bm, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens,
+                                   self.cfg.scheduling_policy, self.cfg.enable_chunked_prefill)
 
     def _admit(self) -> None:
         """Move arrived requests to the server, within the client's concurrency cap."""
@@ -194,7 +194,7 @@ class Simulator:
             submit = max(r.arrival, self._last_release) if self.cfg.max_concurrency else r.arrival
             keys = (r.block_keys(self.cfg.block_size, r.prompt_len + r.output_len)
                     if self.cfg.enable_prefix_caching else [])
-            s = SimSequence(r, len(self.seqs), submit, self.cfg.block_size, keys)
+            s = SimSequence(r, submit, self.cfg.block_size, keys)
             max_len = self.cfg.max_model_len
             total = r.prompt_len + r.output_len
             if max_len and total > max_len:
@@ -224,7 +224,9 @@ class Simulator:
 
     def _queued(self) -> tuple[int, int]:
         """Requests waiting and running in the server (a padded batch counts apart)."""
-        return len(self.sched.waiting) + len(self.queue), len(self.sched.running)
+        if self.cfg.batching != "continuous":
+            return len(self.queue), 0
+        return len(self.sched.waiting), len(self.sched.running)
 
     def _record(self, dt: float, shape: StepShape, used_blocks: int, extra: dict | None = None) -> None:
         waiting, running = self._queued()
