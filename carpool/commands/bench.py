@@ -137,95 +137,105 @@ def apply_profile(args: argparse.Namespace) -> None:
         raise ValueError(f"--arrival {profile} needs a finite --request-rate (requests/s)")
 
 
-async def _run(args: argparse.Namespace) -> int:
-    apply_profile(args)
-    percentiles = parse_percentiles(args.metric_percentiles)
-    goodput = parse_goodput(args.goodput)
-    metric_names = parse_metric_names(args.percentile_metrics)
-    reqs = build_requests(args)
-
-    async with AsyncExitStack() as stack:
-        if args.endpoint:
-            backend: Any = await stack.enter_async_context(
-                http_load_client(
-                    args.endpoint,
-                    args.model,
-                    flags.api_key(args.api_key),
-                    max_connections=args.max_concurrency or 0,
-                    temperature=args.temperature,
-                )
+async def _open_backend(args: argparse.Namespace, stack: AsyncExitStack) -> Any:
+    """The load client: an HTTP endpoint's, or the embedded engine's (started here, stopped with ``stack``)."""
+    if args.endpoint:
+        return await stack.enter_async_context(
+            http_load_client(
+                args.endpoint,
+                args.model,
+                flags.api_key(args.api_key),
+                max_connections=args.max_concurrency or 0,
+                temperature=args.temperature,
             )
-        else:
-            from carpool.engine import AsyncEngine
-            from carpool.engine.config import EngineConfig
-
-            cfg = EngineConfig(model=args.model or "smollm2", seed=args.seed)
-            if args.max_num_seqs:
-                cfg.max_num_seqs = args.max_num_seqs
-            engine = await stack.enter_async_context(AsyncEngine(cfg))
-            backend = engine_load_client(engine, temperature=args.temperature)
-
-        # One test request first (as vLLM does), so a wrong URL or model fails in a second, not after a run.
-        probe = datasets.BenchRequest(
-            "probe",
-            max_tokens=min(4, reqs[0].max_tokens),
-            prompt_len=reqs[0].prompt_len,
-            messages=reqs[0].messages,
-            prompt=reqs[0].prompt,
         )
-        for _ in range(max(1, args.num_warmups)):
-            rec = await backend.send(probe)
-            if not rec.success:
-                from carpool.redact import redact_url
+    from carpool.engine import AsyncEngine
+    from carpool.engine.config import EngineConfig
 
-                where = redact_url(args.endpoint) if args.endpoint else "the embedded engine"
-                print(f"carpool bench: the test request to {where} failed: {rec.error}", file=sys.stderr)
-                return 1
+    cfg = EngineConfig(model=args.model or "smollm2", seed=args.seed)
+    if args.max_num_seqs:
+        cfg.max_num_seqs = args.max_num_seqs
+    engine = await stack.enter_async_context(AsyncEngine(cfg))
+    return engine_load_client(engine, temperature=args.temperature)
 
-        plans: list[tuple[str, float, int | None]]
-        if args.sweep:
-            plans = [("synchronous", math.inf, 1), ("throughput", math.inf, args.max_concurrency)]
-        else:
-            plans = [(args.label or "", args.request_rate, args.max_concurrency)]
-        runs: list[tuple[BenchRun, dict]] = []
-        i = 0
-        while i < len(plans):
-            label, rate, conc = plans[i]
-            if conc == 1:
-                desc = "one at a time"
-            elif math.isinf(rate):
-                desc = "all at once"
-            else:
-                desc = f"{rate:.3g} req/s (burstiness {args.burstiness})"
-            print(
-                f"== {label or 'run'}: {desc}, max concurrency {conc}, {len(reqs)} requests", file=sys.stderr
-            )
-            run = await run_benchmark(backend, reqs, rate, args.burstiness, conc, seed=args.seed, label=label)
-            res = result_json(
-                run,
-                backend=backend.name,
-                model_id=backend.model,
-                num_prompts=len(reqs),
-                percentiles=percentiles,
-                goodput=goodput,
-                percentile_metrics=metric_names,
-                label=args.label or label or None,
-                detailed=args.save_detailed,
-            )
-            runs.append((run, res))
-            print(format_result(res, metric_names), file=sys.stderr if args.json_out == "-" else sys.stdout)
-            if args.sweep and i == 1:
-                sync_rps, max_rps = runs[0][1]["request_throughput"], runs[1][1]["request_throughput"]
-                rates = sweep_plan(sync_rps, max_rps, args.sweep_steps)
-                if not rates:
-                    print(
-                        f"sweep: saturation ({max_rps:.2f} req/s) is no faster than one at a time "
-                        f"({sync_rps:.2f} req/s): the server runs one request at a time; no rates between",
-                        file=sys.stderr,
-                    )
-                plans += [(f"rate {r:.3g}", r, args.max_concurrency) for r in rates]
-            i += 1
 
+async def _probe(backend: Any, reqs: list[datasets.BenchRequest], args: argparse.Namespace) -> bool:
+    """One test request first (as vLLM does), so a wrong URL or model fails in a second, not
+    after a run; False (said on stderr) when it fails."""
+    probe = datasets.BenchRequest(
+        "probe",
+        max_tokens=min(4, reqs[0].max_tokens),
+        prompt_len=reqs[0].prompt_len,
+        messages=reqs[0].messages,
+        prompt=reqs[0].prompt,
+    )
+    for _ in range(max(1, args.num_warmups)):
+        rec = await backend.send(probe)
+        if not rec.success:
+            from carpool.redact import redact_url
+
+            where = redact_url(args.endpoint) if args.endpoint else "the embedded engine"
+            print(f"carpool bench: the test request to {where} failed: {rec.error}", file=sys.stderr)
+            return False
+    return True
+
+
+def _describe(rate: float, conc: int | None, burstiness: float) -> str:
+    if conc == 1:
+        return "one at a time"
+    if math.isinf(rate):
+        return "all at once"
+    return f"{rate:.3g} req/s (burstiness {burstiness})"
+
+
+def _sweep_rates(plans: list[tuple[str, float, int | None]], runs: list[tuple[BenchRun, dict]],
+                 args: argparse.Namespace) -> None:
+    """After a sweep's two bounding runs: add the rates between one at a time and saturation."""
+    sync_rps, max_rps = runs[0][1]["request_throughput"], runs[1][1]["request_throughput"]
+    rates = sweep_plan(sync_rps, max_rps, args.sweep_steps)
+    if not rates:
+        print(
+            f"sweep: saturation ({max_rps:.2f} req/s) is no faster than one at a time "
+            f"({sync_rps:.2f} req/s): the server runs one request at a time; no rates between",
+            file=sys.stderr,
+        )
+    plans += [(f"rate {r:.3g}", r, args.max_concurrency) for r in rates]
+
+
+async def _run_plans(backend: Any, reqs: list[datasets.BenchRequest], args: argparse.Namespace,
+                     stats: dict[str, Any]) -> list[tuple[BenchRun, dict]]:
+    """Every planned run in order, each printed as it ends; a sweep plans its rates after two.
+    ``stats``: the percentiles, goodput and percentile metrics each result reports."""
+    plans: list[tuple[str, float, int | None]]
+    if args.sweep:
+        plans = [("synchronous", math.inf, 1), ("throughput", math.inf, args.max_concurrency)]
+    else:
+        plans = [(args.label or "", args.request_rate, args.max_concurrency)]
+    runs: list[tuple[BenchRun, dict]] = []
+    i = 0
+    while i < len(plans):
+        label, rate, conc = plans[i]
+        desc = _describe(rate, conc, args.burstiness)
+        print(f"== {label or 'run'}: {desc}, max concurrency {conc}, {len(reqs)} requests", file=sys.stderr)
+        run = await run_benchmark(backend, reqs, rate, args.burstiness, conc, seed=args.seed, label=label)
+        res = result_json(
+            run,
+            backend=backend.name,
+            model_id=backend.model,
+            num_prompts=len(reqs),
+            **stats,
+            label=args.label or label or None,
+            detailed=args.save_detailed,
+        )
+        runs.append((run, res))
+        print(format_result(res, stats["percentile_metrics"]), file=sys.stderr if args.json_out == "-" else sys.stdout)
+        if args.sweep and i == 1:
+            _sweep_rates(plans, runs, args)
+        i += 1
+    return runs
+
+
+def _write_outputs(args: argparse.Namespace, runs: list[tuple[BenchRun, dict]]) -> None:
     if args.save_result or args.result_file:
         name = args.result_file or default_result_name(runs[0][1])
         out = Path(args.result_dir) / name if args.result_dir else Path(name)
@@ -241,6 +251,19 @@ async def _run(args: argparse.Namespace) -> int:
 
         pngs = write_report(args.report, runs)
         print(f"report: {args.report} (plots: {pngs[0].parent})", file=sys.stderr)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    apply_profile(args)
+    stats = {"percentiles": parse_percentiles(args.metric_percentiles), "goodput": parse_goodput(args.goodput),
+             "percentile_metrics": parse_metric_names(args.percentile_metrics)}
+    reqs = build_requests(args)
+    async with AsyncExitStack() as stack:
+        backend = await _open_backend(args, stack)
+        if not await _probe(backend, reqs, args):
+            return 1
+        runs = await _run_plans(backend, reqs, args, stats)
+    _write_outputs(args, runs)
     return 0 if any(res["completed"] for _, res in runs) else 1
 
 

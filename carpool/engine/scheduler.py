@@ -211,8 +211,10 @@ class Scheduler:
         full = (seq.num_tokens - 1) // self.bm.block_size  # blocks that could hit (see match_prefix)
         return num_cached_blocks < full and seq.block_hash(num_cached_blocks) in pending
 
-    def schedule(self) -> SchedulerOutput:
-        now = time.monotonic()
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """One step's batch.  ``now``: the time of the step (default the monotonic clock); the
+        simulator passes its simulated time, so queue waits are counted on its clock."""
+        now = time.monotonic() if now is None else now
         out = SchedulerOutput()
         budget, background_left = self._schedule_running(out, now)
         # Admit waiting sequences (not in a step that had to preempt: memory is tight).

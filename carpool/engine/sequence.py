@@ -6,11 +6,11 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from .protocol import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from .detokenizer import IncrementalDetokenizer
     from .guided import GrammarMatcher
 
@@ -49,6 +49,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
+            # Imported here: the scheduler and block manager use this class, and the simulator
+            # drives them on machines without torch; only a seeded request needs it.
+            import torch
+
             self.generator = torch.Generator().manual_seed(int(params.seed))
         self.detokenizer: IncrementalDetokenizer | None = None
         self.grammar: GrammarMatcher | None = None  # structured outputs: the request's grammar state

@@ -3,10 +3,10 @@
 The limiter's unit tests drive ``AdaptiveLimiter`` with it: deterministic, no sleeps, no
 timing assertions.  The server has the shape that matters for concurrency control:
 
-- up to ``max_num_seqs`` sequences run; the rest wait in a FIFO queue (no 429: a real
-  server queues, and latency grows);
-- every step prefills waiting prompt tokens (up to ``token_budget`` per step, chunked)
-  and decodes one token for every running sequence past its prefill;
+- the engine's own scheduler decides every step, on the fake clock: up to ``max_num_seqs``
+  sequences run and the rest wait in its queue (no 429: a real server queues, and latency
+  grows); each step decodes one token for every running sequence past its prefill and
+  prefills prompt tokens in chunks, all within ``token_budget`` tokens;
 - a step costs ``step_s + decode_s * decodes + prefill_s * prefill_tokens`` seconds,
   times ``slowdown`` (another tenant, a slower machine), so throughput rises with
   concurrency with diminishing returns until the batch is full, then stays flat while
@@ -24,7 +24,12 @@ import collections
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from carpool.engine.block_manager import BlockManager
+from carpool.engine.protocol import SamplingParams
+from carpool.engine.scheduler import Scheduler
+from carpool.engine.sequence import Sequence
 
 
 class FakeClock:
@@ -54,61 +59,91 @@ class Finished:
     dropped: bool = False
 
 
-@dataclass
+# A block size and count that never bind: the limiter's tests are about the batch and the token
+# budget, not the KV cache (128 sequences of 2k tokens fit many times over).
+_BLOCK_SIZE = 256
+_NUM_BLOCKS = 4096
+_PARAMS = SamplingParams()  # the server stops a request at its output length itself
+
+
 class BatchServerSim:
-    max_num_seqs: int = 64
-    token_budget: int = 2048
-    step_s: float = 0.028
-    decode_s: float = 0.0002
-    prefill_s: float = 0.0002
-    capacity: int | None = None  # refuse (429) past this many requests in the server
-    slowdown: float = 1.0
-    waiting: collections.deque = field(default_factory=collections.deque)
-    running: list = field(default_factory=list)
+    """The engine's scheduler on a fake clock, with a linear step cost and no model.
+
+    Requests reach the engine ``gap_s`` after they are sent; from then on carpool's own
+    ``Scheduler`` decides every step (decodes first, chunked prefill within the token
+    budget, at most ``max_num_seqs`` running), and the step costs ``step_s + decode_s *
+    decodes + prefill_s * prefill_tokens``, times ``slowdown``.
+    """
+
+    def __init__(self, max_num_seqs: int = 64, token_budget: int = 2048, step_s: float = 0.028,
+                 decode_s: float = 0.0002, prefill_s: float = 0.0002, capacity: int | None = None,
+                 slowdown: float = 1.0):
+        self.step_s, self.decode_s, self.prefill_s = step_s, decode_s, prefill_s
+        self.capacity = capacity  # refuse (429) past this many requests in the server
+        self.slowdown = slowdown
+        self.sched = Scheduler(BlockManager(_NUM_BLOCKS, _BLOCK_SIZE, enable_prefix_caching=False),
+                               max_num_seqs, token_budget)
+        self.in_transit: collections.deque[SimRequest] = collections.deque()  # sent, not yet at the engine
+        self._request: dict[str, SimRequest] = {}  # sequence id -> the client's request
+        self._count = 0
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.sched.max_num_seqs
+
+    @max_num_seqs.setter
+    def max_num_seqs(self, n: int) -> None:  # the server's batch shrinks or grows (another tenant)
+        self.sched.max_num_seqs = n
+
+    def __len__(self) -> int:
+        return len(self.in_transit) + len(self.sched.waiting) + len(self.sched.running)
 
     def submit(self, req: SimRequest, now: float, gap_s: float = 0.0) -> Finished | None:
         """``gap_s``: the time the request takes to reach the engine (client, HTTP, tokenizer)."""
         req.sent, req.arrives = now, now + gap_s
-        if self.capacity is not None and len(self.waiting) + len(self.running) >= self.capacity:
+        if self.capacity is not None and len(self) >= self.capacity:
             return Finished(req, None, 0.001, dropped=True)
-        self.waiting.append(req)
+        self.in_transit.append(req)
         return None
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.in_transit or self.sched.has_unfinished())
+
+    def idle_at(self, now: float) -> bool:
+        """Nothing to compute at ``now``: every request in the server is still on its way."""
+        return not self.sched.has_unfinished() and not (self.in_transit and self.in_transit[0].arrives <= now)
 
     def next_arrival(self) -> float | None:
-        return self.waiting[0].arrives if self.waiting else None
+        return self.in_transit[0].arrives if self.in_transit else None
 
     def step(self, now: float) -> tuple[float, list[SimRequest], list[Finished]]:
         """One engine step starting at ``now``: returns its end time, the requests that got
         their first token in it, and what finished."""
-        while self.waiting and len(self.running) < self.max_num_seqs and self.waiting[0].arrives <= now:
-            self.running.append(self.waiting.popleft())
-        budget = self.token_budget
-        decodes = prefill = 0
-        for r in self.running:
-            if r.prefilled < r.prompt:
-                take = min(budget, r.prompt - r.prefilled)
-                r.prefilled += take
-                budget -= take
-                prefill += take
-            else:
-                decodes += 1
-        end = now + self.slowdown * (self.step_s + self.decode_s * decodes + self.prefill_s * prefill)
-        done, keep, first = [], [], []
-        for r in self.running:
-            if r.prefilled >= r.prompt:
-                if r.first_token is None:
-                    r.first_token = end  # the prefill's last chunk yields the first token
-                    first.append(r)
-                r.decoded += 1
+        while self.in_transit and self.in_transit[0].arrives <= now:
+            req = self.in_transit.popleft()
+            self._count += 1
+            seq = Sequence(f"s{self._count}", [0] * req.prompt, _PARAMS, _BLOCK_SIZE, 0, req.arrives)
+            self._request[seq.request_id] = req
+            self.sched.add(seq)
+        out = self.sched.schedule(now)
+        end = now + self.slowdown * (self.step_s + self.decode_s * out.num_decode_tokens
+                                     + self.prefill_s * out.num_prefill_tokens)
+        done, first = [], []
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            seq.token_ids.append(0)
+            r = self._request[seq.request_id]
+            if r.first_token is None:
+                r.first_token = end  # the prefill's last chunk yields the first token
+                first.append(r)
+            r.decoded += 1
             if r.decoded >= r.output:
                 done.append(Finished(r, r.first_token - r.sent, end - r.sent))
-            else:
-                keep.append(r)
-        self.running = keep
+                self.sched.finish(seq)
+                del self._request[seq.request_id]
         return end, first, done
 
 
@@ -177,7 +212,7 @@ def run(limiter, server: BatchServerSim, requests: list[SimRequest], clock: Fake
     while todo or retry or server.busy:
         for when in [w for w in events if w <= clock.t]:
             events.pop(when)(server)
-        if not server.running and (not server.waiting or server.next_arrival() > clock.t):
+        if server.idle_at(clock.t):
             # idle: nothing has reached the engine yet, or everything was refused
             times = [t for t in (server.next_arrival(), retry[0][0] if retry else None) if t is not None]
             clock.t = max(clock.t, min(times)) if times else clock.t + 0.01

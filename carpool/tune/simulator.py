@@ -1,9 +1,11 @@
 """Discrete-event simulator of a serving engine: static, dynamic and continuous batching.
 
-Time advances one engine step at a time.  Each step the scheduler (a faithful model of
-carpool's / vLLM V1's: running sequences first, then waiting ones, one token budget,
-chunked prefill, paged KV blocks with a block-hash prefix cache, preemption by
-recompute) decides the batch; the cost model says how long the step takes.
+Time advances one engine step at a time.  Continuous batching runs carpool's own engine
+scheduler and block manager (``carpool.engine.scheduler``: running sequences first, then
+waiting ones, one token budget, chunked prefill, paged KV blocks with a block-hash prefix
+cache, preemption by recompute) on the simulated clock, so the simulator decides each
+step's batch by the very rules the engine does; the cost model says how long the step
+takes, and no model runs.
 
 Static batching waits for ``max_num_seqs`` requests (or the end of the trace), pads the
 batch to its longest prompt and longest output, and returns every result at the end.
@@ -15,15 +17,18 @@ batch as one padded unit.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from carpool.engine.block_manager import BlockManager
+from carpool.engine.scheduler import POLICIES, Scheduler, SchedulerOutput
 from carpool.tune.cost import CostModel, StepShape, attn_pairs, ceil_div
+from carpool.tune.engine_load import num_sampling_rows
+from carpool.tune.sim_sequence import SimSequence
 from carpool.tune.workload import SimRequest
 
-POLICIES = ("fcfs", "priority", "lof")
 BATCHING = ("continuous", "static", "dynamic")
 
 
@@ -56,89 +61,6 @@ class SimConfig:
             return f"{self.batching} b={self.max_num_seqs}"
         return (f"continuous seqs={self.max_num_seqs} tok={self.max_num_batched_tokens} "
                 f"{self.scheduling_policy}{' pc' if self.enable_prefix_caching else ''}")
-
-
-class BlockPool:
-    """Paged KV blocks with reference counts and a prefix cache of full blocks.
-
-    A freed block keeps its hash and stays findable until it is reused; reuse takes the
-    least recently freed block first (LRU eviction), as vLLM does.
-    """
-
-    def __init__(self, num_blocks: int, caching: bool):
-        self.num_blocks = num_blocks
-        self.caching = caching
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.ref = [0] * num_blocks
-        self.key_of: dict[int, tuple] = {}
-        self.cached: dict[tuple, int] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def lookup(self, keys: list[tuple]) -> list[int]:
-        hit = []
-        if self.caching:
-            for k in keys:
-                b = self.cached.get(k)
-                if b is None:
-                    break
-                hit.append(b)
-        return hit
-
-    def touch(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if self.ref[b] == 0:
-                del self.free[b]
-            self.ref[b] += 1
-
-    def allocate(self, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            b, _ = self.free.popitem(last=False)
-            key = self.key_of.pop(b, None)
-            if key is not None and self.cached.get(key) == b:
-                del self.cached[key]
-            self.ref[b] = 1
-            out.append(b)
-        return out
-
-    def release(self, blocks: list[int]) -> None:
-        # Tail blocks first, so a prompt's later blocks are evicted before its prefix;
-        # blocks nobody can hit (no hash) go to the front, to be reused first.
-        for b in reversed(blocks):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free[b] = None
-                if b not in self.key_of:
-                    self.free.move_to_end(b, last=False)
-
-    def commit(self, block: int, key: tuple) -> None:
-        if self.caching and key not in self.cached:
-            self.cached[key] = block
-            self.key_of[block] = key
-
-
-@dataclass
-class _Seq:
-    req: SimRequest
-    seqno: int
-    submit: float
-    keys: list[tuple]
-    num_tokens: int = 0
-    num_computed: int = 0
-    num_output: int = 0
-    blocks: list[int] = field(default_factory=list)
-    waiting: bool = True
-    waiting_since: float = 0.0
-    wait_accum: float = 0.0
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    finish: float | None = None
-    cached_tokens: int = 0
-    preemptions: int = 0
-    error: str | None = None
 
 
 @dataclass
@@ -239,7 +161,7 @@ class Simulator:
         self.pending = deque(reqs)  # not yet arrived
         self.backlog: deque[SimRequest] = deque()  # arrived, held by the client's concurrency cap
         self.in_flight = 0
-        self.seqs: list[_Seq] = []
+        self.seqs: list[SimSequence] = []
         self.steps: list[dict] = []
         self.busy = 0.0
         self.area_in_system = 0.0
@@ -252,12 +174,15 @@ class Simulator:
         self.batch_area = 0.0
         self.token_area = 0.0
         self.n_steps = 0
-        self._preempted_step = False
         self._last_release = self.t0
         self.n_blocks = self._num_blocks(reqs)
-        self.pool = BlockPool(self.n_blocks, self.cfg.enable_prefix_caching)
-        self.waiting: list[_Seq] = []
-        self.running: list[_Seq] = []
+        self.queue: list[SimSequence] = []  # static and dynamic batching: requests not yet in a batch
+        if self.cfg.batching == "continuous":
+            # The engine's own block manager and scheduler decide each step.  A cache of no
+            # blocks still gets a manager of one: every request is refused before it.
+            self.bm = BlockManager(max(self.n_blocks, 1), self.cfg.block_size, self.cfg.enable_prefix_caching)
+            self.sched = Scheduler(self.bm, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens,
+                                   self.cfg.scheduling_policy, self.cfg.enable_chunked_prefill)
 
     def _admit(self) -> None:
         """Move arrived requests to the server, within the client's concurrency cap."""
@@ -269,7 +194,7 @@ class Simulator:
             submit = max(r.arrival, self._last_release) if self.cfg.max_concurrency else r.arrival
             keys = (r.block_keys(self.cfg.block_size, r.prompt_len + r.output_len)
                     if self.cfg.enable_prefix_caching else [])
-            s = _Seq(r, len(self.seqs), submit, keys, num_tokens=r.prompt_len, waiting_since=submit)
+            s = SimSequence(r, submit, self.cfg.block_size, keys)
             max_len = self.cfg.max_model_len
             total = r.prompt_len + r.output_len
             if max_len and total > max_len:
@@ -285,7 +210,10 @@ class Simulator:
             if s.error:
                 continue
             self.in_flight += 1
-            self._enqueue(s)
+            if self.cfg.batching == "continuous":
+                self.sched.add(s)
+            else:
+                self.queue.append(s)
 
     _last_release = 0.0
 
@@ -294,8 +222,15 @@ class Simulator:
             return self.now
         return self.pending[0].arrival if self.pending else None
 
+    def _queued(self) -> tuple[int, int]:
+        """Requests waiting and running in the server (a padded batch counts apart)."""
+        if self.cfg.batching != "continuous":
+            return len(self.queue), 0
+        return len(self.sched.waiting), len(self.sched.running)
+
     def _record(self, dt: float, shape: StepShape, used_blocks: int, extra: dict | None = None) -> None:
-        in_system = len(self.waiting) + len(self.running) + self._padded_in_system
+        waiting, running = self._queued()
+        in_system = waiting + running + self._padded_in_system
         self.area_in_system += in_system * dt
         self.busy += dt
         usage = used_blocks / self.n_blocks if self.n_blocks else 0.0
@@ -309,7 +244,7 @@ class Simulator:
                 "t": self.now, "dt": dt, "num_prefill_tokens": shape.num_prefill_tokens,
                 "num_decode_tokens": shape.num_decode_tokens, "num_seqs": shape.num_seqs,
                 "kv_tokens_read": shape.kv_tokens_read, "kv_blocks_used": used_blocks,
-                "num_waiting": len(self.waiting), "num_running": len(self.running),
+                "num_waiting": waiting, "num_running": running,
                 "in_system": in_system, **(extra or {}),
             })
 
@@ -318,177 +253,57 @@ class Simulator:
     def _idle_until(self, t: float) -> None:
         """Advance the clock with the engine idle; queued requests still count as in the system."""
         if t > self.now:
-            self.area_in_system += (len(self.waiting) + len(self.running)) * (t - self.now)
+            self.area_in_system += sum(self._queued()) * (t - self.now)
             self.now = t
 
-    def _finish(self, s: _Seq) -> None:
-        s.finish = self.now
+    def _finish(self, s: SimSequence) -> None:
+        s.finished_time = self.now
         self.in_flight -= 1
         self._last_release = self.now
 
     # ------------------------------------------------------------- continuous
-    def _enqueue(self, s: _Seq) -> None:
-        s.waiting_since = self.now if s.preemptions else s.submit
-        self.waiting.append(s)
-
-    def _key(self):
-        """Policy order, as carpool's scheduler: fcfs by arrival, priority (lower first), and
-        lof = longest total time spent waiting (across preemptions) first."""
-        p, now = self.cfg.scheduling_policy, self.now
-        if p == "priority":
-            return lambda s: (s.req.priority, s.submit, s.seqno)
-        if p == "lof":
-            return lambda s: (-(s.wait_accum + (now - s.waiting_since if s.waiting else 0.0)), s.submit, s.seqno)
-        return lambda s: (s.submit, s.seqno)
-
-    def _blocks_needed(self, s: _Seq, n: int) -> int:
-        return ceil_div(s.num_computed + n, self.cfg.block_size) - len(s.blocks)
-
-    def _preempt(self, s: _Seq) -> None:
-        self.pool.release(s.blocks)
-        s.blocks = []
-        s.num_computed = 0
-        s.preemptions += 1
-        s.waiting = True
-        self.preemptions += 1
-        self._enqueue(s)
-
-    def _schedule(self) -> list[tuple[_Seq, int]]:
-        """One step's batch, the same decisions as carpool.engine.scheduler.Scheduler.
-
-        Running sequences in policy order, decodes before unfinished prefills; a sequence
-        that cannot get its blocks preempts the lowest-ranked one not yet scheduled (or
-        itself); waiting sequences are admitted only in steps without preemption.
-        """
-        cfg = self.cfg
-        budget = cfg.max_num_batched_tokens
-        key = self._key()
-        sched: list[tuple[_Seq, int]] = []
-        self.running.sort(key=key)
-        queue = deque(s for s in self.running if s.num_tokens - s.num_computed == 1)
-        queue.extend(s for s in self.running if s.num_tokens - s.num_computed != 1)
-        kept: list[_Seq] = []
-        preempted = False
-        free, bs, chunked = self.pool.free, cfg.block_size, cfg.enable_chunked_prefill
-        while queue:
-            s = queue.popleft()
-            left = s.num_tokens - s.num_computed
-            n = min(budget, left)
-            if n <= 0 or (not chunked and n < left):
-                kept.append(s)  # no budget this step; it stays running
-                continue
-            need = -(-(s.num_computed + n) // bs) - len(s.blocks)
-            while need > len(free) and queue:
-                self._preempt(queue.pop())
-                preempted = True
-            if need > len(free):
-                self._preempt(s)
-                preempted = True
-                continue
-            if need > 0:
-                s.blocks += self.pool.allocate(need)
-            kept.append(s)
-            sched.append((s, n))
-            budget -= n
-        self.running = kept
-        self._preempted_step = preempted
-        self._admitted: set[int] = set()
-        if preempted:
-            return sched  # memory is tight: no admissions this step
-        self.waiting.sort(key=key)
-        self._admitted = set()
-        # As the engine: a waiting sequence whose next block is computed in this step by another
-        # waits a step, then hits the prefix cache.
-        pending = self._pending_keys(sched)
-        deferred: list[_Seq] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            s = self.waiting[0]
-            hit = self.pool.lookup(s.keys[: (s.num_tokens - 1) // cfg.block_size])
-            nxt = len(hit)
-            if pending and nxt < min((s.num_tokens - 1) // bs, len(s.keys)) and s.keys[nxt] in pending:
-                deferred.append(self.waiting.pop(0))
-                continue
-            computed = len(hit) * cfg.block_size
-            left = s.num_tokens - computed
-            n = min(left, budget)
-            if not cfg.enable_chunked_prefill and n < left:
-                break
-            need = ceil_div(computed + n, cfg.block_size) - len(hit)
-            need += sum(1 for b in hit if self.pool.ref[b] == 0)  # they leave the free list
-            if need > self.pool.num_free:
-                break
-            self.waiting.pop(0)
-            self.query_tokens += s.num_tokens
-            self.hit_tokens += computed
-            if s.first_scheduled is None:
-                s.first_scheduled = self.now
-                s.cached_tokens = min(computed, s.req.prompt_len)
-            s.wait_accum += self.now - s.waiting_since
-            s.waiting = False
-            self.pool.touch(hit)
-            s.blocks = hit + self.pool.allocate(ceil_div(computed + n, cfg.block_size) - len(hit))
-            s.num_computed = computed
-            self.running.append(s)
-            sched.append((s, n))
-            self._admitted.add(s.seqno)
-            budget -= n
-            if cfg.enable_prefix_caching:
-                pending |= self._pending_keys([(s, n)])
-        self.waiting[:0] = deferred
-        return sched
-
-    def _pending_keys(self, sched: list[tuple[_Seq, int]]) -> set[tuple]:
-        """Keys of the blocks that become full when ``sched`` runs (prefill chunks only)."""
-        if not self.cfg.enable_prefix_caching:
-            return set()
-        bs = self.cfg.block_size
-        return {s.keys[bi] for s, n in sched if n > 1
-                for bi in range(s.num_computed // bs, min((s.num_computed + n) // bs, len(s.keys)))}
-
     def _run_continuous(self) -> None:
-        bs = self.cfg.block_size
+        sch = self.sched
         while True:
             self._admit()
-            if not self.waiting and not self.running:
+            if not sch.has_unfinished():
                 t = self._next_event_time()
                 if t is None:
                     break
                 self.now = max(self.now, t)
                 continue
-            sched = self._schedule()
-            if not sched:
-                if self._preempted_step or not (self.waiting or self.running):
+            out = sch.schedule(self.now)
+            for s in out.preempted:
+                s.preemptions += 1
+            if not out.scheduled:
+                if out.preempted:
                     continue  # everything was preempted: the next step admits again
                 raise RuntimeError("scheduler made no progress (a request cannot fit the budget or KV cache)")
-            # As the engine counts: a running sequence's single last token is a decode;
-            # whatever an admission computes is prefill.
-            ndec = sum(1 for s, n in sched if n == 1 and s.num_output > 0
-                       and s.num_computed == s.num_tokens - 1 and s.seqno not in self._admitted)
-            shape = StepShape.of([(s.num_computed, n) for s, n in sched], ndec,
-                                 sum(1 for s, n in sched if s.num_computed + n == s.num_tokens))
-            self.prefill_computed += shape.num_prefill_tokens
-            dt = self.cost.step_time(shape)
-            used = self.n_blocks - self.pool.num_free
-            self._record(dt, shape, used)
-            self.now += dt
-            for s, n in sched:
-                old = s.num_computed
-                s.num_computed += n
-                # Register blocks that just became full, for later prefix hits (as the engine
-                # does, generated tokens' blocks too: a preempted sequence can hit its own).
-                if s.keys:
-                    for bi in range(old // bs, min(s.num_computed // bs, len(s.keys))):
-                        self.pool.commit(s.blocks[bi], s.keys[bi])
-                if s.num_computed == s.num_tokens:
-                    s.num_output += 1
-                    s.num_tokens += 1
-                    if s.first_token is None:
-                        s.first_token = self.now
-                    if s.num_output >= s.req.output_len:
-                        self.running.remove(s)
-                        self.pool.release(s.blocks)
-                        s.blocks = []
-                        self._finish(s)
+            self._run_step(out)
+        self.query_tokens += self.bm.prefix_queries
+        self.hit_tokens += self.bm.prefix_hits
+        self.preemptions = sch.num_preemptions
+
+    def _run_step(self, out: SchedulerOutput) -> None:
+        """Time one scheduled step with the cost model, then move its sequences on as the
+        engine's step loop does: computed tokens grow, full blocks join the prefix cache, a
+        sequence whose chunk reached its end gets a token and leaves after its last one."""
+        shape = StepShape.of([(s.num_computed_tokens, n) for s, n in out.scheduled], out.num_decode_tokens,
+                             num_sampling_rows(out.scheduled))
+        self.prefill_computed += shape.num_prefill_tokens
+        dt = self.cost.step_time(shape)
+        self._record(dt, shape, self.bm.num_blocks - self.bm.num_free_blocks)
+        self.now += dt
+        for s, n in out.scheduled:
+            s.num_computed_tokens += n
+            self.bm.cache_full_blocks(s)
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(0)  # a token, whatever its value
+                if s.first_token_time is None:
+                    s.first_token_time = self.now
+                if s.num_output_tokens >= s.req.output_len:
+                    self.sched.finish(s)
+                    self._finish(s)
 
     # ---------------------------------------------------------- static/dynamic
     def _run_padded(self) -> None:
@@ -496,7 +311,7 @@ class Simulator:
         cap_tokens = self.n_blocks * cfg.block_size
         while True:
             self._admit()
-            if not self.waiting:
+            if not self.queue:
                 t = self._next_event_time()
                 if t is None:
                     break
@@ -504,26 +319,26 @@ class Simulator:
                 continue
             b = self._padded_batch_size()
             if b == 0:  # wait for more requests, or (dynamic) for the oldest one's delay to pass
-                deadline = (self.waiting[0].submit + cfg.max_queue_delay_ms / 1e3
+                deadline = (self.queue[0].submit + cfg.max_queue_delay_ms / 1e3
                             if cfg.batching == "dynamic" else math.inf)
                 if self.now >= deadline - 1e-12:
-                    b = min(len(self.waiting), cfg.max_num_seqs)
+                    b = min(len(self.queue), cfg.max_num_seqs)
                 else:
                     t_next = self._next_event_time()
                     self._idle_until(min(math.inf if t_next is None else t_next, deadline))
                     continue
-            batch = self.waiting[:b]
-            del self.waiting[:b]
+            batch = self.queue[:b]
+            del self.queue[:b]
             # The padded batch must fit the KV cache: shrink it, putting the rest back.
             while len(batch) > 1 and len(batch) * self._padded_len(batch) > cap_tokens:
-                self.waiting.insert(0, batch.pop())
+                self.queue.insert(0, batch.pop())
             self._run_batch(batch, cap_tokens)
 
-    def _padded_len(self, batch: list[_Seq]) -> int:
+    def _padded_len(self, batch: list[SimSequence]) -> int:
         return max(s.req.prompt_len for s in batch) + max(s.req.output_len for s in batch)
 
     def _padded_batch_size(self) -> int:
-        cfg, n = self.cfg, len(self.waiting)
+        cfg, n = self.cfg, len(self.queue)
         if n >= cfg.max_num_seqs:
             return cfg.max_num_seqs
         no_more = not self.pending and not self.backlog
@@ -535,7 +350,7 @@ class Simulator:
             return max(fits) if fits else 0
         return 0
 
-    def _run_batch(self, batch: list[_Seq], cap_tokens: int) -> None:
+    def _run_batch(self, batch: list[SimSequence], cap_tokens: int) -> None:
         b = len(batch)
         p_max = max(s.req.prompt_len for s in batch)
         o_max = max(s.req.output_len for s in batch)
@@ -546,7 +361,7 @@ class Simulator:
             return
         self._padded_in_system = b
         for s in batch:
-            s.first_scheduled = self.now
+            s.first_scheduled_time = self.now
         self._admit()
         shape = StepShape(b * p_max, 0, b * p_max, b * attn_pairs(0, p_max), b, b * p_max, b * p_max * p_max)
         self.prefill_computed += shape.num_prefill_tokens
@@ -557,7 +372,7 @@ class Simulator:
         self._record(dt, shape, blocks(p_max), {"padded": True})
         self.now += dt
         for s in batch:
-            s.first_token = self.now
+            s.first_token_time = self.now
         for k in range(1, o_max):
             ctx = p_max + k
             shape = StepShape(0, b, b * ctx, b * ctx, b, b * ctx, b * ctx)
@@ -567,20 +382,19 @@ class Simulator:
             self.now += dt
         self._padded_in_system = 0
         for s in batch:
-            s.num_output = s.req.output_len
             self._finish(s)
 
     # ---------------------------------------------------------------- results
     def _result(self) -> SimResult:
-        done = [s for s in self.seqs if s.finish is not None and s.error is None]
+        done = [s for s in self.seqs if s.finished_time is not None and s.error is None]
         errors = [s.error for s in self.seqs if s.error]
-        end = max((s.finish for s in done), default=self.now)
+        end = max((s.finished_time for s in done), default=self.now)
         start = min((s.submit for s in self.seqs), default=self.t0)
         dur = max(end - start, 1e-12)
-        e2e = [s.finish - s.submit for s in done]
-        ttft = [s.first_token - s.submit for s in done]
-        queue = [s.first_scheduled - s.submit for s in done]
-        tpot = [(s.finish - s.first_token) / (s.req.output_len - 1) for s in done if s.req.output_len > 1]
+        e2e = [s.finished_time - s.submit for s in done]
+        ttft = [s.first_token_time - s.submit for s in done]
+        queue = [s.first_scheduled_time - s.submit for s in done]
+        tpot = [(s.finished_time - s.first_token_time) / (s.req.output_len - 1) for s in done if s.req.output_len > 1]
         out_tok = sum(s.req.output_len for s in done)
         prompt_tok = sum(s.req.prompt_len for s in done)
         busy = max(self.busy, 1e-12)
@@ -596,8 +410,8 @@ class Simulator:
             prefill_tokens_computed=self.prefill_computed, num_steps=self.n_steps,
             mean_in_system=self.area_in_system / dur, errors=errors[:20], steps=self.steps,
             requests=[{"id": s.req.request_id, "arrival": s.req.arrival, "submit": s.submit,
-                       "first_token": s.first_token, "finish": s.finish, "prompt_len": s.req.prompt_len,
-                       "output_len": s.req.output_len, "cached_tokens": s.cached_tokens,
+                       "first_token": s.first_token_time, "finish": s.finished_time, "prompt_len": s.req.prompt_len,
+                       "output_len": s.req.output_len, "cached_tokens": s.num_cached_tokens,
                        "preemptions": s.preemptions, "error": s.error} for s in self.seqs],
         )
 
