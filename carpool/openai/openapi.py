@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from carpool.openai.openapi_batches import batch_paths
 from carpool.openai.validation import UNSUPPORTED
 
 _ERROR = {
@@ -167,9 +168,11 @@ def _post(operation: str, request: dict, what: str, response: dict, errors: dict
 
 
 def openapi_document(
-    *, chat: dict, completion: dict, embedding: dict | None, version: str, auth: bool
+    *, chat: dict, completion: dict, embedding: dict | None, version: str, auth: bool,
+    batch_endpoints: list[str] | None = None, file_purposes: list[str] | None = None,
 ) -> dict:
-    """An OpenAPI 3.0 document of the endpoints, built from the live request schemas."""
+    """An OpenAPI 3.0 document of the endpoints, built from the live request schemas.  With
+    ``batch_endpoints`` (what a batch may run) it lists the Files and Batches API too."""
     gen_errors = _errors(400, 401, 404, 429, 503) if auth else _errors(400, 404, 429, 503)
     auth_errors = _errors(401) if auth else {}
     paths: dict[str, dict] = {
@@ -195,10 +198,18 @@ def openapi_document(
         },
         "/health": {"get": {"operationId": "health", "responses": {"200": {"description": "serving"},
                                                                    "503": {"description": "not ready"}}}},
+        "/metrics": {"get": {"operationId": "metrics", "responses": {
+            "200": {"description": "Prometheus text exposition",
+                    "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **auth_errors}}},
+        "/openapi.json": {"get": {"operationId": "openapi", "responses": {
+            "200": {"description": "this document", "content": _json({"type": "object"})}, **auth_errors}}},
     }
     if embedding is not None:
         paths["/v1/embeddings"] = _post("createEmbedding", embedding, "embeddings", _EMBEDDING_RESPONSE,
                                         gen_errors, streams=False)
+    if batch_endpoints is not None:
+        paths.update(batch_paths(batch_endpoints, file_purposes or ["batch"], _ERROR, auth))
     doc: dict = {
         "openapi": "3.0.3",
         "info": {"title": "carpool OpenAI-compatible server", "version": version},

@@ -105,6 +105,8 @@ class BatchRunner:
         self._stops: dict[str, asyncio.Event] = {}
         self._slots = asyncio.Semaphore(max(1, limits.max_inflight))
         self.inflight = 0
+        # requests answered by this process, by how (``request_counts``' words): /metrics reads them
+        self.answered = {"completed": 0, "failed": 0}
 
     # -- lifecycle
 
@@ -154,6 +156,14 @@ class BatchRunner:
             out["request_counts"] = {**out["request_counts"], "completed": journal.completed,
                                      "failed": journal.failed}
         return out
+
+    def pending(self) -> int:
+        """Requests of the running batches not answered yet (a validating batch counts none)."""
+        left = 0
+        for doc in list(self._docs.values()):
+            counts = self.view(doc)["request_counts"]
+            left += max(0, counts["total"] - counts["completed"] - counts["failed"])
+        return left
 
     def get(self, batch_id: str) -> dict | None:
         doc = self._docs.get(batch_id) or self.store.get_batch(batch_id)
@@ -217,7 +227,8 @@ class BatchRunner:
                     break
                 await asyncio.sleep(_RETRY_S)  # the engine aborted some: send them again
             if self._expired(doc) and not stop.is_set():
-                await asyncio.to_thread(self._write_expired, doc, journal)
+                expired = await asyncio.to_thread(self._write_expired, doc, journal)
+                self.answered["failed"] += expired  # after the await: other batches count meanwhile
                 doc["_ending"] = "expired"
         finally:
             await asyncio.to_thread(journal.close)
@@ -272,18 +283,24 @@ class BatchRunner:
         if status == 200:
             journal.output.write(success_line(line.custom_id, status, rid, body))
             journal.completed += 1
+            self.answered["completed"] += 1
         else:
             journal.errors.write(success_line(line.custom_id, status, rid, body))
             journal.failed += 1
+            self.answered["failed"] += 1
         journal.answered.add(line.custom_id)
 
-    def _write_expired(self, doc: dict, journal: _Journal) -> None:
-        """Past the completion window: every request not answered gets OpenAI's expiry error line."""
+    def _write_expired(self, doc: dict, journal: _Journal) -> int:
+        """Past the completion window: every request not answered gets OpenAI's expiry error line;
+        how many did (it runs off the loop, so the loop adds them to ``answered``)."""
+        expired = 0
         for line in iter_requests(_paths(self.store.batch_work_dir(doc["id"]))[0]):
             if not journal.has(line.custom_id):
                 journal.errors.write(error_line(line.custom_id, "batch_expired", "This request could not be "
                                                 "executed before the completion window expired."))
                 journal.failed += 1
+                expired += 1
+        return expired
 
     async def _finalize(self, doc: dict) -> None:
         bid = doc["id"]

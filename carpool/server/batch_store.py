@@ -146,6 +146,11 @@ class BatchStore:
         rows = self.db.execute(f"SELECT doc FROM batches WHERE status IN ({marks}) ORDER BY seq", statuses)
         return [json.loads(r["doc"]) for r in rows]
 
+    def count_batches(self) -> dict[str, int]:
+        """How many batches the store holds, by status (a scrape of /metrics reads it)."""
+        rows = self.db.execute("SELECT status, COUNT(*) AS n FROM batches GROUP BY status")
+        return {r["status"]: r["n"] for r in rows}
+
     def batch_work_dir(self, batch_id: str) -> Path:
         return self.work_dir / batch_id
 

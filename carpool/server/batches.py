@@ -23,6 +23,7 @@ from aiohttp import BodyPartReader, web
 from carpool.openai.errors import OpenAIError
 from carpool.paths import cache_dir
 from carpool.server.batch_input import ENDPOINTS
+from carpool.server.batch_metrics import BatchCollector
 from carpool.server.batch_runner import FINAL, BatchLimits, BatchRunner
 from carpool.server.batch_store import FILE_PURPOSES, BatchStore, new_id
 from carpool.server.config import ServerConfig
@@ -55,6 +56,7 @@ def add_batch_api(app: web.Application, config: ServerConfig) -> None:
     async def start(app: web.Application) -> None:
         store = BatchStore(batch_dir(config))
         app[RUNNER] = runner = BatchRunner(app[STATE], store, limits)
+        app[STATE].metrics.registry.register(BatchCollector(runner))
         runner.resume()
 
     async def stop(app: web.Application) -> None:

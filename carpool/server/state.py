@@ -21,6 +21,8 @@ from carpool.openai.openapi import openapi_document
 from carpool.openai.requests import Translator
 from carpool.openai.schema import embedding_request_schema
 from carpool.server.admission import AdmissionController
+from carpool.server.batch_input import ENDPOINTS as BATCH_ENDPOINTS
+from carpool.server.batch_store import FILE_PURPOSES
 from carpool.server.config import ServerConfig
 from carpool.server.grammar_gate import GrammarGate
 from carpool.server.metrics import ServerMetrics
@@ -147,6 +149,8 @@ class ServerState:
             embedding=self.embedding_schema,
             version=__version__,
             auth=self.config.api_key is not None,
+            batch_endpoints=list(BATCH_ENDPOINTS),
+            file_purposes=list(FILE_PURPOSES),
         )
 
 
