@@ -38,13 +38,24 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``carpool run``, group by group as ``--help`` shows them."""
     p.add_argument("input", help="tasks file: .jsonl (plain or OpenAI Batch format), .csv, .parquet")
     p.add_argument("-o", "--output", help="results: .jsonl (OpenAI Batch output lines), .parquet or .csv "
                                           "(flat columns, written at the end from a journal <output>.jsonl); "
                                           "default <input>.results.jsonl; running again with the same "
                                           "output resumes")
     p.add_argument("--errors", help="write failed tasks here instead of into the output")
-    g = p.add_argument_group("input")
+    _add_input_arguments(p.add_argument_group("input"))
+    _add_target_arguments(p.add_argument_group("target"))
+    _add_throughput_arguments(p.add_argument_group("throughput"))
+    _add_reliability_arguments(p.add_argument_group("reliability"))
+    _add_cache_arguments(p.add_argument_group("cache"))
+    _add_reporting_arguments(p.add_argument_group("reporting"))
+    _add_ray_arguments(p)
+    add_batch_arguments(p)
+
+
+def _add_input_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--format", choices=FORMATS, help="default: from the file extension")
     g.add_argument("--template", help="CSV/Parquet: build the prompt from columns, e.g. 'Classify: {review}'")
     g.add_argument("--system", help="with --template: a system message")
@@ -57,7 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-completion-tokens", type=flags.positive_int, metavar="N",
                    help="for tasks that set no limit: max_completion_tokens N (what OpenAI's reasoning models take)")
     g.add_argument("--temperature", type=flags.non_negative_float, help="for tasks that do not set temperature")
-    g = p.add_argument_group("target")
+
+
+def _add_target_arguments(g: argparse._ArgumentGroup) -> None:
     flags.add_target_flags(g, many=True)
     g.add_argument("--wait-for-endpoint", type=flags.duration_or_zero, default=0.0, metavar="DURATION",
                    help="at start, wait up to this long (e.g. 2m) for an endpoint that does not answer yet "
@@ -78,7 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="embedded engine: int8 keys and values (a scale per token and head); default: auto "
                         "(the model dtype)")
     g.add_argument("--no-stream", action="store_true", help="HTTP: do not stream (no TTFT/TPOT)")
-    g = p.add_argument_group("throughput")
+
+
+def _add_throughput_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--concurrency", type=flags.positive_int,
                    help="fixed number of requests in flight (default: adaptive)")
     g.add_argument("--max-concurrency", type=flags.positive_int, help="cap for the adaptive limiter")
@@ -96,7 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-window", type=flags.positive_int, default=1024,
                    help="tasks sorted together where the whole file cannot be planned (--ordered, CSV, Parquet)")
     g.add_argument("--max-pending", type=flags.positive_int, default=2048, help="tasks held in memory at once")
-    g = p.add_argument_group("reliability")
+
+
+def _add_reliability_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-attempts", type=flags.positive_int, default=6)
     g.add_argument("--idempotent", choices=("auto", "on", "off"), default="auto",
                    help="may a request that might have run be sent again? auto: yes for temperature 0 "
@@ -117,7 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the run fingerprint beside it)")
     g.add_argument("--retry-errors", action="store_true",
                    help="on resume, run again the tasks whose line is an error line (one final line per id)")
-    g = p.add_argument_group("cache")
+
+
+def _add_cache_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--cache", default=None, help="sqlite:///path, redis://host:6379/0 or off "
                                                  "(default: the SQLite file in ~/.cache/carpool)")
     g.add_argument("--cache-ttl", type=_ttl, default=DEFAULT_TTL_S, metavar="DURATION",
@@ -133,7 +152,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--semantic-audit", type=flags.non_negative_int, default=0, metavar="N",
                    help="after the job, re-ask N random semantic hits for real and report how many disagreed")
     g.add_argument("--no-dedup", action="store_true", help="send identical tasks separately")
-    g = p.add_argument_group("reporting")
+
+
+def _add_reporting_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--report", help="write an HTML report with plots")
     flags.add_json_flag(g, "the summary", "--summary-json", dest="summary_json")
@@ -151,8 +172,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--echo-backend", action="store_true",
                    help="answer every task with an empty reply, no model (carpool's own overhead); writes -o")
     g.add_argument("--quiet", action="store_true")
-    _add_ray_arguments(p)
-    add_batch_arguments(p)
 
 
 def _ttl(value: str) -> float | None:
@@ -369,7 +388,7 @@ def _main(args: argparse.Namespace) -> int:
         return _main_ray(args)
     if args.dry_run:
         return _main_dry_run(args)
-    from carpool.jobs.pipeline import OutputError
+    from carpool.errors import CarpoolError
     from carpool.jobs.runner import Runner
 
     try:
@@ -382,13 +401,8 @@ def _main(args: argparse.Namespace) -> int:
             runner = Runner(opts, notify=_say)
         _say_all(start_checks(opts, args))
         stats = run_with_signals(runner)
-    except (FileNotFoundError, ValueError) as e:  # StartRefused is a ValueError
-        _tell(f"carpool run: {e}")
-        return ExitCode.REFUSED
-    except OSError as e:  # the output cannot be written (disk full, a path under a file, ...)
-        what = str(e) if isinstance(e, OutputError) else f"cannot write the output: {e}"
-        _tell(f"carpool run: {what}")
-        return ExitCode.OUTPUT_FAILED
+    except (CarpoolError, OSError) as e:
+        return _ended_early(e)
     if not args.quiet:
         render_summary(stats)
     for msg in runner.messages:
@@ -406,15 +420,39 @@ def _main(args: argparse.Namespace) -> int:
     return code
 
 
+def _ended_early(error: Exception, command: str = "carpool run") -> int:
+    """Say why the job ended before it could run or finish, and return its exit code, read
+    from the error tree (``carpool.jobs.exit_codes.code_for_error``); what the tree calls a
+    crash (an engine failure, an unexpected error) is raised on to ``main``, which says so
+    with the traceback."""
+    from carpool.errors import ModelUnavailable
+    from carpool.jobs.exit_codes import ExitCode, code_for_error
+    from carpool.jobs.pipeline import OutputError
+
+    code = code_for_error(error)
+    if code == ExitCode.CRASHED:
+        raise error
+    if code == ExitCode.OUTPUT_FAILED:  # disk full, a path under a file, ...
+        what = str(error) if isinstance(error, OutputError) else f"cannot write the output: {error}"
+    elif isinstance(error, ModelUnavailable):
+        what = f"the model cannot be loaded: {error}"
+    else:
+        what = str(error)
+    _tell(f"{command}: {what}")
+    return code
+
+
 def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Awaitable[dict]]) -> dict | None:
     """``--dry-run`` and ``--estimate``: the document ``produce`` makes of the options, its messages
     printed and ``--summary-json`` written; None (after saying why) when the start is refused."""
+    from carpool.errors import CarpoolError
+
     try:
         opts = options_from_args(args)
         _say_all(start_checks(opts, args, probe=not args.estimate))
         doc = asyncio.run(produce(opts))
-    except (FileNotFoundError, ValueError) as e:
-        _tell(f"carpool run: {e}")
+    except (CarpoolError, FileNotFoundError) as e:
+        _ended_early(e)
         return None
     for msg in doc.get("messages", []):
         _tell(msg)

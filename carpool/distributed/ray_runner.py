@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
+from carpool.errors import StartRefused
 from carpool.extras import require
 from carpool.redact import redact_url
 
@@ -57,8 +58,8 @@ class RayOptions:
     init_kwargs: dict = field(default_factory=dict)  # extra ray.init arguments (tests: num_cpus)
 
 
-class RayRunError(RuntimeError):
-    pass
+class RayRunError(StartRefused):
+    """A ``--ray`` run asked for something it cannot do (exit 2)."""
 
 
 def _plan(input_path: Path, fmt: str, workdir: Path, n_shards: int) -> list[Shard]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from carpool.errors import ModelUnavailable, StartRefused
+
 if TYPE_CHECKING:
     from carpool.jobs.summary import JobStats
 
@@ -34,10 +36,6 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130
 
 
-class StartRefused(ValueError):
-    """The job cannot start as asked (exit 2); the message says why and what to do."""
-
-
 def exit_code(stats: JobStats) -> ExitCode:
     """The code of a job that ran (a refused start or a write failure never gets here)."""
     if stats.stopped_by_outage:
@@ -47,3 +45,18 @@ def exit_code(stats: JobStats) -> ExitCode:
     if stats.n_errors or stats.failed_before:
         return ExitCode.TASKS_FAILED
     return ExitCode.OK
+
+
+def code_for_error(error: BaseException) -> ExitCode:
+    """The code of a job that ended in ``error`` before it could finish, read from where the
+    error sits in carpool's error tree (``carpool.errors``), not from its Python base class:
+    a refused start and a model that cannot load are the user's to fix (2), an output that
+    cannot be written is 5, anything else, an engine failure included, is a crash (1)."""
+    if isinstance(error, (StartRefused, ModelUnavailable, FileNotFoundError)):
+        return ExitCode.REFUSED
+    if isinstance(error, OSError):
+        return ExitCode.OUTPUT_FAILED
+    return ExitCode.CRASHED
+
+
+__all__ = ["ExitCode", "StartRefused", "code_for_error", "exit_code"]
