@@ -3,7 +3,9 @@
 The flags (the Ray ones included), the translation of flags into ``RunOptions`` /
 ``RayOptions``, and everything the command prints: the summary table, the messages the
 job collected, ``--summary-json``, and the per-shard lines of a ``--ray`` run.  The job
-itself is ``carpool.jobs.runner`` (one process) or ``carpool.distributed.ray_runner``.
+itself is ``carpool.jobs.runner``'s ``Runner``, in one process or with its tasks spread
+over Ray (``carpool.distributed.ray_runner.RayShards``); either way it ends in
+``JobStats``, rendered and turned into an exit code the same way.
 """
 
 from __future__ import annotations
@@ -380,36 +382,73 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from carpool.jobs.exit_codes import ExitCode, exit_code
-
     if args.estimate:  # before --ray: an estimate sends nothing, on Ray or not
         return _main_estimate(args)
-    if args.ray is not None:
-        return _main_ray(args)
-    if args.dry_run:
+    if args.dry_run and args.ray is None:
         return _main_dry_run(args)
     from carpool.errors import CarpoolError
-    from carpool.jobs.runner import Runner
+    from carpool.jobs.exit_codes import ExitCode
 
+    command = "carpool run" if args.ray is None else "carpool run --ray"
     try:
         opts = options_from_args(args)
-        if opts.batch is not None:  # refuses flags the batch path cannot honour
-            from carpool.jobs.batch_api.runner import BatchRunner
-
-            runner: Runner | BatchRunner = BatchRunner(opts, notify=_say)
-        else:
-            runner = Runner(opts, notify=_say)
-        _say_all(start_checks(opts, args))
-        stats = run_with_signals(runner)
+        runner = _runner(opts, args)
+        # A --ray run's endpoints are not probed: its shards pause through an outage on their own.
+        _say_all(start_checks(opts, args, probe=args.ray is None))
+        stats = _run(runner, args)
     except (CarpoolError, OSError) as e:
-        return _ended_early(e)
+        return _ended_early(e, command)
+    except KeyboardInterrupt:
+        # Only a --ray run gets here (one process stops gracefully on its signal handlers):
+        # finished shards and the partial shard outputs (their journals) stay in the workdir.
+        print(f"\n{command}: interrupted; finished work is kept. Resume with the same command.", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    return _finish(args, opts, runner, stats)
+
+
+def _runner(opts: RunOptions, args: argparse.Namespace) -> Runner | BatchRunner:
+    from carpool.jobs.runner import Runner
+
+    if opts.batch is not None and args.ray is None:  # refuses flags the batch path cannot honour
+        from carpool.jobs.batch_api.runner import BatchRunner
+
+        return BatchRunner(opts, notify=_say)
+    return Runner(opts, notify=_say)
+
+
+def _run(runner: Runner | BatchRunner, args: argparse.Namespace) -> JobStats:
+    """The job: in this process, or with ``--ray`` its tasks spread over a cluster by the same
+    ``Runner`` (``carpool.distributed.ray_runner.RayShards``)."""
+    if args.ray is None:
+        return run_with_signals(runner)
+    from carpool.distributed.ray_runner import RayShards
+    from carpool.jobs.runner import Runner
+
+    assert isinstance(runner, Runner)
+
+    def shard_done(s: dict) -> None:
+        for msg in s.get("messages", []):
+            if msg.startswith(f"shard {s['shard']}:"):
+                _say(f"carpool run --ray: {msg}")
+        if not args.quiet and not s.get("stopped_by_outage"):
+            st = s["stats"]
+            _say(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
+                 f"({st['done']} written, {st['skipped_done_before']} resumed)")
+
+    return runner.run_spread(RayShards(ray_options_from_args(args), on_shard=shard_done))
+
+
+def _finish(args: argparse.Namespace, opts: RunOptions, runner: Runner | BatchRunner, stats: JobStats) -> int:
+    """Everything said after a job that ran, and its exit code (``carpool.jobs.exit_codes``)."""
+    from carpool.jobs.exit_codes import ExitCode, exit_code
+
     if not args.quiet:
         render_summary(stats)
     for msg in runner.messages:
         _tell(msg)
     if args.summary_json:
         write_summary_json(stats.to_dict(), args.summary_json)
-    if not args.quiet:
+    if not args.quiet and (stats.shards is None or stats.shards.complete):
         print(f"results: {opts.output}" + (f", errors: {opts.errors}" if opts.errors else "")
               + (f", report: {opts.report}" if opts.report else ""), file=sys.stderr)
     code = exit_code(stats)
@@ -526,51 +565,6 @@ def run_with_signals(runner: Runner | BatchRunner) -> JobStats:
     return asyncio.run(main())
 
 
-def _main_ray(args: argparse.Namespace) -> int:
-    """``carpool run ... --ray``: the same flags as ``carpool run`` plus the Ray ones."""
-    from carpool.distributed.ray_runner import RayRunError, run_on_ray
-    from carpool.distributed.shards import PlanMismatch
-
-    def shard_done(s: dict) -> None:
-        for msg in s.get("messages", []):
-            if msg.startswith(f"shard {s['shard']}:"):
-                _say(f"carpool run --ray: {msg}")
-        if not args.quiet and not s.get("stopped_by_outage"):
-            st = s["stats"]
-            _say(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
-                 f"({st['done']} written, {st['skipped_done_before']} resumed)")
-
-    try:
-        opts = options_from_args(args)
-        # The endpoints are not probed here: a Ray run's shards pause through an outage on their own.
-        _say_all(start_checks(opts, args, probe=False))
-        result = run_on_ray(opts, ray_options_from_args(args), on_shard=shard_done)
-    except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
-        _tell(f"carpool run --ray: {e}")
-        return 2
-    except KeyboardInterrupt:
-        # Finished shards and the partial shard outputs (their journals) stay in the workdir.
-        print("\ncarpool run --ray: interrupted; finished work is kept. Resume with the same command.",
-              file=sys.stderr)
-        return 130
-    for msg in result.pop("messages", []):
-        _tell(msg)
-    if args.summary_json:
-        write_summary_json(result, args.summary_json)
-    if not args.quiet:
-        print(f"carpool run --ray: {result['shards_done']}/{result['shards']} shards on {result['workers']} "
-              f"workers, {result['succeeded']:,} succeeded, {sum(result['errors'].values()):,} errors, "
-              f"{result['elapsed_s']:.1f} s, {usd(result['cost']['spent_usd'])} spent, "
-              f"{usd(result['cost']['saved_usd'])} saved by the cache"
-              + (f"; results: {opts.output}" if result["complete"] else ""),
-              file=sys.stderr)
-    from carpool.jobs.exit_codes import ExitCode
-
-    if not result["complete"]:
-        return ExitCode.OUTAGE if result.get("stopped_by_outage") else ExitCode.CRASHED
-    return ExitCode.TASKS_FAILED if sum(result["errors"].values()) else ExitCode.OK
-
-
 def render_summary(stats: JobStats, console: Console | None = None) -> None:
     """The summary table (rich) on stderr."""
     from rich.console import Console
@@ -587,6 +581,10 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
     t.add_row("backend", d["backend"])
+    if stats.shards is not None:
+        sh = stats.shards
+        t.add_row("shards", f"{sh.shards_done:,} / {sh.shards:,} done on {sh.workers} workers"
+                            + ("" if sh.complete else f", the rest kept in {sh.workdir}"))
     total = "?" if d["total"] is None else f"{d['total']:,}"
     t.add_row("tasks written / total", f"{d['done']:,} / {total}")
     if d["skipped_done_before"]:

@@ -40,6 +40,8 @@ def exit_code(stats: JobStats) -> ExitCode:
     """The code of a job that ran (a refused start or a write failure never gets here)."""
     if stats.stopped_by_outage:
         return ExitCode.OUTAGE
+    if stats.unfinished:  # a worker crashed: its tasks did not run
+        return ExitCode.CRASHED
     if stats.interrupted:
         return ExitCode.INTERRUPTED
     if stats.n_errors or stats.failed_before:

@@ -53,7 +53,7 @@ def test_a_finished_output_is_not_run_again(tmp_path):
     tasks.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     out = tmp_path / "out.jsonl"
     run_batch(str(tasks), str(out), echo=True, cache="off")
-    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), echo=True), RayOptions())
+    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), echo=True), RayOptions()).to_dict()
     assert result["complete"] and result["already_done"] and result["skipped_done_before"] == 2
 
 
