@@ -13,7 +13,7 @@ is read from where an error sits in it (``carpool.jobs.exit_codes.code_for_error
     │   └── RayRunError               a --ray run asked for something it cannot do
     ├── ModelUnavailable              exit 2: the model named cannot be loaded; the user
     │   └── ModelLoadError            chose it and can fix it (an unknown name, a folder
-    │                                 that holds no model), so a refused start, said so
+    │                                 that holds no model), so a refused start
     └── EngineFailure                 exit 1: the engine refused work given to it after
         └── EngineError               the start; carpool should have turned it into a
             └── GrammarError          task's error line, so it is reported as a crash

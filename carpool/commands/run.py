@@ -464,7 +464,6 @@ def _ended_early(error: Exception, command: str = "carpool run") -> int:
     from the error tree (``carpool.jobs.exit_codes.code_for_error``); what the tree calls a
     crash (an engine failure, an unexpected error) is raised on to ``main``, which says so
     with the traceback."""
-    from carpool.errors import ModelUnavailable
     from carpool.jobs.exit_codes import ExitCode, code_for_error
     from carpool.jobs.pipeline import OutputError
 
@@ -473,9 +472,7 @@ def _ended_early(error: Exception, command: str = "carpool run") -> int:
         raise error
     if code == ExitCode.OUTPUT_FAILED:  # disk full, a path under a file, ...
         what = str(error) if isinstance(error, OutputError) else f"cannot write the output: {error}"
-    elif isinstance(error, ModelUnavailable):
-        what = f"the model cannot be loaded: {error}"
-    else:
+    else:  # a refusal's message (the model loader's too) says what is wrong and what to do
         what = str(error)
     _tell(f"{command}: {what}")
     return code

@@ -42,7 +42,7 @@ from carpool.jobs.summary import JobStats, ShardsRun
 from carpool.redact import redact_url
 
 if TYPE_CHECKING:
-    from carpool.jobs.options import RunOptions
+    from carpool.jobs.options import LiveParts, RunOptions
 
 
 @dataclass
@@ -182,13 +182,13 @@ class RayShards:
         self.ray_opts = ray_opts or RayOptions()
         self.on_shard = on_shard
 
-    def run(self, opts: RunOptions) -> tuple[JobStats, list[str]]:
+    def run(self, opts: RunOptions, live: LiveParts) -> tuple[JobStats, list[str]]:
         require("ray", "carpool run --ray")
         import ray
 
         if opts.retry_errors:
             raise RayRunError("--retry-errors runs in one process: resume without --ray")
-        if opts.engine is not None:
+        if live.engine is not None:
             raise RayRunError("an in-process engine object cannot be shipped to Ray workers; "
                               "leave engine=None (each worker starts its own) or pass endpoints")
         started = time.monotonic()
@@ -209,7 +209,7 @@ class RayShards:
             kwargs.update(self.ray_opts.init_kwargs)
             ray.init(address=address, **kwargs)
         try:
-            stats, messages = self._run_on(ray, opts, files)
+            stats, messages = self._run_on(ray, opts, live, files)
         finally:
             if own_ray:
                 ray.shutdown()
@@ -233,8 +233,10 @@ class RayShards:
                          f"{ro.cpus_per_worker:g} CPU / {ro.gpus_per_worker:g} GPU; running {fit}")
         return min(ro.workers or fit, fit), notes
 
-    def _job(self, opts: RunOptions, files: _Files, workers: int, pending: list[Shard]) -> tuple[dict, list[str]]:
-        """What every worker is given (the options of a shard's run, the shared state), and a note."""
+    def _job(self, opts: RunOptions, live: LiveParts, files: _Files, workers: int,
+             pending: list[Shard]) -> tuple[dict, list[str]]:
+        """What every worker is given (the options of a shard's run, the model identity the
+        driver settled, the shared state), and a note."""
         from carpool.distributed.worker import SharedState, default_budget_name
 
         ro = self.ray_opts
@@ -251,13 +253,14 @@ class RayShards:
                          "--redis URL shares one budget (faster when shards differ)")
         shared = SharedState(redis=ro.redis, budget_name=ro.budget_name or default_budget_name(opts),
                              window_s=ro.rpm_window_s, burst_s=ro.rpm_burst_s) if ro.redis else None
-        return {"opts": job_opts, "shared": shared, "workdir": str(files.workdir)}, notes
+        job = {"opts": job_opts, "identity": live.identity, "shared": shared, "workdir": str(files.workdir)}
+        return job, notes
 
-    def _run_on(self, ray: Any, opts: RunOptions, files: _Files) -> tuple[JobStats, list[str]]:
+    def _run_on(self, ray: Any, opts: RunOptions, live: LiveParts, files: _Files) -> tuple[JobStats, list[str]]:
         workers, notes = self._workers(ray)
         shards = _plan(files.input, files.fmt, files.workdir, self.ray_opts.shards or 4 * workers)
         pending = [s for s in shards if not files.shard(s)[2].exists()]
-        job, job_notes = self._job(opts, files, workers, pending)
+        job, job_notes = self._job(opts, live, files, workers, pending)
         notes += job_notes
         run_error = None
         seen: list[dict] = []  # the summaries of this run's shards, finished or not
@@ -280,11 +283,11 @@ class RayShards:
         if missing:
             messages.append(_unfinished(stats, seen, run_error, opts, f"{len(missing)} of {len(shards)}"))
             return stats, messages
-        messages += self._merge(opts, files, shards)
+        messages += self._merge(opts, live, files, shards)
         stats.shards.complete = True
         return stats, messages
 
-    def _merge(self, opts: RunOptions, files: _Files, shards: list[Shard]) -> list[str]:
+    def _merge(self, opts: RunOptions, live: LiveParts, files: _Files, shards: list[Shard]) -> list[str]:
         """The shard outputs, in shard order, into the job's output (and errors file)."""
         from carpool.distributed.worker import ShardReader, fix_cross_shard_duplicates
 
@@ -298,7 +301,7 @@ class RayShards:
         merge_files([p[0] for p in parts], files.output)
         if files.errors is not None:
             merge_files([p[1] for p in parts], files.errors)
-        _write_state(files.output, files.input, opts)
+        _write_state(files.output, files.input, opts, live)
         if not self.ray_opts.keep_workdir:
             shutil.rmtree(files.workdir, ignore_errors=True)
         return messages
@@ -381,13 +384,13 @@ def _finished_before(output: Path, input_path: Path) -> tuple[JobStats, list[str
     return stats, [f"{output} is already complete ({lines:,} lines); nothing to do (--fresh reruns it)"]
 
 
-def _write_state(output: Path, input_path: Path, opts) -> None:
+def _write_state(output: Path, input_path: Path, opts: RunOptions, live: LiveParts) -> None:
     # The runner's state file beside the output, so a later single-process ``carpool run``
     # into the same output resumes from it like from its own.
     from carpool.jobs.fingerprint import make_fingerprint
     from carpool.jobs.journal import Journal
 
-    Journal(output, opts.errors, fingerprint=make_fingerprint(opts)).write_state(str(input_path), finished=True,
+    Journal(output, opts.errors, fingerprint=make_fingerprint(opts, live)).write_state(str(input_path), finished=True,
                                                                                 argv=opts.argv)
 
 
@@ -396,10 +399,11 @@ def run_batch_on_ray(input: str, output: str, *, address: str | None = None, wor
     """Python API: ``run_batch`` spread over Ray; ``options`` are those of ``carpool.run_batch``
     (RunOptions fields, plus the ``model``/``max_tokens``/``temperature`` shortcuts).  Returns
     the summary ``run_batch`` returns (``JobStats.to_dict`` and the messages)."""
-    from carpool.jobs.api import make_options
+    from carpool.jobs.api import make_job
     from carpool.jobs.runner import Runner
 
     ray_options = ray_options or RayOptions(address=address, workers=workers, redis=redis)
-    runner = Runner(make_options(input, output, **options))
+    opts, live = make_job(input, output, **options)
+    runner = Runner(opts, live=live)
     stats = runner.run_spread(RayShards(ray_options))
     return {**stats.to_dict(), "messages": runner.messages}

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from carpool.extras import require
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.output_format import OutputTarget, output_target, write_table
 from carpool.jobs.output_lock import OutputLock
 from carpool.jobs.parts import build_parts
@@ -48,8 +48,9 @@ class Spread(Protocol):
     until done (a cluster's driver waits on its workers); Ctrl-C reaches it as
     ``KeyboardInterrupt``, and what finished is kept for a resume."""
 
-    def run(self, opts: RunOptions) -> tuple[JobStats, list[str]]:
-        """The job's statistics and what the user should read after it."""
+    def run(self, opts: RunOptions, live: LiveParts) -> tuple[JobStats, list[str]]:
+        """The job's statistics and what the user should read after it; ``opts`` and ``live``
+        as the start settled them (the model, its identity)."""
         ...
 
 
@@ -64,11 +65,14 @@ def _wrote_table(target: OutputTarget, rows: int) -> str:
 
 class Runner:
     def __init__(self, opts: RunOptions, notify: Callable[[str], None] | None = None,
-                 make_source: Callable[[RunOptions], TaskSource] | None = None):
+                 make_source: Callable[[RunOptions], TaskSource] | None = None, live: LiveParts | None = None):
         """``notify``: told at once what the user should see while the job runs (a stop in progress);
         ``make_source``: the tasks, made from the settled options (the Python API's records in
-        memory), instead of the input file's reader."""
+        memory), instead of the input file's reader; ``live``: what the job is given beside its
+        options (an engine already running); the rest is built at its start.  ``opts`` stays
+        as given: the settled options (the model filled in) are the job's own."""
         self.opts = opts
+        self.live = live if live is not None else LiveParts()
         self.make_source = make_source
         self.notify = notify
         self.pipeline: Pipeline | None = None
@@ -121,9 +125,9 @@ class Runner:
         ``run``, the same ``JobStats``."""
         target, prices, lock = self._open()
         try:
-            self.opts, notes = resolve_target_sync(self.opts)  # once here, not by every worker
+            opts, live, notes = resolve_target_sync(self.opts, self.live)  # once here, not by every worker
             self._drop_old_table(target)
-            stats, messages = spread.run(self.opts)
+            stats, messages = spread.run(opts, live)
             stats.prices = prices
             self.messages = [*([lock.note] if lock.note else []), *notes, *messages]
             if target.is_table and finished(stats) and not (stats.shards and stats.shards.already_done):
@@ -155,21 +159,21 @@ class Runner:
 
     async def _run_locked(self, target: OutputTarget, prices: Prices | None, lock_note: str | None) -> JobStats:
         peek = self.make_source(self.opts) if self.make_source is not None else None
-        self.opts, notes = await resolve_target(self.opts, peek)
-        source = self.make_source(self.opts) if self.make_source is not None else None
-        parts = build_parts(self.opts, source=source)
+        opts, live, notes = await resolve_target(self.opts, peek, self.live)
+        source = self.make_source(opts) if self.make_source is not None else None
+        parts = build_parts(opts, live, source=source)
         self._drop_old_table(target)
         parts.messages[:0] = notes if lock_note is None else [lock_note, *notes]
         self.messages = parts.messages
-        self.pipeline = Pipeline(parts, self.opts, self.notify)
+        self.pipeline = Pipeline(parts, opts, self.notify)
         self.pipeline.stats.prices = prices
         for grace_s in self._stops:
             self.pipeline.request_stop(grace_s)
         stats = await self.pipeline.run()
         if target.is_table and finished(stats):
             self.messages.append(_wrote_table(target, await asyncio.to_thread(write_table, target)))
-        if self.opts.report:
+        if opts.report:
             from carpool.jobs.report import write_report
 
-            write_report(self.opts.report, stats, parts.limiter)
+            write_report(opts.report, stats, parts.limiter)
         return stats

@@ -225,10 +225,11 @@ def test_a_ray_run_reports_dollars_spent_and_saved(ray_cluster, zero_server, tmp
     tasks = write_tasks(tmp_path / "tasks.jsonl", 8)
     common = {"input": str(tasks), "endpoints": [zero_server.url], "defaults": TaskDefaults(model="m"),
               "cache": f"sqlite:///{tmp_path / 'c.db'}", "price_in": 1.0, "price_out": 4.0}
-    first = run_on_ray(RunOptions(output=str(tmp_path / "a.jsonl"), **common), RayOptions(workers=1, shards=2)).to_dict()
+    ray_opts = RayOptions(workers=1, shards=2)
+    first = run_on_ray(RunOptions(output=str(tmp_path / "a.jsonl"), **common), ray_opts).to_dict()
     spent = (first["prompt_tokens"] * 1.0 + first["completion_tokens"] * 4.0) / 1e6
     assert first["prompt_tokens"] > 0 and first["cost"]["spent_usd"] == pytest.approx(spent)
-    again = run_on_ray(RunOptions(output=str(tmp_path / "b.jsonl"), **common), RayOptions(workers=1, shards=2)).to_dict()
+    again = run_on_ray(RunOptions(output=str(tmp_path / "b.jsonl"), **common), ray_opts).to_dict()
     assert again["cache_hits"] == 8 and again["cost"]["spent_usd"] == 0
     assert again["cost"]["saved_usd"] == pytest.approx(spent)
 
