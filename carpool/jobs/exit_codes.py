@@ -4,15 +4,21 @@ One table for every verb, so a script can tell what happened from the code alone
 
 ====  =====================================================================================
 0     every task succeeded (tasks skipped on resume count when their line is a success line)
-1     carpool itself crashed (an uncaught exception: please report it)
+1     carpool itself crashed (an uncaught exception: please report it), or a worker of a
+      ``--ray`` run did (the same command resumes its shards)
 2     the start was refused: bad flags, an unreadable input, a fingerprint mismatch on
-      resume, an unknown ``--model``, an endpoints file that cannot be used
+      resume, an unknown ``--model`` or one that cannot be loaded, an endpoints file that
+      cannot be used
 3     the job ran to its end but some tasks failed (their error lines are written)
 4     stopped by an outage (the endpoints stayed down past ``--outage-timeout``; a rerun
       resumes the unfinished tasks)
 5     the output could not be written (disk full, a read-only place); resume after fixing it
 130   interrupted (SIGINT or SIGTERM); the same command resumes
 ====  =====================================================================================
+
+A job that ran gets its code from its ``JobStats`` (``exit_code``); one that ended early
+from where its error sits in carpool's error tree (``code_for_error``, ``carpool.errors``),
+never from a Python base class such as ``ValueError``.
 """
 
 from __future__ import annotations
