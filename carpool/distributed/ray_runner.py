@@ -191,6 +191,9 @@ class RayShards:
         if live.engine is not None:
             raise RayRunError("an in-process engine object cannot be shipped to Ray workers; "
                               "leave engine=None (each worker starts its own) or pass endpoints")
+        if live.budget is not None:  # dropping it would let the workers spend past the limit
+            raise RayRunError("a budget object cannot be shipped to Ray workers; give rpm/tpm, and a Redis URL "
+                              "(--redis) for one budget shared by every worker")
         started = time.monotonic()
         files = _Files.of(opts, self.ray_opts)
         if opts.fresh:
