@@ -218,12 +218,12 @@ def request_trace(path: str | None):
     holder: dict = {}
     original = HttpBackend.call
 
-    async def call(self, req):
+    async def call(self, req, **attempt):  # the attempt's own arguments (first-token hook) pass through
         t0 = time.monotonic()
         pipeline = holder["runner"].pipeline
         lim = pipeline.parts.limiter
         limit, in_flight = lim.limit, lim.in_flight
-        res = await original(self, req)
+        res = await original(self, req, **attempt)
         rows.append({"start": round(t0 - pipeline.stats.started, 4), "e2e": round(res.e2e_s, 4),
                      "ttft": None if res.ttft_s is None else round(res.ttft_s, 4), "prompt": res.prompt_tokens,
                      "completion": res.completion_tokens, "status": res.status_code, "limit": limit,

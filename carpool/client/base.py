@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from carpool.client.retry import ErrorKind
 
@@ -18,16 +18,19 @@ class Request:
     body: dict  # the OpenAI request body
     idempotent: bool = False
     est_tokens: int = 0  # for the TPM budget: prompt estimate + max_tokens
-    # Set by the executor for one attempt: a backend calls it when the first token of a
-    # streamed answer arrives (the limiter counts the request as decoding from then on).
-    on_first_token: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    # What the backend's admission check made of the body (EngineBackend: the templated,
-    # tokenized engine requests), taken by its first call so a prompt is templated once.
-    checked: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> str:
         return PATHS[self.kind]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """What a backend's admission check says of a request it would refuse before queueing
+    it (a prompt past the engine's context): the field at fault and why."""
+
+    field: str
+    reason: str
 
 
 @dataclass(slots=True)
@@ -81,6 +84,12 @@ class Backend(Protocol):
     engine_start_s: float | None
     engine_start_overlap_s: float | None
 
-    async def call(self, request: Request) -> CallResult: ...
+    async def call(self, request: Request, *, prepared: Any = None,
+                   on_first_token: Callable[[], None] | None = None) -> CallResult:
+        """One attempt at ``request``.  ``prepared``: what this backend's admission check
+        returned for it (so a prompt is templated once), given to the first attempt only,
+        since it gathers that attempt's answer; ``on_first_token``: called when the first
+        token of a streamed answer arrives (the limiter then counts the request as decoding)."""
+        ...
 
     async def close(self) -> None: ...

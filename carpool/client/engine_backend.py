@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from carpool.client.base import CallResult, Request
+from carpool.client.base import CallResult, Refused, Request
 from carpool.client.retry import ErrorKind
 from carpool.embed.dynamic_batcher import DynamicBatcher, QueueFullError, QueueTimeoutError
 from carpool.engine.protocol import EngineClient
@@ -103,26 +103,31 @@ class EngineBackend:
             await self._batcher.close()
         self._batcher = None
 
-    def check(self, req: Request) -> tuple[str, str] | None:
-        """A request the engine would refuse (a field, a prompt past the context): (field, reason),
-        before it is queued."""
+    def check(self, req: Request) -> Prepared | Refused | None:
+        """The request as the engine will run it (templated and tokenized, handed back to
+        ``call`` so a prompt is templated once), or why the engine would refuse it (a field, a
+        prompt past the context) before it is queued; None for an embedding."""
         if req.kind == "embedding":
             return None
         try:
-            req.checked = self.translator.prepare(req.kind, req.body)
+            return self.translator.prepare(req.kind, req.body)
         except OpenAIError as e:
             field = e.param or "body"
             # The caller says the field itself ("field 'x': ..."): do not say it twice.
-            return (field, e.message.removeprefix(f"'{field}': "))
-        return None
+            return Refused(field, e.message.removeprefix(f"'{field}': "))
 
-    async def call(self, req: Request) -> CallResult:
+    async def call(self, req: Request, *, prepared: Prepared | None = None,
+                   on_first_token: Callable[[], None] | None = None) -> CallResult:
+        """One attempt (``Backend.call``): ``prepared`` is ``check``'s answer for ``req``, given
+        once (its choices gather one answer); ``on_first_token`` is not called, since the
+        engine's own scheduler batches and the limiter has nothing to learn from its first tokens."""
         if req.kind == "embedding":
             return await self._embed(req)
         t0 = time.perf_counter()
         res = CallResult(ok=False, endpoint="engine", sent_at=t0)
-        prepared = _take_checked(req)
-        if prepared is None:  # a retry (its choices were used), or no admission check ran
+        if prepared is not None:
+            _queued_from_now(prepared)
+        else:  # a retry (its choices were used), or no admission check ran
             try:
                 prepared = self.translator.prepare(req.kind, req.body)
             except OpenAIError as e:
@@ -186,15 +191,11 @@ class EngineBackend:
         return res
 
 
-def _take_checked(req: Request) -> Prepared | None:
-    """The request ``check`` prepared, once: its choices gather one answer, so a retry prepares anew."""
-    prepared, req.checked = req.checked, None
-    if not isinstance(prepared, Prepared):
-        return None
+def _queued_from_now(prepared: Prepared) -> None:
+    """A request prepared by the admission check is queued in the engine from now, not from then."""
     now = time.monotonic()
-    for c in prepared.choices:  # queued in the engine from now, not from the admission check
+    for c in prepared.choices:
         c.request.arrival_time = now
-    return prepared
 
 
 def _failed(res: CallResult, e: OpenAIError, t0: float) -> CallResult:

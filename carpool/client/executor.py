@@ -3,7 +3,8 @@
 The order matters: a request waits while every endpoint is down (the outage gate of
 ``breaker.py``: a paused job holds no slots and spends no budget), then for its RPM/TPM
 budget *before* taking a concurrency slot (so waiting for budget does not block others'
-slots), and gives its slot back while it sleeps before a retry.
+slots), and gives its slot back while it sleeps before a retry.  Each attempt holds its
+slot in one ``LimiterSlot`` block (``slot.py``), which gives it back on every way out.
 
 An outage costs a task nothing: a connection that never reached a server whose breaker
 is now open is not an attempt, and the request simply waits at the gate again.  Only
@@ -16,33 +17,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
 from collections import Counter
+from typing import Any, Protocol
 
 from carpool.client.base import Backend, CallResult, Outcome, Request
 from carpool.client.breaker import OutageGate
 from carpool.client.budget import Budget, NoBudget
 from carpool.client.limiter import FixedLimiter
 from carpool.client.retry import ErrorKind, RetryPolicy, decide
+from carpool.client.slot import LimiterSlot
 
-_DROP_KINDS = (ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED)
 
+class ReuseHook(Protocol):
+    """An answer kept apart from the backend (the semantic cache) that may spare a request
+    its call.  It is asked while the request holds its concurrency slot, so an answer stored
+    by a request that finished while this one waited for its slot is found: ``lookup`` once
+    before the first attempt, ``store`` after a success, before the slot is given back."""
 
-class _FirstToken:
-    """The backend calls this when a streamed answer's first token arrives: the limiter then
-    counts the request as decoding (in the server's batch) rather than waiting or prefilling."""
+    async def lookup(self) -> CallResult | None: ...
 
-    __slots__ = ("limiter", "seen", "sent")
-
-    def __init__(self, limiter: FixedLimiter):
-        self.limiter = limiter
-        self.seen = False
-        self.sent = time.monotonic()
-
-    def __call__(self) -> None:
-        if not self.seen:
-            self.seen = True
-            self.limiter.first_token(time.monotonic() - self.sent)
+    async def store(self, res: CallResult) -> None: ...
 
 
 class Stopped(Exception):
@@ -102,63 +96,26 @@ class Executor:
         if self.stopping:
             raise Stopped(req.custom_id)
 
-    async def execute(self, req: Request, precheck=None, after=None) -> Outcome:
-        """``precheck``: an async callable run once the first slot is held, just before sending;
-        a CallResult from it is the answer (e.g. a semantic-cache hit of a task that finished
-        while this one waited for its slot) and nothing is sent."""
+    async def execute(self, req: Request, hook: ReuseHook | None = None, *, prepared: Any = None) -> Outcome:
+        """``hook``: an answer kept elsewhere, asked once the first slot is held (an answer from
+        it is the outcome, with 0 attempts: nothing is sent); ``prepared``: what the backend's
+        admission check returned for ``req``, given to its first attempt (``Backend.call``)."""
         attempt = 0
         retried: list[ErrorKind] = []
         while True:
-            attempt += 1  # ``after``: an async callable(result) run on success before the slot is freed
+            attempt += 1
             if self.gate is not None:
                 await self._wait_for_an_endpoint(self.gate, req)
             await self.budget.acquire(1, req.est_tokens)
-            await self.limiter.acquire()
-            if self.gate is not None and self.gate.down():
-                # The endpoints went down while this request waited for its slot: it waits
-                # again holding the slot (giving it back would be a sample the limiter
-                # learns from; nothing else can use it while every endpoint is down).
-                try:
-                    await self._wait_for_an_endpoint(self.gate, req)
-                except BaseException:
-                    self.limiter.release()
-                    raise
-            if self.stopping:
-                self.limiter.release()
-                raise Stopped(req.custom_id)
-            if precheck is not None and attempt == 1:
-                try:
-                    early = await precheck()
-                except BaseException:
-                    self.limiter.release()
-                    raise
+            async with LimiterSlot(self.limiter) as slot:
+                early = await self._before_sending(req, hook if attempt == 1 else None)
                 if early is not None:
-                    self.limiter.release()
                     return Outcome(req, early, 0, retried)
-            self.attempts += 1
-            first = _FirstToken(self.limiter)
-            req.on_first_token = first
-            try:
-                res = await self.backend.call(req)
-            except asyncio.CancelledError:
-                self.limiter.release(decoding=first.seen)
-                raise
-            except Exception as e:  # noqa: BLE001  (a bug or an unexpected library error: a value, not a crash)
-                res = CallResult(ok=False, error_kind=ErrorKind.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
-            finally:
-                req.on_first_token = None
-            dropped = res.error_kind in _DROP_KINDS
-            if res.ok and after is not None:
-                try:
-                    await after(res)
-                except BaseException:
-                    self.limiter.release(decoding=first.seen)
-                    raise
-            # A request the outage failed says nothing about the server's speed or load.
-            self.limiter.release(self._latency(res) if res.ok else None, dropped=dropped,
-                                 e2e=None if res.endpoint_down else res.e2e_s,
-                                 ttft=res.ttft_s, tokens=res.prompt_tokens + res.completion_tokens,
-                                 decoding=first.seen, completion_tokens=res.completion_tokens)
+                res = await self._attempt(req, slot, prepared)
+                prepared = None  # it gathered this attempt's answer: a retry is prepared anew
+                if res.ok and hook is not None:
+                    await hook.store(res)  # while the slot is held: the next one to take it finds the answer
+                slot.learn(res, self._latency(res) if res.ok else None)
             if res.ok:
                 used = res.prompt_tokens + res.completion_tokens
                 if used and req.est_tokens:
@@ -181,6 +138,24 @@ class Executor:
             await self._pause(self.policy.backoff(attempt, res.retry_after, self._rng))
             if self.stopping:
                 raise Stopped(req.custom_id)
+
+    async def _before_sending(self, req: Request, hook: ReuseHook | None) -> CallResult | None:
+        """Holding the slot, before the call: wait again if every endpoint went down meanwhile
+        (holding the slot: given back, it would be a sample the limiter learns from, and
+        nothing else can use it while every endpoint is down); stop if the job stops; the
+        hook's answer, if it has one."""
+        if self.gate is not None and self.gate.down():
+            await self._wait_for_an_endpoint(self.gate, req)
+        if self.stopping:
+            raise Stopped(req.custom_id)
+        return await hook.lookup() if hook is not None else None
+
+    async def _attempt(self, req: Request, slot: LimiterSlot, prepared: Any) -> CallResult:
+        self.attempts += 1
+        try:
+            return await self.backend.call(req, prepared=prepared, on_first_token=slot.attempt())
+        except Exception as e:  # noqa: BLE001  (a bug or an unexpected library error: a value, not a crash)
+            return CallResult(ok=False, error_kind=ErrorKind.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
 
     def _count_retry(self, kind: ErrorKind, retried: list[ErrorKind]) -> None:
         self.retries[kind] += 1

@@ -145,7 +145,10 @@ class HttpBackend:
             body = {**body, "stream_options": {**options, "include_usage": True}}
         return body
 
-    async def call(self, req: Request) -> CallResult:
+    async def call(self, req: Request, *, prepared: object = None,
+                   on_first_token: Callable[[], None] | None = None) -> CallResult:
+        """One attempt (``Backend.call``); an HTTP request is prepared per endpoint, so
+        ``prepared`` is never anything here."""
         keys = prefix_keys(req.body) if self.balancer.affinity is not None else ()
         ep = self.balancer.pick(req.est_tokens, keys)
         if ep.budget is not None:
@@ -159,7 +162,7 @@ class HttpBackend:
             async with timeout(self.timeouts.total_s), timeout(None) as idle:
                 watch = _ReadWatch(idle, self.timeouts.read_s, lambda: self.read_timeout(ep.url))
                 try:
-                    await self._call(self._spec(ep), req, res, t0, watch)
+                    await self._call(self._spec(ep), req, res, t0, watch, on_first_token)
                 finally:
                     watch.close()
         except (TimeoutError, asyncio.TimeoutError):
@@ -245,7 +248,8 @@ class HttpBackend:
         else:
             b.on_answer()
 
-    async def _call(self, spec: EndpointSpec, req: Request, res: CallResult, t0: float, watch: _ReadWatch) -> None:
+    async def _call(self, spec: EndpointSpec, req: Request, res: CallResult, t0: float, watch: _ReadWatch,
+                    first_token: Callable[[], None] | None) -> None:
         body = self.prepare_body(req, spec)
         streaming = bool(body.get("stream"))
         headers = {**self._headers, **self._auth(spec), "X-Carpool-Custom-Id": custom_id_header(req.custom_id)}
@@ -265,7 +269,7 @@ class HttpBackend:
                     return
                 ctype = resp.headers.get("Content-Type", "")
                 if streaming and ctype.startswith("text/event-stream"):
-                    await self._read_stream(resp, req, res, t0, watch)
+                    await self._read_stream(resp, req, res, t0, watch, first_token)
                 else:
                     raw = await resp.read()
                     res.ttft_s = time.perf_counter() - t0
@@ -319,7 +323,7 @@ class HttpBackend:
             res.error_kind = ErrorKind.CLIENT_ERROR
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, req: Request, res: CallResult, t0: float,
-                           watch: _ReadWatch) -> None:
+                           watch: _ReadWatch, first_token: Callable[[], None] | None) -> None:
         acc = StreamAccumulator(chat=req.kind == "chat")
         sse = SSEReader()
         done = False
@@ -329,14 +333,14 @@ class HttpBackend:
             async for data in resp.content.iter_any():
                 watch.data()
                 for payload in sse.feed(data):
-                    done = self._take_event(payload, acc, res, t0, req.on_first_token)
+                    done = self._take_event(payload, acc, res, t0, first_token)
                     if done or res.error_kind:
                         break
                 if done or res.error_kind:
                     break
             else:
                 for payload in sse.close():
-                    done = self._take_event(payload, acc, res, t0, req.on_first_token)
+                    done = self._take_event(payload, acc, res, t0, first_token)
                     if done or res.error_kind:
                         break
         except EventTooLarge as e:

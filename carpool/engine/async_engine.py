@@ -19,7 +19,7 @@ from carpool.compat import Self
 from carpool.extras import require
 
 from .config import EngineConfig
-from .protocol import EngineError, GenerateRequest, StructuredOutputs, TokenDelta
+from .protocol import BACKGROUND_PRIORITY, EngineError, GenerateRequest, StructuredOutputs, TokenDelta
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -35,6 +35,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._cv = threading.Condition()
         self._new: list = []  # sequences to add (guarded by _cv)
+        self._foreground_arrived = threading.Event()  # set with a foreground request in _new, cleared as it is taken
         self._aborts: list[str] = []
         self._stop = False
         # request_id -> (event loop, queue) of the consumer
@@ -124,6 +125,8 @@ class AsyncEngine:
         self._streams[rid] = (loop, queue)
         with self._cv:
             self._new.append(seq)
+            if seq.priority < BACKGROUND_PRIORITY:
+                self._foreground_arrived.set()  # a running batch-only step stops for it at its next layer
             self._cv.notify_all()
         finished = False
         try:
@@ -187,6 +190,7 @@ class AsyncEngine:
                 if self._stop:
                     break
                 new, self._new = self._new, []
+                self._foreground_arrived.clear()
                 aborts, self._aborts = self._aborts, []
             out: list[TokenDelta | _Failed] = []
             for seq in new:
@@ -200,7 +204,7 @@ class AsyncEngine:
                     out.append(d)
             try:
                 if engine.has_unfinished():
-                    out.extend(engine.step())
+                    out.extend(engine.step(self._foreground_arrived))
             except Exception as e:  # noqa: BLE001 -- a bug in a step must not hang every consumer
                 self.error = e
                 for rid in list(engine.requests):

@@ -21,11 +21,11 @@ from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .guided import GrammarCompiler, TokenVocabulary
 from .kv_quant import bytes_per_head_vector, check_kv_cache_dtype
-from .model import LlamaModel
+from .model import LlamaModel, StepInterrupted
 from .model_runner import PREFILL_MODES, ModelRunner
 from .ops.build import ISA_NAMES
 from .process import configure_process
-from .protocol import EngineError, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
+from .protocol import BACKGROUND_PRIORITY, EngineError, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
 from .quant import calibration_ids, check_quantization
 from .sampler import RawLogprobs, SampleResult
 from .scheduler import Scheduler
@@ -33,6 +33,11 @@ from .sequence import Sequence
 from .validation import check_sampling_params
 
 log = logging.getLogger("carpool.engine")
+
+# A step of background work alone may be stopped for a foreground request that arrives during it;
+# after this many stopped in a row the next one runs to its end, so arrivals faster than a step
+# slow the batch but cannot starve it, and at most this many steps of work are thrown away at once.
+MAX_INTERRUPTED_IN_ROW = 2
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
            "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16}
@@ -137,6 +142,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.vocab)
         self.requests: dict[str, Sequence] = {}
         self.listeners: list[Callable[[dict], None]] = []
+        self.interrupted_in_row = 0  # background-only steps stopped since the last step that ran
+        self.num_interrupted_steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -270,7 +277,8 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return self._finish(seq, "error", [], "", None, f"the engine failed on this request: {msg}")
 
-    def _run(self, scheduled: list[tuple[Sequence, int]], deltas: list[TokenDelta]):
+    def _run(self, scheduled: list[tuple[Sequence, int]], deltas: list[TokenDelta],
+             interrupt: threading.Event | None = None):
         """The step's forward and sampling.  When it raises, each request is run alone to find the
         ones that fail: they end with an error delta, the others' work is redone (their KV writes
         are the same values to the same slots) and they go on.  A rare path: the parameters are
@@ -278,8 +286,10 @@ class LLMEngine:
         # A seeded request must draw the same tokens on the rerun: keep its generator's state (~1 us).
         states = [(s.generator, s.generator.get_state()) for s, _ in scheduled if s.generator is not None]
         try:
-            seqs, result = self.runner.run(scheduled)
+            seqs, result = self.runner.run(scheduled, interrupt)
             return scheduled, seqs, result
+        except StepInterrupted:
+            raise  # not a failure: the caller drops the step
         except Exception as e:  # noqa: BLE001 -- one request must not end the whole batch
             if len(scheduled) == 1:
                 deltas.append(self._fail(scheduled[0][0], e))
@@ -331,30 +341,59 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return self._finish(seq, reason, [tok], text, lps)
 
-    def step(self) -> list[TokenDelta]:
+    def _interruptible(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """A step may be stopped when it holds background work only, and fewer than
+        ``MAX_INTERRUPTED_IN_ROW`` steps before it were stopped: a steady stream of foreground
+        arrivals then slows the batch without stopping it, and the work thrown away stays bounded."""
+        return (self.interrupted_in_row < MAX_INTERRUPTED_IN_ROW
+                and all(seq.priority >= BACKGROUND_PRIORITY for seq, _ in scheduled))
+
+    def _apply(self, scheduled: list[tuple[Sequence, int]], seqs: list[Sequence], result: SampleResult | None,
+               deltas: list[TokenDelta]) -> None:
+        """Record a finished step: tokens computed, full blocks cached, sampled tokens appended."""
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        if result is None:
+            return
+        now = time.monotonic()
+        with self.tokenizer_lock:
+            for j, seq in enumerate(seqs):
+                if j in result.errors:
+                    deltas.append(self._fail(seq, result.errors[j]))
+                    continue
+                try:
+                    deltas.append(self._advance(seq, result.tokens[j], result.logprobs[j], now))
+                except Exception as e:  # noqa: BLE001 -- this request fails alone
+                    deltas.append(self._fail(seq, e))
+        self.generation_tokens += len(seqs)
+
+    def step(self, interrupt: threading.Event | None = None) -> list[TokenDelta]:
+        """Schedule and run one step; the deltas it produced.
+
+        ``interrupt`` (set by another thread when a foreground request arrives) may stop a step
+        that holds background work only (batch lines): the foreground request then waits for one
+        layer instead of a whole step, and the stopped step is redone later (``_interruptible``)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         deltas: list[TokenDelta] = []
+        ran = True
         if out.scheduled:
-            scheduled, seqs, result = self._run(out.scheduled, deltas)
-            for seq, n in scheduled:
-                seq.num_computed_tokens += n
-                self.block_manager.cache_full_blocks(seq)
-            now = time.monotonic()
-            with self.tokenizer_lock:
-                for j, seq in enumerate(seqs):
-                    if j in result.errors:
-                        deltas.append(self._fail(seq, result.errors[j]))
-                        continue
-                    try:
-                        deltas.append(self._advance(seq, result.tokens[j], result.logprobs[j], now))
-                    except Exception as e:  # noqa: BLE001 -- this request fails alone
-                        deltas.append(self._fail(seq, e))
-            self.generation_tokens += len(seqs)
+            stop = interrupt if self._interruptible(out.scheduled) else None
+            try:
+                scheduled, seqs, result = self._run(out.scheduled, deltas, stop)
+            except StepInterrupted:
+                ran = False
+                self.interrupted_in_row += 1
+                self.num_interrupted_steps += 1
+            else:
+                self.interrupted_in_row = 0
+                self._apply(scheduled, seqs, result, deltas)
         info = {
-            "num_prefill_tokens": out.num_prefill_tokens,
-            "num_decode_tokens": out.num_decode_tokens,
-            "num_scheduled_seqs": len(out.scheduled),
+            "num_prefill_tokens": out.num_prefill_tokens if ran else 0,
+            "num_decode_tokens": out.num_decode_tokens if ran else 0,
+            "num_scheduled_seqs": len(out.scheduled) if ran else 0,
+            "interrupted": not ran,
             "num_preempted": len(out.preempted),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -382,4 +421,5 @@ class LLMEngine:
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
             "max_num_seqs": self.scheduler.max_num_seqs,  # what a client may keep in flight usefully
+            "num_interrupted_steps": self.num_interrupted_steps,
         }

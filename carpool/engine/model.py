@@ -21,6 +21,7 @@ CPU efficiency choices (the model is tiny, so overheads dominate):
 from __future__ import annotations
 
 import mmap
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
@@ -34,6 +35,18 @@ from .quant import Int8Linear, linear
 
 if TYPE_CHECKING:
     from .ops import Kernels
+
+
+class StepInterrupted(Exception):
+    """A step stopped between two layers because ``meta.interrupt`` was set.  Nothing it
+    computed is used: the caller leaves its sequences as they were, and the keys and values
+    it already wrote are written again, to the same slots and with the same values, when the
+    step is run again."""
+
+
+def _check_interrupt(meta: AttentionMetadata) -> None:
+    if meta.interrupt is not None and meta.interrupt.is_set():
+        raise StepInterrupted
 
 
 @dataclass
@@ -58,6 +71,8 @@ class AttentionMetadata:
     prefill_shape: tuple[int, int] = (0, 0)  # (P, Lq)
     prefill_slots: torch.Tensor | None = None  # [P, L]
     prefill_mask: torch.Tensor | None = None  # [1, P, G*Lq, L] additive (causal + context length)
+    # Set by another thread to stop this step between two layers (``StepInterrupted``); None: runs to the end.
+    interrupt: threading.Event | None = None
 
 
 class Layer(TypedDict):
@@ -331,6 +346,7 @@ class LlamaModel:
         h = k.add_rms_norm(x, None, self.layers[0]["ln1"], self.eps)
         rope_heads = self.num_heads + self.num_kv_heads
         for i, (layer, lin, (k_cache, v_cache)) in enumerate(zip(self.layers, self.linears, kv_caches, strict=True)):
+            _check_interrupt(meta)
             qkv = lin["qkv"](h, k)
             k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
@@ -340,7 +356,7 @@ class LlamaModel:
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, down, next_ln, self.eps)
         # h is the final norm of every row; the head runs only on the rows that sample.
-        return self._head(h.index_select(0, meta.logits_index), k)
+        return self._head(h.index_select(0, meta.logits_index), k, meta)
 
     def _forward_int8(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k: Kernels) -> torch.Tensor:
@@ -360,6 +376,7 @@ class LlamaModel:
         hq, hs = k.add_rms_norm_quant(x, None, self.layers[0]["ln1"], eps)
         h = x
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            _check_interrupt(meta)
             qkv_w, o_w, gate_up_w, down_w = layer["qkv"], layer["o"], layer["gate_up"], layer["down"]
             assert isinstance(qkv_w, Int8Linear) and isinstance(o_w, Int8Linear)
             assert isinstance(gate_up_w, Int8Linear) and isinstance(down_w, Int8Linear)
@@ -376,9 +393,9 @@ class LlamaModel:
             else:
                 h = k.add_rms_norm(x, down, self.norm, eps)
         # h is the final norm of every row (model dtype); the head runs only on the rows that sample.
-        return self._head(h.index_select(0, meta.logits_index), k)
+        return self._head(h.index_select(0, meta.logits_index), k, meta)
 
-    def _head(self, h: torch.Tensor, k: Kernels | None) -> torch.Tensor:
+    def _head(self, h: torch.Tensor, k: Kernels | None, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [S, vocab] (model dtype) of the final-norm rows ``h``.
 
         An int8 head (``quant.QUANTIZE_LM_HEAD``) ranks, the model-dtype head decides: the int8
@@ -387,6 +404,9 @@ class LlamaModel:
         model-dtype head's unless its token fell outside the int8 top k.  The other logits (what
         a temperature draw may reach, and top_logprobs beyond k) stay int8's.
         """
+        # The head reads a fifth of a small model's weights (SmolLM2: 49152 x 576): a step may
+        # still stop before it.
+        _check_interrupt(meta)
         if not isinstance(self.head, Int8Linear):
             return self.head_linear(h, k) if k is not None else linear(h, self.head)
         if h.shape[0] == 0:
@@ -417,6 +437,7 @@ class LlamaModel:
         nkv = self.num_kv_heads * self.head_dim
         h = _rms_norm(x, self.layers[0]["ln1"], self.eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            _check_interrupt(meta)
             qkv = linear(h, layer["qkv"], layer["qkv_bias"])
             t = qkv.shape[0]
             # RoPE on q and k together (rotate-half convention, as HF Llama).
@@ -433,7 +454,7 @@ class LlamaModel:
             x = x + linear(F.silu(g) * u, layer["down"])
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h = _rms_norm(x, next_ln, self.eps)
-        return self._head(h.index_select(0, meta.logits_index), None)
+        return self._head(h.index_select(0, meta.logits_index), None, meta)
 
     def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ then cached), before the first step that uses them.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import plan_measure
@@ -172,9 +174,12 @@ class ModelRunner:
             meta.prefill_valid = real.view(-1)
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
-        """One forward over the scheduled tokens; returns the sequences that sampled and what they sampled."""
+    def run(self, scheduled: list[tuple[Sequence, int]], interrupt: threading.Event | None = None,
+            ) -> tuple[list[Sequence], SampleResult | None]:
+        """One forward over the scheduled tokens; returns the sequences that sampled and what they sampled.
+        ``interrupt``: once set, the forward raises ``StepInterrupted`` at the next layer."""
         input_ids, positions, meta, sample_seqs = self.prepare(scheduled)
+        meta.interrupt = interrupt
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if not sample_seqs:
             return [], None

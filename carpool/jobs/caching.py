@@ -1,8 +1,8 @@
 """The result caches as one job sees them: keys, the exact store, the semantic cache.
 
-``TaskCache`` wraps what ``carpool.cache`` provides so that the pipeline asks three
-questions only: which key does this task share (``key``), is its answer stored
-(``get``/``put``), and may a near-identical earlier task answer it (``semantic_probe``).
+``JobCaches`` wraps what ``carpool.cache`` provides so that ``carpool.jobs.task_cache``
+asks three questions only: which key does this task share (``key``), is its answer
+stored (``get``/``put``), and may a near-identical earlier task answer it (``semantic_probe``).
 A cache is an optimisation, so none of its failures fails a task: a bad store URL or an
 unreachable Redis at the start runs the job uncached (with a message), a store error in
 the middle is reported once and the job goes on.
@@ -54,9 +54,9 @@ def body_key(req: Request) -> str:
 
 @dataclass
 class SemanticProbe:
-    """One task's way into the semantic cache: ``lookup`` once it holds a concurrency slot
-    (so near-duplicates that finished while it waited are found), ``store`` on success
-    while the slot is still held (so one waiting for that slot finds it)."""
+    """One task's way into the semantic cache, the executor's ``ReuseHook``: ``lookup`` once
+    it holds a concurrency slot (so near-duplicates that finished while it waited are found),
+    ``store`` on success while the slot is still held (so one waiting for that slot finds it)."""
 
     semantic: SemanticCache
     scope: str
@@ -86,7 +86,7 @@ class SemanticProbe:
             self.on_error(e)
 
 
-class TaskCache:
+class JobCaches:
     """The exact store (None: off, or it could not be opened) and the semantic cache (opt-in)."""
 
     def __init__(self, store: ResultStore | None, semantic: SemanticCache | None, *, model: str, endpoint: str,
@@ -180,7 +180,7 @@ class TaskCache:
                     self.failed(e)
 
 
-def open_task_cache(opts: RunOptions, model: str, endpoint: str, messages: list[str]) -> TaskCache:
+def open_job_caches(opts: RunOptions, model: str, endpoint: str, messages: list[str]) -> JobCaches:
     """The caches ``opts`` asks for; what could not be opened is said in ``messages`` and left out."""
     store: ResultStore | None = None
     label = "off"
@@ -213,7 +213,7 @@ def open_task_cache(opts: RunOptions, model: str, endpoint: str, messages: list[
     def warn(e: Exception) -> None:
         messages.append(f"cache error (the job ran on without it): {e}")
 
-    return TaskCache(store, semantic, model=model, endpoint=endpoint, cache_sampled=opts.cache_sampled,
+    return JobCaches(store, semantic, model=model, endpoint=endpoint, cache_sampled=opts.cache_sampled,
                      ttl_s=opts.cache_ttl, label=label, audit=audit, on_error=warn,
                      namespace=opts.cache_namespace or "")
 

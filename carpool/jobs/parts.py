@@ -26,7 +26,7 @@ from carpool.client.base import Backend, CallResult, Request
 from carpool.client.budget import Budget, make_budget
 from carpool.client.limiter import FixedLimiter
 from carpool.jobs import limit_start
-from carpool.jobs.caching import TaskCache, open_task_cache
+from carpool.jobs.caching import JobCaches, open_job_caches
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
 from carpool.jobs.journal import Journal
 from carpool.jobs.options import LiveParts, RunOptions
@@ -39,8 +39,10 @@ from carpool.jobs.tokens import CountedSource, openai_counter, openai_encoding_n
 if TYPE_CHECKING:
     from carpool.client.balancer import Balancer
 
-# An admission check: (field, reason) for a request the backend would refuse, else None.
-Check = Callable[[Request], "tuple[str, str] | None"]
+# An admission check: why the backend would refuse a request, else what it prepared of it
+# for its first call (None: nothing).
+# (``carpool.client.base.Refused``: the pipeline writes the task's error line at once).
+Check = Callable[[Request], object]
 
 
 class EchoBackend:
@@ -53,7 +55,8 @@ class EchoBackend:
     engine_start_s: float | None = None  # no engine runs in this process
     engine_start_overlap_s: float | None = None
 
-    async def call(self, req: Request) -> CallResult:
+    async def call(self, req: Request, *, prepared: object = None,
+                   on_first_token: Callable[[], None] | None = None) -> CallResult:
         body = {"id": "echo", "object": "chat.completion", "model": "echo",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
@@ -70,7 +73,7 @@ class JobParts:
     backend: Backend
     limiter: FixedLimiter
     budget: Budget
-    caches: TaskCache
+    caches: JobCaches
     check: Check | None = None
     label: str = ""  # the backend as the summary names it
     # Closed in order after the backend (the engine this job started, shared Redis state).
@@ -210,7 +213,7 @@ def build_parts(opts: RunOptions, live: LiveParts | None = None, *, source: Task
     start_engine = target.start_engine if target.start_engine is not None and \
         _starts_with_generation(reader if reader is not None else source) else None
     budget = live.budget if live.budget is not None else make_budget(opts.rpm, opts.tpm)
-    caches = open_task_cache(opts, target.model, endpoint_identity(opts, live), messages)
+    caches = open_job_caches(opts, target.model, endpoint_identity(opts, live), messages)
     lim = job_limiter(opts, live)
     primers, remember = limit_start.wire(opts, lim, reader if reader is not None else source)
     return JobParts(source=source, journal=journal, backend=target.backend, limiter=lim,

@@ -1,21 +1,21 @@
-"""The batch pipeline: source -> journal (skip done) -> admission -> cache / dedup ->
-limiter -> backend (HTTP or the in-process engine) -> cache store -> writer (the journal).
+"""The batch pipeline: source -> journal (skip done) -> admission -> task cache (exact,
+dedup, semantic) -> executor (budget, limiter, retries) -> backend (HTTP or the in-process
+engine) -> writer (the journal).
 
 ``Pipeline`` runs the ``JobParts`` it is given (``carpool.jobs.parts``) and builds none
 of them, so a caller composes the job it needs: ``carpool.jobs.runner.Runner`` the
 default parts of ``RunOptions``, the Ray worker its shard's reader and shared budget.
 
 Memory stays bounded whatever the file size: the source is a generator, and a task takes
-one of ``max_pending`` slots from the moment it is read until its line is in the output
-file, so at most that many tasks (and, with ``--ordered``, held-back lines) exist at once.
-Concurrency towards the backend is the limiter's business, below that bound.
+one of ``max_pending`` slots (``carpool.jobs.task_slots``) from the moment it is read until
+its line is in the output file, so at most that many tasks (and, with ``--ordered``,
+held-back lines) exist at once.  Concurrency towards the backend is the limiter's business,
+below that bound.
 
-One task's way (``_run_task``): an exact cache hit is written at once; a duplicate of a
-task in flight waits for that task's answer (``carpool.jobs.dedup``); otherwise it is
-sent through the executor (budget, slot, retries), where the semantic cache may still
-answer it once it holds its slot; its answer is stored and written.  Whatever happens,
-each task read gets exactly one line, or none when the job stops before sending it (it
-is then done on resume).
+One task's way (``_run_task``): the task cache (``carpool.jobs.task_cache``) answers it,
+from an earlier answer or by sending it through the executor; the pipeline counts what was
+sent and writes the line.  Whatever happens, each task read gets exactly one line, or none
+when the job stops before sending it (it is then done on resume).
 """
 
 from __future__ import annotations
@@ -23,19 +23,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import sys
 import time
 from collections.abc import Callable
-from typing import Literal
 
 from carpool import redact
 from carpool.cache.audit import AuditItem, SemanticAudit
-from carpool.client.base import CallResult, Request
+from carpool.client.base import CallResult, Refused
 from carpool.client.breaker import OutageTimeout
 from carpool.client.executor import Executor, Stopped
 from carpool.client.retry import ErrorKind, RetryPolicy
-from carpool.jobs.caching import EXACT_HIT_ID
-from carpool.jobs.dedup import Dedup, Lead
+from carpool.jobs.dedup import Dedup
 from carpool.jobs.journal import DoneSet, SeenIds
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import JobParts
@@ -44,6 +43,8 @@ from carpool.jobs.progress import Progress
 from carpool.jobs.readers import TaskSource
 from carpool.jobs.structured import check_answer
 from carpool.jobs.summary import JobStats
+from carpool.jobs.task_cache import Answer, TaskCache
+from carpool.jobs.task_slots import TaskSlot, TaskSlots
 from carpool.jobs.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
 from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
@@ -56,9 +57,9 @@ class OutputError(OSError):
 
 
 class _TaskWriter:
-    """One task's view of the writer: its first line goes through and frees the task's slot,
-    any later one is dropped, so the catch-all in ``Pipeline._handle`` can never write a
-    task twice (or free its slot twice).
+    """One task's view of the writer: its first line goes through, any later one is dropped,
+    so the catch-all in ``Pipeline._handle`` can never write a task twice.  It owns the
+    task's slot and frees it once the line is written, or skipped.
 
     A task can also end with no line (``drop``): stopped before it was sent, or cancelled.
     An error met once the job cancels its tasks is the cancellation's doing, not the task's
@@ -66,14 +67,14 @@ class _TaskWriter:
     so it is dropped too: written, it would mark a task that never ran as done, and a resume
     would never send it."""
 
-    __slots__ = ("cancelled", "done", "release", "seq", "tail", "used", "writer")
+    __slots__ = ("cancelled", "done", "seq", "slot", "tail", "used", "writer")
 
-    def __init__(self, writer: ResultWriter, seq: int, done: Callable[[], None], release: Callable[[], None],
+    def __init__(self, writer: ResultWriter, seq: int, slot: TaskSlot, done: Callable[[], None],
                  cancelled: Callable[[], bool], tail: bytes = b""):
-        """``done``: called once its line is written; ``release``: once it ends without one;
-        ``cancelled``: whether the job cancels its tasks; ``tail``: the task's own fields every
-        line of it ends with (``writer.line_tail``)."""
-        self.writer, self.seq, self.done, self.release, self.tail = writer, seq, done, release, tail
+        """``slot``: the task's slot; ``done``: called once its line is written; ``cancelled``:
+        whether the job cancels its tasks; ``tail``: the task's own fields every line of it
+        ends with (``writer.line_tail``)."""
+        self.writer, self.seq, self.slot, self.done, self.tail = writer, seq, slot, done, tail
         self.cancelled = cancelled
         self.used = False
 
@@ -82,13 +83,17 @@ class _TaskWriter:
             self.drop()
         elif not self.used:
             self.used = True
-            self.writer.emit(self.seq, with_tail(line, self.tail), is_error, self.done)
+            self.writer.emit(self.seq, with_tail(line, self.tail), is_error, self._written)
+
+    def _written(self) -> None:
+        self.slot.free()
+        self.done()
 
     def drop(self) -> None:
         """The task ends unwritten: it is not done, so a resume runs it."""
         if not self.used:
             self.used = True
-            self.writer.skip(self.seq, self.release)
+            self.writer.skip(self.seq, self.slot.free)
 
 
 def _every_id(source: TaskSource) -> SeenIds:
@@ -97,18 +102,6 @@ def _every_id(source: TaskSource) -> SeenIds:
     for item in source:
         ids.add(item.custom_id)
     return ids
-
-
-def _usage_tokens(body: dict | None) -> tuple[int, int]:
-    """(prompt, completion) tokens of an answer body's ``usage`` (an embedding has no completion)."""
-    u = body.get("usage") if isinstance(body, dict) else None
-    if not isinstance(u, dict):
-        return 0, 0
-    prompt = int(u.get("prompt_tokens") or 0)
-    completion = int(u.get("completion_tokens") or 0)
-    if not prompt and not completion:
-        prompt = int(u.get("total_tokens") or 0)
-    return prompt, completion
 
 
 class Pipeline:
@@ -125,8 +118,8 @@ class Pipeline:
                                  RetryPolicy(max_attempts=opts.max_attempts, outage_timeout_s=opts.outage_timeout),
                                  latency_signal=opts.latency_signal)
         self._paused_told = False
-        self.dedup = Dedup() if opts.dedup else None
-        self._slots = asyncio.Semaphore(opts.max_pending)
+        self.answers = TaskCache(parts.caches, Dedup() if opts.dedup else None, self.stats)
+        self._slots = TaskSlots(opts.max_pending)
         self._pending: set[asyncio.Task] = set()
         self._stop = False
         self._cancelled = False  # the job cancels its tasks: their errors are not outcomes
@@ -147,6 +140,7 @@ class Pipeline:
         self.stats.interrupted = True
         if not self._stop:
             self._stop = True
+            self._slots.close()
             self.executor.stop()
             if grace_s is not None:
                 asyncio.get_running_loop().call_later(grace_s, self._cancel_all)
@@ -163,6 +157,7 @@ class Pipeline:
         self._write_failed = True
         self.stats.interrupted = True
         self._stop = True
+        self._slots.close()
         self.executor.stop()
         self._cancel_all()
 
@@ -176,8 +171,8 @@ class Pipeline:
         gate = self.executor.gate
         self.stats.outage_stop = gate.status() if gate is not None else ""
         self._stop = True
+        self._slots.close()  # the reader may wait for a slot
         self.executor.stop()
-        self._slots.release()  # the reader may wait for a slot
         if self.notify is not None:
             self.notify(f"\ncarpool run: stopping: {self.stats.outage_stop}, longer than --outage-timeout "
                         f"{self.opts.outage_timeout:g} s; the unfinished tasks run on resume")
@@ -208,7 +203,7 @@ class Pipeline:
         self._cancelled = True
         for t in list(self._pending):
             t.cancel()
-        self._slots.release()  # the reader may wait for a slot no cancelled task will free
+        self._slots.close()  # the reader may wait for a slot no cancelled task will free
 
     def resume_command(self) -> str:
         return redact.resume_command(self.opts.argv if self.opts.argv is not None else sys.argv[1:])
@@ -353,7 +348,7 @@ class Pipeline:
             await asyncio.to_thread(src.prepare)
             self.stats.prefix_order = src.info.to_dict()
         order = WindowOrder(self.opts, planned)
-        window: list[tuple[_TaskWriter, Task]] = []
+        window: list[_Admitted] = []
         n = 0
         for item in self.parts.source:
             if self._stop:
@@ -366,21 +361,21 @@ class Pipeline:
             if len(done) and item.custom_id in done:
                 self.stats.skipped += 1
                 continue
-            await self._slots.acquire()
-            if self._stop:
+            slot = await self._slots.take()
+            if slot is None:  # the job stops
                 break
-            out = _TaskWriter(writer, self._seq, self._written, self._slots.release, self._cancelling, self._tail(item))
+            out = _TaskWriter(writer, self._seq, slot, self._written, self._cancelling, self._tail(item))
             self._seq += 1
-            task = self._admit(item, out)
-            if task is None:
+            admitted = self._admit(item, out)
+            if admitted is None:
                 continue
-            if order.wants(task):
-                window.append((out, task))
+            if order.wants(admitted.task):
+                window.append(admitted)
                 if len(window) >= order.size:
                     self._dispatch_window(window)
                     window = []
                 continue
-            self._dispatch(out, task)
+            self._dispatch(admitted)
         if window:
             self._dispatch_window(window)
 
@@ -411,18 +406,18 @@ class Pipeline:
             return False
         return self._made_up.add(name)
 
-    def _admit(self, item: Task | BadLine, out: _TaskWriter) -> Task | None:
-        """The task, or None when its line is written already: a bad line, or a request the
-        backend's check refuses (a prompt past the engine's context)."""
+    def _admit(self, item: Task | BadLine, out: _TaskWriter) -> _Admitted | None:
+        """The task to run, or None when its line is written already: a bad line, or a request
+        the backend's check refuses (a prompt past the engine's context)."""
         if isinstance(item, BadLine):
             self._invalid(out, item.custom_id, item.message, item.line_no, item.field)
             return None
-        problem = self.parts.check(item.request) if self.parts.check is not None else None
-        if problem is not None:
-            msg = f"line {item.line_no}: field '{problem[0]}': {problem[1]}"
-            self._invalid(out, item.custom_id, msg, item.line_no, problem[0])
+        checked = self.parts.check(item.request) if self.parts.check is not None else None
+        if isinstance(checked, Refused):
+            msg = f"line {item.line_no}: field '{checked.field}': {checked.reason}"
+            self._invalid(out, item.custom_id, msg, item.line_no, checked.field)
             return None
-        return item
+        return _Admitted(out, item, checked)
 
     def _invalid(self, out: _TaskWriter, custom_id: str, msg: str, line_no: int, field: str) -> None:
         self.stats.bad_lines += 1
@@ -430,30 +425,29 @@ class Pipeline:
         out.emit(error_line(custom_id, ErrorKind.INVALID_INPUT, msg, line_no, field), True)
 
     def _written(self) -> None:
-        self._slots.release()
         self.stats.done += 1
 
-    def _dispatch_window(self, window: list[tuple[_TaskWriter, Task]]) -> None:
+    def _dispatch_window(self, window: list[_Admitted]) -> None:
         # Stable sort by the start of the prompt: tasks sharing a prefix reach the server
         # together, while its prefix cache still holds the shared blocks.
-        window.sort(key=lambda wt: prefix_key(wt[1]))
-        for out, task in window:
-            self._dispatch(out, task)
+        window.sort(key=lambda a: prefix_key(a.task))
+        for admitted in window:
+            self._dispatch(admitted)
 
-    def _dispatch(self, out: _TaskWriter, task: Task) -> None:
-        t = asyncio.create_task(self._handle(out, task))
+    def _dispatch(self, admitted: _Admitted) -> None:
+        t = asyncio.create_task(self._handle(admitted.out, admitted.task, admitted.prepared))
         self._pending.add(t)
         t.add_done_callback(self._pending.discard)
 
     # -- one task -------------------------------------------------------------------------
-    async def _handle(self, out: _TaskWriter, task: Task) -> None:
+    async def _handle(self, out: _TaskWriter, task: Task, prepared: object) -> None:
         try:
-            await self._run_task(out, task)
+            await self._run_task(out, task, prepared)
         except asyncio.CancelledError:
             out.drop()  # cancelled before its line: it runs on resume
             raise
         except Exception as e:  # one task's failure must not hang or end the job
-            # Without this line the task's slot would never be released (the job would stall
+            # Without this line the task's slot would never be freed (the job would stall
             # once max_pending tasks had failed) and the task would be lost, not recorded.
             if self._cancelled:  # the cancellation's doing (see ``_TaskWriter``): not an outcome
                 out.drop()
@@ -464,71 +458,15 @@ class Pipeline:
             self.stats.errors[ErrorKind.INTERNAL] += 1
             msg = f"line {task.line_no}: internal error in carpool ({type(e).__name__}: {e}); please report it"
             out.emit(error_line(task.request.custom_id, ErrorKind.INTERNAL, msg, task.line_no), True)
-
-    def _shared_key(self, req: Request) -> str | None:
-        """The key under which this task's answer is shared (cache, dedup), or None."""
-        if self.parts.caches.active or self.dedup is not None:
-            return self.parts.caches.key(req)
-        return None
-
-    async def _run_task(self, out: _TaskWriter, task: Task) -> None:
-        key = self._shared_key(task.request)
-        lead: Lead | None = None
-        if key is not None:
-            hit = self.parts.caches.get(key)
-            if hit is not None:
-                self._write_cache_hit(out, task, hit)
-                return
-            if self.dedup is not None:
-                how = await self._follow(out, task, self.dedup, key)
-                if how == "done":
-                    return
-                if how == "lead":
-                    lead = self.dedup.lead(key)
-                # "alone": the leader failed; this task is sent on its own, leading nobody
-        try:
-            await self._send(out, task, key, lead)
         finally:
-            if lead is not None and self.dedup is not None:
-                self.dedup.abandon(lead)  # a no-op once it has its answer
+            out.drop()  # a task that ended any other way without a line frees its slot (a no-op after one)
 
-    def _write_cache_hit(self, out: _TaskWriter, task: Task, body: dict) -> None:
-        self.stats.cache_hits += 1
-        self.stats.save(*_usage_tokens(body))
-        out.emit(success_line(task.request.custom_id, 200, EXACT_HIT_ID, body,
-                              structured=check_answer(task.request.body, body)))
-
-    async def _follow(self, out: _TaskWriter, task: Task, dedup: Dedup,
-                      key: str) -> Literal["done", "lead", "alone"]:
-        """A duplicate of a task in flight, or just answered, takes that answer ("done");
-        "lead": none is in flight, this task leads; "alone": the leader failed, this task is
-        sent on its own: a failure may be the leader's own (its custom_id, a fault of its
-        connection), never another task's error line."""
-        found = dedup.find(key)
-        if found is None:
-            return "lead"
-        if isinstance(found, CallResult):
-            res = found
-        else:
-            try:
-                res = await asyncio.shield(found)
-            except asyncio.CancelledError:
-                if not found.cancelled():
-                    raise  # we are cancelled ourselves
-                out.drop()  # the leader stopped unsent: so do we (resume redoes both)
-                return "done"
-        if not res.ok:
-            return "alone"
-        self.stats.dedup_fanouts += 1
-        self._write_result(out, task, res, 1, fanout=True)
-        return "done"
-
-    async def _send(self, out: _TaskWriter, task: Task, key: str | None, lead: Lead | None) -> None:
-        req = task.request
-        probe = self.parts.caches.semantic_probe(req) if key is not None else None
+    async def _run_task(self, out: _TaskWriter, task: Task, prepared: object) -> None:
+        """Answer the task (``prepared``: what the backend's admission check made of it, for
+        its first attempt), count what was sent, write its line."""
+        send = functools.partial(self.executor.execute, task.request, prepared=prepared)
         try:
-            outcome = await self.executor.execute(req, probe.lookup if probe else None,
-                                                  probe.store if probe else None)
+            answer = await self.answers.answer(task.request, send)
         except OutageTimeout:
             self._stop_for_outage()
             out.drop()  # not written: it runs on resume
@@ -536,30 +474,10 @@ class Pipeline:
         except Stopped:
             out.drop()  # not written: it is done on resume
             return
-        res = outcome.result
-        if outcome.attempts == 0 and probe is not None and probe.hit is not None:  # the semantic cache answered
-            hit, st = probe.hit, self.stats
-            st.semantic_hits += 1
-            st.save(*_usage_tokens(res.body))
-            if len(st.semantic_similarities) < 1000:
-                st.semantic_similarities.append((req.custom_id, hit.similarity))
-            if self.parts.caches.audit is not None:
-                self.parts.caches.audit.offer(AuditItem(req.custom_id, req, hit.response, hit.similarity,
-                                                        hit.entry_id))
-            self._finish(lead, res)
-            out.emit(success_line(req.custom_id, 200, res.request_id, res.body, semantic=probe.mark(),
-                                  structured=check_answer(req.body, res.body)))
-            return
-        self.stats.sent += 1
-        self._account(res)
-        if res.ok and key is not None and res.body is not None:
-            self.parts.caches.put(key, res.body, self.parts.caches.model_of(req))
-        self._finish(lead, res)
-        self._write_result(out, task, res, outcome.attempts)
-
-    def _finish(self, lead: Lead | None, res: CallResult) -> None:
-        if lead is not None and self.dedup is not None:
-            self.dedup.finish(lead, res)
+        if answer.reused is None:
+            self.stats.sent += 1
+            self._account(answer.result)
+        self._write_answer(out, task, answer)
 
     def _account(self, res: CallResult) -> None:
         st = self.stats
@@ -572,16 +490,13 @@ class Pipeline:
             st.tpot.add(res.tpot_s)
             st.e2e.add(res.e2e_s)
 
-    def _write_result(self, out: _TaskWriter, task: Task, res: CallResult, attempts: int,
-                      fanout: bool = False) -> None:
-        req = task.request
+    def _write_answer(self, out: _TaskWriter, task: Task, answer: Answer) -> None:
+        req, res = task.request, answer.result
         if res.ok:
-            self.stats.ok += 1
-            if fanout:
-                self.stats.save(res.prompt_tokens, res.completion_tokens)
-            rid = "dedup:" + res.request_id if fanout else res.request_id
-            out.emit(success_line(req.custom_id, res.status_code or 200, rid, res.body,
-                                  structured=check_answer(req.body, res.body)))
+            if answer.reused is None:
+                self.stats.ok += 1
+            out.emit(success_line(req.custom_id, res.status_code or 200, res.request_id, res.body,
+                                  semantic=answer.semantic, structured=check_answer(req.body, res.body)))
             return
         kind = res.error_kind or ErrorKind.SERVER_ERROR
         self.stats.errors[kind] += 1
@@ -591,4 +506,13 @@ class Pipeline:
         param = err.get("param") if isinstance(err, dict) else None
         field = param if isinstance(param, str) and param else None
         out.emit(error_line(req.custom_id, kind, msg, task.line_no, field, res.status_code or None,
-                            res.body, attempts), True)
+                            res.body, answer.attempts), True)
+
+
+class _Admitted:
+    """A task past admission: its writer, the task, and what the backend's check prepared of it."""
+
+    __slots__ = ("out", "prepared", "task")
+
+    def __init__(self, out: _TaskWriter, task: Task, prepared: object):
+        self.out, self.task, self.prepared = out, task, prepared

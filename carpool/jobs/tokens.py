@@ -18,6 +18,7 @@ write at most (``max_tokens`` or ``max_completion_tokens``, times ``n``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -157,8 +158,10 @@ class CountedSource:
         for item in self.source:
             req = getattr(item, "request", None)
             if req is not None:
+                # A new task with the counted estimate: the wrapped source's own tasks stay as it made them.
                 bound = output_bound(req)
-                req.est_tokens = self.counter.prompt_tokens(req) + (16 if bound is None else bound)
+                est = self.counter.prompt_tokens(req) + (16 if bound is None else bound)
+                item = dataclasses.replace(item, request=dataclasses.replace(req, est_tokens=est))
             yield item
 
     def count(self) -> int | None:

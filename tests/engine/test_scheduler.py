@@ -309,3 +309,48 @@ def test_background_prefill_is_computed_in_small_chunks(tiny, h):
     while eng.has_unfinished():
         eng.step()
     assert steps[before]["num_prefill_tokens"] == 300  # the foreground prompt in one step
+
+
+def test_a_background_step_stops_for_a_foreground_arrival_and_is_redone(tiny, h):
+    """A step holding only background work stops at its next layer once the interrupt is set
+    (a foreground request arrived): nothing of it is kept, it is redone later and the tokens —
+    seeded samples included — are the ones the requests give uninterrupted.  At most
+    MAX_INTERRUPTED_IN_ROW steps stop in a row, and a step holding foreground work never does."""
+    import threading
+
+    from carpool.engine.llm_engine import MAX_INTERRUPTED_IN_ROW
+    from carpool.engine.protocol import BACKGROUND_PRIORITY
+
+    _, loaded = tiny
+    cfg = h.engine_config(max_num_batched_tokens=64)
+    ps = h.prompts(14, [20, 37, 9])
+    params = [greedy(6), SamplingParams(temperature=0.9, seed=5, max_tokens=6, ignore_eos=True), greedy(6)]
+
+    def requests(priority):
+        return [GenerateRequest(request_id=f"bg{i}", prompt_token_ids=p, params=sp, priority=priority)
+                for i, (p, sp) in enumerate(zip(ps, params, strict=True))]
+
+    alone = [o.token_ids for o in LLM(cfg, loaded=loaded).generate(requests(0))]
+    eng = LLMEngine(cfg, loaded=loaded)
+    steps = []
+    eng.add_step_listener(steps.append)
+    for r in requests(BACKGROUND_PRIORITY):
+        eng.add_request(r)
+    arrived = threading.Event()
+    arrived.set()  # as if a foreground request kept arriving during every step
+    tokens: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for d in eng.step(arrived):
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    assert [tokens[f"bg{i}"] for i in range(3)] == alone
+    stopped = [s["interrupted"] for s in steps]
+    assert sum(stopped) == eng.stats()["num_interrupted_steps"] > 0
+    assert all(s["num_scheduled_seqs"] == 0 and s["num_decode_tokens"] == 0 for s in steps if s["interrupted"])
+    runs = "".join("x" if s else "." for s in stopped)
+    assert "x" * (MAX_INTERRUPTED_IN_ROW + 1) not in runs and "." in runs
+
+    eng.add_request(GenerateRequest(request_id="fg", prompt_token_ids=ps[0], params=greedy(3)))
+    before = len(steps)
+    while eng.has_unfinished():
+        eng.step(arrived)
+    assert not any(s["interrupted"] for s in steps[before:])  # foreground work is never stopped

@@ -99,16 +99,17 @@ def test_a_second_call_of_a_checked_request_is_answered_in_full(engine):
     # A retry must not reuse the choices of the first attempt (they hold its answer already).
     import asyncio
 
-    from carpool.client.base import Request
+    from carpool.client.base import Refused, Request
     from carpool.client.engine_backend import EngineBackend
 
     backend = EngineBackend(engine)
     req = Request("r", "chat", {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
                                 "temperature": 0, "ignore_eos": True})
-    assert backend.check(req) is None
+    prepared = backend.check(req)
+    assert prepared is not None and not isinstance(prepared, Refused)
 
-    async def twice():
-        return await backend.call(req), await backend.call(req)
+    async def twice():  # the executor gives what the check prepared to the first attempt only
+        return await backend.call(req, prepared=prepared), await backend.call(req)
 
     first, second = asyncio.run(twice())
     assert first.ok and second.ok and first.request_id != second.request_id

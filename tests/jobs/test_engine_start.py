@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from carpool.client.base import Request
+from carpool.client.base import Refused, Request
 from carpool.client.engine_backend import EngineBackend
 from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.parts import build_parts
@@ -94,8 +94,9 @@ def test_a_background_start_says_how_long_it_took_and_how_much_of_it_overlapped(
         backend.begin_start()  # a second call starts nothing more
         req = Request("a", "chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                     "temperature": 0})
-        assert backend.check(req) is None
-        res = asyncio.run(backend.call(req))
+        prepared = backend.check(req)
+        assert prepared is not None and not isinstance(prepared, Refused)
+        res = asyncio.run(backend.call(req, prepared=prepared))
     finally:
         asyncio.run(eng.shutdown())
     assert res.ok and res.completion_tokens == 2
