@@ -117,7 +117,7 @@ def main() -> None:
             t = time.perf_counter()
             r = run_on_ray(RunOptions(input=str(tasks), output=str(tmp / "ray.jsonl"), quiet=True,
                                       defaults=TaskDefaults(model="m"), **common),
-                           RayOptions(workers=a.workers, init_kwargs={"num_cpus": a.workers}))
+                           RayOptions(workers=a.workers, init_kwargs={"num_cpus": a.workers})).to_dict()
             result["ray_s_including_startup"] = round(time.perf_counter() - t, 2)
             result["ray_workers"] = r["workers"]
             result["ray_complete"] = r["complete"]

@@ -20,6 +20,7 @@ from carpool.cache.keys import (
     semantic_text,
 )
 from carpool.cache.sqlite_store import SQLiteStore, default_cache_dir, default_cache_path
+from carpool.errors import StartRefused
 from carpool.extras import require
 
 # Entries expire after a week unless told otherwise (``--cache-ttl``): a model served under
@@ -104,14 +105,14 @@ def open_cache(url: str | None = None, ttl_s: float | None = None):
         path = (parts.netloc + parts.path) if parts.netloc else parts.path
         query = parse_qs(parts.query)
     elif "://" in url:
-        raise ValueError(
+        raise StartRefused(
             f"--cache {url!r}: unknown scheme; use sqlite:///path/results.sqlite, "
             "redis://host:6379/0, or off"
         )
     else:
         path, query = url, {}
     if not path:
-        raise ValueError(f"--cache {url!r}: no file path; e.g. sqlite:///tmp/carpool/results.sqlite")
+        raise StartRefused(f"--cache {url!r}: no file path; e.g. sqlite:///tmp/carpool/results.sqlite")
     target = Path(path).expanduser()
     if target.is_dir():
         target = target / "results.sqlite"
@@ -120,7 +121,7 @@ def open_cache(url: str | None = None, ttl_s: float | None = None):
         try:
             max_bytes = int(float(query["max_mb"][0]) * 1024 * 1024)
         except ValueError:
-            raise ValueError(f"--cache {url!r}: max_mb must be a number of MiB") from None
+            raise StartRefused(f"--cache {url!r}: max_mb must be a number of MiB") from None
     return SQLiteStore(target, ttl_s=ttl_s, max_bytes=max_bytes)
 
 

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 from carpool.client.base import Request
+from carpool.errors import StartRefused
 
 _SHOWN = 20  # disagreements listed in the report
 
@@ -58,7 +59,7 @@ class SemanticAudit:
 
     def __init__(self, n: int, seed: int | None = None) -> None:
         if n < 0:
-            raise ValueError(f"--semantic-audit {n}: the number of hits to re-ask must be >= 0")
+            raise StartRefused(f"--semantic-audit {n}: the number of hits to re-ask must be >= 0")
         self.n = n
         self.seen = 0
         self.sample: list[AuditItem] = []

@@ -38,6 +38,7 @@ import numpy as np
 from carpool.cache.keys import SEMANTIC_THRESHOLD, normalize_text
 from carpool.cache.verify import verify as verify_pair
 from carpool.compat import Self
+from carpool.errors import StartRefused
 
 # The similarity floor for candidates.  With the verification stage deciding, the floor only
 # has to let misspelt copies through (MiniLM scores "manaul"/"manual" 0.48, "Love it!!!"/
@@ -125,7 +126,7 @@ class SemanticCache:
         verify: bool = True,
     ) -> None:
         if not 0.0 < threshold <= 1.0:
-            raise ValueError(f"semantic cache threshold {threshold}: must be a cosine similarity in (0, 1]")
+            raise StartRefused(f"semantic cache threshold {threshold}: must be a cosine similarity in (0, 1]")
         path = Path(path_or_dir).expanduser()
         if path.suffix in (".sqlite", ".db"):
             self.dir, self.db_path = path.parent, path

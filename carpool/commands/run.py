@@ -3,7 +3,9 @@
 The flags (the Ray ones included), the translation of flags into ``RunOptions`` /
 ``RayOptions``, and everything the command prints: the summary table, the messages the
 job collected, ``--summary-json``, and the per-shard lines of a ``--ray`` run.  The job
-itself is ``carpool.jobs.runner`` (one process) or ``carpool.distributed.ray_runner``.
+itself is ``carpool.jobs.runner``'s ``Runner``, in one process or with its tasks spread
+over Ray (``carpool.distributed.ray_runner.RayShards``); either way it ends in
+``JobStats``, rendered and turned into an exit code the same way.
 """
 
 from __future__ import annotations
@@ -38,13 +40,24 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``carpool run``, group by group as ``--help`` shows them."""
     p.add_argument("input", help="tasks file: .jsonl (plain or OpenAI Batch format), .csv, .parquet")
     p.add_argument("-o", "--output", help="results: .jsonl (OpenAI Batch output lines), .parquet or .csv "
                                           "(flat columns, written at the end from a journal <output>.jsonl); "
                                           "default <input>.results.jsonl; running again with the same "
                                           "output resumes")
     p.add_argument("--errors", help="write failed tasks here instead of into the output")
-    g = p.add_argument_group("input")
+    _add_input_arguments(p.add_argument_group("input"))
+    _add_target_arguments(p.add_argument_group("target"))
+    _add_throughput_arguments(p.add_argument_group("throughput"))
+    _add_reliability_arguments(p.add_argument_group("reliability"))
+    _add_cache_arguments(p.add_argument_group("cache"))
+    _add_reporting_arguments(p.add_argument_group("reporting"))
+    _add_ray_arguments(p)
+    add_batch_arguments(p)
+
+
+def _add_input_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--format", choices=FORMATS, help="default: from the file extension")
     g.add_argument("--template", help="CSV/Parquet: build the prompt from columns, e.g. 'Classify: {review}'")
     g.add_argument("--system", help="with --template: a system message")
@@ -57,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-completion-tokens", type=flags.positive_int, metavar="N",
                    help="for tasks that set no limit: max_completion_tokens N (what OpenAI's reasoning models take)")
     g.add_argument("--temperature", type=flags.non_negative_float, help="for tasks that do not set temperature")
-    g = p.add_argument_group("target")
+
+
+def _add_target_arguments(g: argparse._ArgumentGroup) -> None:
     flags.add_target_flags(g, many=True)
     g.add_argument("--wait-for-endpoint", type=flags.duration_or_zero, default=0.0, metavar="DURATION",
                    help="at start, wait up to this long (e.g. 2m) for an endpoint that does not answer yet "
@@ -78,7 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="embedded engine: int8 keys and values (a scale per token and head); default: auto "
                         "(the model dtype)")
     g.add_argument("--no-stream", action="store_true", help="HTTP: do not stream (no TTFT/TPOT)")
-    g = p.add_argument_group("throughput")
+
+
+def _add_throughput_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--concurrency", type=flags.positive_int,
                    help="fixed number of requests in flight (default: adaptive)")
     g.add_argument("--max-concurrency", type=flags.positive_int, help="cap for the adaptive limiter")
@@ -96,7 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-window", type=flags.positive_int, default=1024,
                    help="tasks sorted together where the whole file cannot be planned (--ordered, CSV, Parquet)")
     g.add_argument("--max-pending", type=flags.positive_int, default=2048, help="tasks held in memory at once")
-    g = p.add_argument_group("reliability")
+
+
+def _add_reliability_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-attempts", type=flags.positive_int, default=6)
     g.add_argument("--idempotent", choices=("auto", "on", "off"), default="auto",
                    help="may a request that might have run be sent again? auto: yes for temperature 0 "
@@ -117,7 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the run fingerprint beside it)")
     g.add_argument("--retry-errors", action="store_true",
                    help="on resume, run again the tasks whose line is an error line (one final line per id)")
-    g = p.add_argument_group("cache")
+
+
+def _add_cache_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--cache", default=None, help="sqlite:///path, redis://host:6379/0 or off "
                                                  "(default: the SQLite file in ~/.cache/carpool)")
     g.add_argument("--cache-ttl", type=_ttl, default=DEFAULT_TTL_S, metavar="DURATION",
@@ -133,7 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--semantic-audit", type=flags.non_negative_int, default=0, metavar="N",
                    help="after the job, re-ask N random semantic hits for real and report how many disagreed")
     g.add_argument("--no-dedup", action="store_true", help="send identical tasks separately")
-    g = p.add_argument_group("reporting")
+
+
+def _add_reporting_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--report", help="write an HTML report with plots")
     flags.add_json_flag(g, "the summary", "--summary-json", dest="summary_json")
@@ -151,8 +174,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--echo-backend", action="store_true",
                    help="answer every task with an empty reply, no model (carpool's own overhead); writes -o")
     g.add_argument("--quiet", action="store_true")
-    _add_ray_arguments(p)
-    add_batch_arguments(p)
 
 
 def _ttl(value: str) -> float | None:
@@ -361,41 +382,73 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from carpool.jobs.exit_codes import ExitCode, exit_code
-
     if args.estimate:  # before --ray: an estimate sends nothing, on Ray or not
         return _main_estimate(args)
-    if args.ray is not None:
-        return _main_ray(args)
-    if args.dry_run:
+    if args.dry_run and args.ray is None:
         return _main_dry_run(args)
-    from carpool.jobs.pipeline import OutputError
-    from carpool.jobs.runner import Runner
+    from carpool.errors import CarpoolError
+    from carpool.jobs.exit_codes import ExitCode
 
+    command = "carpool run" if args.ray is None else "carpool run --ray"
     try:
         opts = options_from_args(args)
-        if opts.batch is not None:  # refuses flags the batch path cannot honour
-            from carpool.jobs.batch_api.runner import BatchRunner
+        runner = _runner(opts, args)
+        # A --ray run's endpoints are not probed: its shards pause through an outage on their own.
+        _say_all(start_checks(opts, args, probe=args.ray is None))
+        stats = _run(runner, args)
+    except (CarpoolError, OSError) as e:
+        return _ended_early(e, command)
+    except KeyboardInterrupt:
+        # Only a --ray run gets here (one process stops gracefully on its signal handlers):
+        # finished shards and the partial shard outputs (their journals) stay in the workdir.
+        print(f"\n{command}: interrupted; finished work is kept. Resume with the same command.", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    return _finish(args, opts, runner, stats)
 
-            runner: Runner | BatchRunner = BatchRunner(opts, notify=_say)
-        else:
-            runner = Runner(opts, notify=_say)
-        _say_all(start_checks(opts, args))
-        stats = run_with_signals(runner)
-    except (FileNotFoundError, ValueError) as e:  # StartRefused is a ValueError
-        _tell(f"carpool run: {e}")
-        return ExitCode.REFUSED
-    except OSError as e:  # the output cannot be written (disk full, a path under a file, ...)
-        what = str(e) if isinstance(e, OutputError) else f"cannot write the output: {e}"
-        _tell(f"carpool run: {what}")
-        return ExitCode.OUTPUT_FAILED
+
+def _runner(opts: RunOptions, args: argparse.Namespace) -> Runner | BatchRunner:
+    from carpool.jobs.runner import Runner
+
+    if opts.batch is not None and args.ray is None:  # refuses flags the batch path cannot honour
+        from carpool.jobs.batch_api.runner import BatchRunner
+
+        return BatchRunner(opts, notify=_say)
+    return Runner(opts, notify=_say)
+
+
+def _run(runner: Runner | BatchRunner, args: argparse.Namespace) -> JobStats:
+    """The job: in this process, or with ``--ray`` its tasks spread over a cluster by the same
+    ``Runner`` (``carpool.distributed.ray_runner.RayShards``)."""
+    if args.ray is None:
+        return run_with_signals(runner)
+    from carpool.distributed.ray_runner import RayShards
+    from carpool.jobs.runner import Runner
+
+    assert isinstance(runner, Runner)
+
+    def shard_done(s: dict) -> None:
+        for msg in s.get("messages", []):
+            if msg.startswith(f"shard {s['shard']}:"):
+                _say(f"carpool run --ray: {msg}")
+        if not args.quiet and not s.get("stopped_by_outage"):
+            st = s["stats"]
+            _say(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
+                 f"({st['done']} written, {st['skipped_done_before']} resumed)")
+
+    return runner.run_spread(RayShards(ray_options_from_args(args), on_shard=shard_done))
+
+
+def _finish(args: argparse.Namespace, opts: RunOptions, runner: Runner | BatchRunner, stats: JobStats) -> int:
+    """Everything said after a job that ran, and its exit code (``carpool.jobs.exit_codes``)."""
+    from carpool.jobs.exit_codes import ExitCode, exit_code
+
     if not args.quiet:
         render_summary(stats)
     for msg in runner.messages:
         _tell(msg)
     if args.summary_json:
         write_summary_json(stats.to_dict(), args.summary_json)
-    if not args.quiet:
+    if not args.quiet and (stats.shards is None or stats.shards.complete):
         print(f"results: {opts.output}" + (f", errors: {opts.errors}" if opts.errors else "")
               + (f", report: {opts.report}" if opts.report else ""), file=sys.stderr)
     code = exit_code(stats)
@@ -406,15 +459,36 @@ def _main(args: argparse.Namespace) -> int:
     return code
 
 
+def _ended_early(error: Exception, command: str = "carpool run") -> int:
+    """Say why the job ended before it could run or finish, and return its exit code, read
+    from the error tree (``carpool.jobs.exit_codes.code_for_error``); what the tree calls a
+    crash (an engine failure, an unexpected error) is raised on to ``main``, which says so
+    with the traceback."""
+    from carpool.jobs.exit_codes import ExitCode, code_for_error
+    from carpool.jobs.pipeline import OutputError
+
+    code = code_for_error(error)
+    if code == ExitCode.CRASHED:
+        raise error
+    if code == ExitCode.OUTPUT_FAILED:  # disk full, a path under a file, ...
+        what = str(error) if isinstance(error, OutputError) else f"cannot write the output: {error}"
+    else:  # a refusal's message (the model loader's too) says what is wrong and what to do
+        what = str(error)
+    _tell(f"{command}: {what}")
+    return code
+
+
 def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Awaitable[dict]]) -> dict | None:
     """``--dry-run`` and ``--estimate``: the document ``produce`` makes of the options, its messages
     printed and ``--summary-json`` written; None (after saying why) when the start is refused."""
+    from carpool.errors import CarpoolError
+
     try:
         opts = options_from_args(args)
         _say_all(start_checks(opts, args, probe=not args.estimate))
         doc = asyncio.run(produce(opts))
-    except (FileNotFoundError, ValueError) as e:
-        _tell(f"carpool run: {e}")
+    except (CarpoolError, FileNotFoundError) as e:
+        _ended_early(e)
         return None
     for msg in doc.get("messages", []):
         _tell(msg)
@@ -488,51 +562,6 @@ def run_with_signals(runner: Runner | BatchRunner) -> JobStats:
     return asyncio.run(main())
 
 
-def _main_ray(args: argparse.Namespace) -> int:
-    """``carpool run ... --ray``: the same flags as ``carpool run`` plus the Ray ones."""
-    from carpool.distributed.ray_runner import RayRunError, run_on_ray
-    from carpool.distributed.shards import PlanMismatch
-
-    def shard_done(s: dict) -> None:
-        for msg in s.get("messages", []):
-            if msg.startswith(f"shard {s['shard']}:"):
-                _say(f"carpool run --ray: {msg}")
-        if not args.quiet and not s.get("stopped_by_outage"):
-            st = s["stats"]
-            _say(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
-                 f"({st['done']} written, {st['skipped_done_before']} resumed)")
-
-    try:
-        opts = options_from_args(args)
-        # The endpoints are not probed here: a Ray run's shards pause through an outage on their own.
-        _say_all(start_checks(opts, args, probe=False))
-        result = run_on_ray(opts, ray_options_from_args(args), on_shard=shard_done)
-    except (FileNotFoundError, ValueError, RayRunError, PlanMismatch) as e:
-        _tell(f"carpool run --ray: {e}")
-        return 2
-    except KeyboardInterrupt:
-        # Finished shards and the partial shard outputs (their journals) stay in the workdir.
-        print("\ncarpool run --ray: interrupted; finished work is kept. Resume with the same command.",
-              file=sys.stderr)
-        return 130
-    for msg in result.pop("messages", []):
-        _tell(msg)
-    if args.summary_json:
-        write_summary_json(result, args.summary_json)
-    if not args.quiet:
-        print(f"carpool run --ray: {result['shards_done']}/{result['shards']} shards on {result['workers']} "
-              f"workers, {result['succeeded']:,} succeeded, {sum(result['errors'].values()):,} errors, "
-              f"{result['elapsed_s']:.1f} s, {usd(result['cost']['spent_usd'])} spent, "
-              f"{usd(result['cost']['saved_usd'])} saved by the cache"
-              + (f"; results: {opts.output}" if result["complete"] else ""),
-              file=sys.stderr)
-    from carpool.jobs.exit_codes import ExitCode
-
-    if not result["complete"]:
-        return ExitCode.OUTAGE if result.get("stopped_by_outage") else ExitCode.CRASHED
-    return ExitCode.TASKS_FAILED if sum(result["errors"].values()) else ExitCode.OK
-
-
 def render_summary(stats: JobStats, console: Console | None = None) -> None:
     """The summary table (rich) on stderr."""
     from rich.console import Console
@@ -549,6 +578,10 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
     t.add_row("backend", d["backend"])
+    if stats.shards is not None:
+        sh = stats.shards
+        t.add_row("shards", f"{sh.shards_done:,} / {sh.shards:,} done on {sh.workers} workers"
+                            + ("" if sh.complete else f", the rest kept in {sh.workdir}"))
     total = "?" if d["total"] is None else f"{d['total']:,}"
     t.add_row("tasks written / total", f"{d['done']:,} / {total}")
     if d["skipped_done_before"]:

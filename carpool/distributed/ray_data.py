@@ -65,11 +65,12 @@ class CarpoolMapper:
 
     def __init__(self, template: str | None = None, system: str | None = None, kind: str = "chat",
                  id_column: str | None = None, **options: Any):
-        from carpool.jobs.options import RunOptions
+        from carpool.jobs.options import LIVE_NAMES, LiveParts, RunOptions
         from carpool.jobs.tasks import Template
 
         self.template = Template(template, system=system, id_column=id_column, kind=kind) if template else None
         self.id_column = id_column
+        self.live = LiveParts(**{k: options.pop(k) for k in LIVE_NAMES if k in options})
         self.opts = RunOptions(input="", output="", **options)
         self.loop = asyncio.new_event_loop()
         self.engine = None
@@ -115,12 +116,12 @@ class CarpoolMapper:
                 continue
             ids.append(rec["custom_id"])
             records.append((k, rec))
-        opts = dataclasses.replace(self.opts, output=str(dst), progress=False, quiet=True, fresh=True, ordered=True,
-                                   engine=self._engine())
+        opts = dataclasses.replace(self.opts, output=str(dst), progress=False, quiet=True, fresh=True, ordered=True)
+        live = dataclasses.replace(self.live, engine=self._engine())
         source = RecordSource(records, job_defaults(opts))
 
         async def run() -> None:
-            await Pipeline(build_parts(opts, source=source), opts).run()
+            await Pipeline(build_parts(opts, live, source=source), opts).run()
 
         self.loop.run_until_complete(run())
         by_id: dict[str, list[dict]] = {}

@@ -1,6 +1,9 @@
 """``carpool run --ray [ADDRESS]``: one job spread over a Ray cluster.
 
-The driver (this module, on the machine where the command runs):
+The driver (this module, on the machine where the command runs) is the part of a job
+``carpool.jobs.runner.Runner.run_spread`` is given (``RayShards``): the Runner settles the
+start as for any job (prices, the model, the output's lock) and writes a Parquet or CSV
+``-o`` at the end; in between, the driver:
 1. cuts the input into shards of whole lines without loading it (``shards.py``) and saves
    the plan in the work directory (default ``<output>.ray/``);
 2. hands the shards that are not finished yet to a Ray Data actor pool
@@ -13,7 +16,7 @@ The driver (this module, on the machine where the command runs):
 Resume: each shard output is that shard's journal (keyed by custom_id, as in a
 single-process run), and a finished shard leaves a ``.done.json`` marker; running the
 same command again runs only what is missing, whatever the number of workers.  A shard
-stopped by an outage (``--outage-timeout``) is not finished; the result says
+stopped by an outage (``--outage-timeout``) is not finished; the job's ``JobStats`` say
 ``stopped_by_outage`` (``carpool run --ray`` exits 4, as a single-process run does).
 Shared state: with ``--redis URL`` every worker takes its requests from one RPM/TPM
 budget and sees the others' endpoint cooldowns; ``--cache redis://...`` shares the exact
@@ -27,18 +30,19 @@ import dataclasses
 import json
 import shutil
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
+from carpool.errors import StartRefused
 from carpool.extras import require
+from carpool.jobs.summary import JobStats, ShardsRun
 from carpool.redact import redact_url
 
 if TYPE_CHECKING:
-    from carpool.jobs.options import RunOptions
+    from carpool.jobs.options import LiveParts, RunOptions
 
 
 @dataclass
@@ -57,8 +61,8 @@ class RayOptions:
     init_kwargs: dict = field(default_factory=dict)  # extra ray.init arguments (tests: num_cpus)
 
 
-class RayRunError(RuntimeError):
-    pass
+class RayRunError(StartRefused):
+    """A ``--ray`` run asked for something it cannot do (exit 2)."""
 
 
 def _plan(input_path: Path, fmt: str, workdir: Path, n_shards: int) -> list[Shard]:
@@ -100,180 +104,238 @@ def _parquet_plan(path: Path, workdir: Path, n_shards: int) -> list[Shard]:
     return shards
 
 
-def _combine(summaries: list[dict]) -> dict:
-    """One job summary from the shards' (counts add up; latency percentiles are per shard)."""
-    add = ("done", "ok", "succeeded", "skipped_done_before", "bad_lines", "prompt_tokens", "completion_tokens",
-           "cached_prompt_tokens", "sent", "cache_hits", "semantic_hits", "dedup_fanouts", "saved_tokens",
-           "saved_prompt_tokens", "saved_completion_tokens")
-    out: dict = dict.fromkeys(add, 0)
-    errors: Counter = Counter()
-    retries: Counter = Counter()
-    p99 = {k: [] for k in ("ttft_ms_p99", "tpot_ms_p99", "e2e_ms_p99")}
+def _combine(summaries: list[dict]) -> JobStats:
+    """One job's statistics from its shards' (counts add up; latency percentiles are per shard)."""
+    stats = JobStats()
+    add = {"done": "done", "ok": "ok", "skipped_done_before": "skipped", "failed_before": "failed_before",
+           "bad_lines": "bad_lines", "prompt_tokens": "prompt_tokens", "completion_tokens": "completion_tokens",
+           "cached_prompt_tokens": "cached_prompt_tokens", "sent": "sent", "cache_hits": "cache_hits",
+           "semantic_hits": "semantic_hits", "dedup_fanouts": "dedup_fanouts", "saved_tokens": "saved_tokens",
+           "saved_prompt_tokens": "saved_prompt_tokens", "saved_completion_tokens": "saved_completion_tokens"}
+    worst: dict[str, float] = {}
     for s in summaries:
         st = s["stats"]
-        for k in add:
-            out[k] += st.get(k) or 0
-        errors.update(st.get("errors") or {})
-        retries.update(st.get("retries") or {})
-        for k, vals in p99.items():
-            if st.get(k) is not None:
-                vals.append(st[k])
-    out["errors"] = dict(errors)
-    out["retries"] = dict(retries)
-    # The worst shard's P99 is a bound on the job's, not the job's own figure: named so.
-    for k, vals in p99.items():
-        out[k.replace("_p99", "_p99_worst_shard")] = max(vals) if vals else None
-    return out
+        for key, name in add.items():
+            setattr(stats, name, getattr(stats, name) + (st.get(key) or 0))
+        stats.errors.update(st.get("errors") or {})
+        stats.retries.update(st.get("retries") or {})
+        for k in ("ttft", "tpot", "e2e"):
+            v = st.get(f"{k}_ms_p99")
+            if v is not None:
+                worst[f"{k}_ms"] = max(worst.get(f"{k}_ms", v), v)
+    stats.shards = ShardsRun(worst_p99_ms={f"{k}_ms": worst.get(f"{k}_ms") for k in ("ttft", "tpot", "e2e")},
+                             summaries=[{k: s.get(k) for k in ("shard", "host", "pid", "started", "finished")}
+                                        for s in summaries])
+    return stats
 
 
-def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
-               on_shard: Callable[[dict], None] | None = None) -> dict:
-    """Run the job described by ``opts`` on Ray.
+@dataclass
+class _Files:
+    """Where a ``--ray`` job reads and writes, resolved once by the driver (workers on other
+    nodes see the same absolute paths on a shared file system)."""
 
-    Returns the combined summary (``complete`` says whether every shard finished and the
-    output was merged).  ``on_shard`` is called with each shard's summary as it finishes
-    (``carpool run --ray`` prints a line).  Starts a local Ray if none is running, and
-    stops it again.
-    """
-    require("ray", "carpool run --ray")
-    import ray
+    input: Path
+    output: Path  # the JSONL journal; a Parquet/CSV -o is written from it by the Runner
+    errors: Path | None
+    workdir: Path
+    fmt: str
 
-    from carpool.distributed.worker import (
-        ShardReader,
-        SharedState,
-        default_budget_name,
-        fix_cross_shard_duplicates,
-        shard_paths,
-    )
-    from carpool.jobs.output_format import output_target, write_table
-    from carpool.jobs.prices import cost_doc
-    from carpool.jobs.readers import detect_format
-    from carpool.jobs.runner import job_prices
-    from carpool.jobs.target import resolve_target_sync
+    @classmethod
+    def of(cls, opts: RunOptions, ray_opts: RayOptions) -> _Files:
+        from carpool.jobs.output_format import output_target
+        from carpool.jobs.readers import detect_format
 
-    ray_opts = ray_opts or RayOptions()
-    if opts.retry_errors:
-        raise RayRunError("--retry-errors runs in one process: resume without --ray")
-    prices = job_prices(opts)  # a bad --price-in refuses the start, as without --ray
-    started = time.monotonic()
-    # The model is settled once here (GET /models), not by every worker.
-    opts, resolve_notes = resolve_target_sync(opts)
-    input_path = Path(opts.input).resolve()
-    if not input_path.exists():
-        raise FileNotFoundError(f"input file {str(opts.input)!r} does not exist")
-    target = output_target(opts.output)
-    output = target.journal.resolve()  # the JSONL lines; a Parquet -o is written from it at the end
-    errors = Path(opts.errors).resolve() if opts.errors else None
-    workdir = Path(ray_opts.workdir or f"{output}.ray").resolve()
-    fmt = opts.fmt or detect_format(input_path)
-    if opts.engine is not None:
-        raise RayRunError("an in-process engine object cannot be shipped to Ray workers; "
-                          "leave engine=None (each worker starts its own) or pass endpoints")
-    if opts.fresh:
-        shutil.rmtree(workdir, ignore_errors=True)
-        for p in (output, errors):
+        input_path = Path(opts.input).resolve()
+        if not input_path.exists():
+            raise FileNotFoundError(f"input file {str(opts.input)!r} does not exist")
+        output = output_target(opts.output).journal.resolve()
+        return cls(input_path, output, Path(opts.errors).resolve() if opts.errors else None,
+                   Path(ray_opts.workdir or f"{output}.ray").resolve(), opts.fmt or detect_format(input_path))
+
+    def shard(self, shard: Shard) -> tuple[Path, Path | None, Path]:
+        from carpool.distributed.worker import shard_paths
+
+        return shard_paths(self.workdir, shard, self.errors is not None)
+
+    def start_over(self) -> None:
+        """``--fresh``: the shards and the output of an earlier run go."""
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        for p in (self.output, self.errors):
             if p is not None and p.exists():
                 p.unlink()
-    if not workdir.exists() and output.exists() and output.stat().st_size > 0:
-        done = _finished_before(output, input_path)
-        if done is not None:
-            return done
-        raise RayRunError(
-            f"{output} already holds results of a run that did not finish here (no {workdir}); "
-            "resume it without --ray, or pass --fresh to start over on Ray")
-    own_ray = not ray.is_initialized()
-    if own_ray:
-        address = None if ray_opts.address in (None, "", "local") else ray_opts.address
-        kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
-        kwargs.update(ray_opts.init_kwargs)
-        ray.init(address=address, **kwargs)
-    try:
+
+
+def _backend_label(opts: RunOptions, workers: int) -> str:
+    return f"ray x{workers}: " + (f"http {redact_url(', '.join(opts.endpoints))}" if opts.endpoints
+                                  else "echo" if opts.echo else f"engine {opts.engine_model}")
+
+
+class RayShards:
+    """The tasks of a job run as shards on a Ray cluster: the ``Spread`` that
+    ``carpool.jobs.runner.Runner.run_spread`` is given for ``carpool run --ray``.
+
+    ``on_shard`` is called with each shard's summary as it finishes (``carpool run
+    --ray`` prints a line).  Starts a local Ray if none is running, and stops it again.
+    """
+
+    def __init__(self, ray_opts: RayOptions | None = None, on_shard: Callable[[dict], None] | None = None):
+        self.ray_opts = ray_opts or RayOptions()
+        self.on_shard = on_shard
+
+    def run(self, opts: RunOptions, live: LiveParts) -> tuple[JobStats, list[str]]:
+        require("ray", "carpool run --ray")
+        import ray
+
+        if opts.retry_errors:
+            raise RayRunError("--retry-errors runs in one process: resume without --ray")
+        if live.engine is not None:
+            raise RayRunError("an in-process engine object cannot be shipped to Ray workers; "
+                              "leave engine=None (each worker starts its own) or pass endpoints")
+        if live.budget is not None:  # dropping it would let the workers spend past the limit
+            raise RayRunError("a budget object cannot be shipped to Ray workers; give rpm/tpm, and a Redis URL "
+                              "(--redis) for one budget shared by every worker")
+        started = time.monotonic()
+        files = _Files.of(opts, self.ray_opts)
+        if opts.fresh:
+            files.start_over()
+        if not files.workdir.exists() and files.output.exists() and files.output.stat().st_size > 0:
+            done = _finished_before(files.output, files.input)
+            if done is not None:
+                return done
+            raise RayRunError(
+                f"{files.output} already holds results of a run that did not finish here (no {files.workdir}); "
+                "resume it without --ray, or pass --fresh to start over on Ray")
+        own_ray = not ray.is_initialized()
+        if own_ray:
+            address = None if self.ray_opts.address in (None, "", "local") else self.ray_opts.address
+            kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+            kwargs.update(self.ray_opts.init_kwargs)
+            ray.init(address=address, **kwargs)
+        try:
+            stats, messages = self._run_on(ray, opts, live, files)
+        finally:
+            if own_ray:
+                ray.shutdown()
+        stats.started = started
+        stats.finished = time.monotonic()
+        return stats, messages
+
+    def _workers(self, ray: Any) -> tuple[int, list[str]]:
+        """How many workers the cluster has room for, and a note when fewer than asked."""
+        ro = self.ray_opts
         cpus = float(ray.cluster_resources().get("CPU", 1.0))
-        fit = int(cpus // max(ray_opts.cpus_per_worker, 0.01))
-        if ray_opts.gpus_per_worker:
-            fit = min(fit, int(ray.cluster_resources().get("GPU", 0.0) // ray_opts.gpus_per_worker))
+        fit = int(cpus // max(ro.cpus_per_worker, 0.01))
+        if ro.gpus_per_worker:
+            fit = min(fit, int(ray.cluster_resources().get("GPU", 0.0) // ro.gpus_per_worker))
         if fit < 1:
-            raise RayRunError(f"the Ray cluster has no room for one worker of {ray_opts.cpus_per_worker:g} CPU "
-                              f"and {ray_opts.gpus_per_worker:g} GPU ({ray.cluster_resources()})")
-        workers = min(ray_opts.workers or fit, fit)
-        notes = list(resolve_notes)
-        if ray_opts.workers and ray_opts.workers > fit:
-            notes.append(f"--ray-workers {ray_opts.workers}: the cluster has room for {fit} workers of "
-                         f"{ray_opts.cpus_per_worker:g} CPU / {ray_opts.gpus_per_worker:g} GPU; running {fit}")
-        shards = _plan(input_path, fmt, workdir, ray_opts.shards or 4 * workers)
-        pending = [s for s in shards if not shard_paths(workdir, s, errors is not None)[2].exists()]
-        job_opts = dataclasses.replace(opts, input=str(input_path), output=str(output),
-                                       errors=str(errors) if errors else None, progress=False, quiet=True)
-        if (opts.rpm or opts.tpm) and not ray_opts.redis:
+            raise RayRunError(f"the Ray cluster has no room for one worker of {ro.cpus_per_worker:g} CPU "
+                              f"and {ro.gpus_per_worker:g} GPU ({ray.cluster_resources()})")
+        notes = []
+        if ro.workers and ro.workers > fit:
+            notes.append(f"--ray-workers {ro.workers}: the cluster has room for {fit} workers of "
+                         f"{ro.cpus_per_worker:g} CPU / {ro.gpus_per_worker:g} GPU; running {fit}")
+        return min(ro.workers or fit, fit), notes
+
+    def _job(self, opts: RunOptions, live: LiveParts, files: _Files, workers: int,
+             pending: list[Shard]) -> tuple[dict, list[str]]:
+        """What every worker is given (the options of a shard's run, the model identity the
+        driver settled, the shared state), and a note."""
+        from carpool.distributed.worker import SharedState, default_budget_name
+
+        ro = self.ray_opts
+        notes = []
+        job_opts = dataclasses.replace(opts, input=str(files.input), output=str(files.output),
+                                       errors=str(files.errors) if files.errors else None, progress=False,
+                                       quiet=True)
+        if (opts.rpm or opts.tpm) and not ro.redis:
             # Without a shared bucket each worker would spend the whole budget: split it.
             n = min(workers, len(pending)) or 1
             job_opts = dataclasses.replace(job_opts, rpm=opts.rpm / n if opts.rpm else None,
                                            tpm=opts.tpm / n if opts.tpm else None)
             notes.append(f"without --redis the --rpm/--tpm budget is split evenly over {n} workers; "
                          "--redis URL shares one budget (faster when shards differ)")
-        shared = SharedState(redis=ray_opts.redis, budget_name=ray_opts.budget_name or default_budget_name(opts),
-                             window_s=ray_opts.rpm_window_s, burst_s=ray_opts.rpm_burst_s) if ray_opts.redis else None
+        shared = SharedState(redis=ro.redis, budget_name=ro.budget_name or default_budget_name(opts),
+                             window_s=ro.rpm_window_s, burst_s=ro.rpm_burst_s) if ro.redis else None
+        job = {"opts": job_opts, "identity": live.identity, "shared": shared, "workdir": str(files.workdir)}
+        return job, notes
+
+    def _run_on(self, ray: Any, opts: RunOptions, live: LiveParts, files: _Files) -> tuple[JobStats, list[str]]:
+        workers, notes = self._workers(ray)
+        shards = _plan(files.input, files.fmt, files.workdir, self.ray_opts.shards or 4 * workers)
+        pending = [s for s in shards if not files.shard(s)[2].exists()]
+        job, job_notes = self._job(opts, live, files, workers, pending)
+        notes += job_notes
         run_error = None
         seen: list[dict] = []  # the summaries of this run's shards, finished or not
         if pending:
             try:
-                seen = _run_pending(ray, pending, {"opts": job_opts, "shared": shared, "workdir": str(workdir)},
-                             min(workers, len(pending)), ray_opts, on_shard)
+                seen = _run_pending(ray, pending, job, min(workers, len(pending)), self.ray_opts, self.on_shard)
             except Exception as e:  # noqa: BLE001  (a worker crashed: finished shards are kept)
                 run_error = e
-        summaries, missing = [], []
-        for s in shards:
-            marker = shard_paths(workdir, s, errors is not None)[2]
-            if marker.exists():
-                summaries.append(json.loads(marker.read_text()))
-            else:
-                missing.append(s.index)
-        result = _combine(summaries)
-        result["cost"] = cost_doc(prices, result["prompt_tokens"], result["completion_tokens"],
-                                  result["saved_prompt_tokens"], result["saved_completion_tokens"])
-        result.update(shards=len(shards), shards_done=len(summaries), workers=workers, workdir=str(workdir),
-                      complete=not missing, elapsed_s=round(time.monotonic() - started, 3),
-                      backend=f"ray x{workers}: " + (f"http {redact_url(', '.join(opts.endpoints))}" if opts.endpoints
-                                                     else "echo" if opts.echo else f"engine {opts.engine_model}"))
-        result["messages"] = notes + [m for s in summaries for m in s.get("messages", [])]
+        markers = [files.shard(s)[2] for s in shards]
+        summaries = [json.loads(m.read_text()) for m in markers if m.exists()]
+        missing = [s.index for s, m in zip(shards, markers, strict=True) if not m.exists()]
+        stats = _combine(summaries)
+        assert stats.shards is not None
+        stats.shards.shards, stats.shards.shards_done = len(shards), len(summaries)
+        stats.shards.workers, stats.shards.workdir = workers, str(files.workdir)
+        stats.backend = _backend_label(opts, workers)
+        messages = notes + [m for s in summaries for m in s.get("messages", [])]
         if opts.report:
-            result["messages"].append("--report is not written for --ray runs (use --summary-json)")
-        result["shard_summaries"] = [{k: s.get(k) for k in ("shard", "host", "pid", "started", "finished")}
-                                     for s in summaries]
-        outage = next((s["outage_stop"] for s in seen if s.get("stopped_by_outage")), None)
-        result["stopped_by_outage"] = bool(missing) and outage is not None
-        if result["stopped_by_outage"]:
-            result["messages"].append(
-                f"stopped by an outage ({outage}, past --outage-timeout {opts.outage_timeout:g} s): "
-                f"{len(missing)} of {len(shards)} shards did not finish; finished work is kept in {workdir}. "
-                "Run the same command again once the endpoint is back to resume.")
-            return result
+            messages.append("--report is not written for --ray runs (use --summary-json)")
         if missing:
-            first = str(run_error).strip().splitlines()[0][:300] if run_error and str(run_error).strip() else ""
-            why = f" ({type(run_error).__name__}: {first})" if run_error else ""
-            result["messages"].append(
-                f"{len(missing)} of {len(shards)} shards did not finish{why}; finished work is kept in "
-                f"{workdir}. Run the same command again to resume.")
-            return result
-        parts = [shard_paths(workdir, s, errors is not None) for s in shards]
-        reader_opts = (str(input_path), opts.fmt, opts.template, opts.defaults)
-        dups = fix_cross_shard_duplicates(shards, parts, lambda sh: ShardReader(reader_opts[0], sh, *reader_opts[1:]))
+            messages.append(_unfinished(stats, seen, run_error, opts, f"{len(missing)} of {len(shards)}"))
+            return stats, messages
+        messages += self._merge(opts, live, files, shards)
+        stats.shards.complete = True
+        return stats, messages
+
+    def _merge(self, opts: RunOptions, live: LiveParts, files: _Files, shards: list[Shard]) -> list[str]:
+        """The shard outputs, in shard order, into the job's output (and errors file)."""
+        from carpool.distributed.worker import ShardReader, fix_cross_shard_duplicates
+
+        messages = []
+        parts = [files.shard(s) for s in shards]
+        dups = fix_cross_shard_duplicates(
+            shards, parts, lambda sh: ShardReader(str(files.input), sh, opts.fmt, opts.template, opts.defaults))
         if dups:
-            result["messages"].append(f"{dups} tasks reused a custom_id of an earlier line: "
-                                      "refused as input errors (custom_ids must be unique in a file)")
-        merge_files([p[0] for p in parts], output)
-        if errors is not None:
-            merge_files([p[1] for p in parts], errors)
-        _write_state(output, input_path, opts)
-        if target.is_table:
-            rows = write_table(target)
-            result["messages"].append(f"wrote {target.path} ({rows:,} rows) from its journal {output}")
-        if not ray_opts.keep_workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-        return result
-    finally:
-        if own_ray:
-            ray.shutdown()
+            messages.append(f"{dups} tasks reused a custom_id of an earlier line: "
+                            "refused as input errors (custom_ids must be unique in a file)")
+        merge_files([p[0] for p in parts], files.output)
+        if files.errors is not None:
+            merge_files([p[1] for p in parts], files.errors)
+        _write_state(files.output, files.input, opts, live)
+        if not self.ray_opts.keep_workdir:
+            shutil.rmtree(files.workdir, ignore_errors=True)
+        return messages
+
+
+def _unfinished(stats: JobStats, seen: list[dict], run_error: Exception | None, opts: RunOptions,
+                missing: str) -> str:
+    """Mark ``stats`` as stopped by an outage or unfinished, and say so."""
+    assert stats.shards is not None
+    workdir = stats.shards.workdir
+    outage = next((s["outage_stop"] for s in seen if s.get("stopped_by_outage")), None)
+    if outage is not None:
+        stats.stopped_by_outage = True
+        stats.outage_stop = outage
+        return (f"stopped by an outage ({outage}, past --outage-timeout {opts.outage_timeout:g} s): "
+                f"{missing} shards did not finish; finished work is kept in {workdir}. "
+                "Run the same command again once the endpoint is back to resume.")
+    first = str(run_error).strip().splitlines()[0][:300] if run_error and str(run_error).strip() else ""
+    why = f" ({type(run_error).__name__}: {first})" if run_error else ""
+    stats.unfinished = f"{missing} shards did not finish{why}"
+    return f"{stats.unfinished}; finished work is kept in {workdir}. Run the same command again to resume."
+
+
+def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
+               on_shard: Callable[[dict], None] | None = None) -> JobStats:
+    """Run the job described by ``opts`` on Ray: the ``Runner`` with its tasks spread over
+    the cluster (``RayShards``).  ``stats.shards.complete`` says whether every shard
+    finished and the output was merged."""
+    from carpool.jobs.runner import Runner
+
+    return Runner(opts).run_spread(RayShards(ray_opts, on_shard))
 
 
 def _run_pending(ray: Any, pending: list[Shard], job: dict, workers: int, ray_opts: RayOptions,
@@ -308,8 +370,9 @@ def _run_pending(ray: Any, pending: list[Shard], job: dict, workers: int, ray_op
     return seen
 
 
-def _finished_before(output: Path, input_path: Path) -> dict | None:
-    """The summary of an earlier run into ``output`` that finished on this very input, else None."""
+def _finished_before(output: Path, input_path: Path) -> tuple[JobStats, list[str]] | None:
+    """The statistics of an earlier run into ``output`` that finished on this very input
+    (nothing to do), else None."""
     try:
         state = json.loads(Path(f"{output}.carpool.json").read_text())
     except (OSError, ValueError):
@@ -319,27 +382,31 @@ def _finished_before(output: Path, input_path: Path) -> dict | None:
         return None
     with open(output, "rb") as f:
         lines = sum(1 for _ in f)
-    return {"complete": True, "already_done": True, "done": 0, "ok": 0, "succeeded": 0, "errors": {},
-            "skipped_done_before": lines,
-            "shards": 0, "shards_done": 0, "workers": 0, "elapsed_s": 0.0, "shard_summaries": [],
-            "messages": [f"{output} is already complete ({lines:,} lines); nothing to do (--fresh reruns it)"]}
+    stats = JobStats(skipped=lines, shards=ShardsRun(complete=True, already_done=True))
+    stats.finished = stats.started
+    return stats, [f"{output} is already complete ({lines:,} lines); nothing to do (--fresh reruns it)"]
 
 
-def _write_state(output: Path, input_path: Path, opts) -> None:
+def _write_state(output: Path, input_path: Path, opts: RunOptions, live: LiveParts) -> None:
     # The runner's state file beside the output, so a later single-process ``carpool run``
     # into the same output resumes from it like from its own.
     from carpool.jobs.fingerprint import make_fingerprint
     from carpool.jobs.journal import Journal
 
-    Journal(output, opts.errors, fingerprint=make_fingerprint(opts)).write_state(str(input_path), finished=True,
+    Journal(output, opts.errors, fingerprint=make_fingerprint(opts, live)).write_state(str(input_path), finished=True,
                                                                                 argv=opts.argv)
 
 
 def run_batch_on_ray(input: str, output: str, *, address: str | None = None, workers: int | None = None,
                      redis: str | None = None, ray_options: RayOptions | None = None, **options) -> dict:
     """Python API: ``run_batch`` spread over Ray; ``options`` are those of ``carpool.run_batch``
-    (RunOptions fields, plus the ``model``/``max_tokens``/``temperature`` shortcuts)."""
-    from carpool.jobs.api import make_options
+    (RunOptions fields, plus the ``model``/``max_tokens``/``temperature`` shortcuts).  Returns
+    the summary ``run_batch`` returns (``JobStats.to_dict`` and the messages)."""
+    from carpool.jobs.api import make_job
+    from carpool.jobs.runner import Runner
 
     ray_options = ray_options or RayOptions(address=address, workers=workers, redis=redis)
-    return run_on_ray(make_options(input, output, **options), ray_options)
+    opts, live = make_job(input, output, **options)
+    runner = Runner(opts, live=live)
+    stats = runner.run_spread(RayShards(ray_options))
+    return {**stats.to_dict(), "messages": runner.messages}

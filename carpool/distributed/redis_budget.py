@@ -32,6 +32,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from carpool.distributed.redis_client import RedisUser
+from carpool.errors import StartRefused
 
 # KEYS[1]: the budget's hash.  ARGV: mode ("acquire" | "adjust"), request amount,
 # request rate/s, request capacity, token amount, token rate/s, token capacity, ttl ms.
@@ -139,9 +140,9 @@ class RedisBudget(RedisUser):
         unavailable_timeout_s: float = 30.0,
     ) -> None:
         if window_s <= 0:
-            raise ValueError(f"window_s must be > 0 seconds, got {window_s}")
+            raise StartRefused(f"window_s must be > 0 seconds, got {window_s}")
         if burst_s <= 0:
-            raise ValueError(f"burst_s must be > 0 seconds, got {burst_s}")
+            raise StartRefused(f"burst_s must be > 0 seconds, got {burst_s}")
         super().__init__(redis)
         self.rpm, self.tpm = rpm, tpm
         self.window_s = window_s

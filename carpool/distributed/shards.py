@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from carpool.errors import StartRefused
 from carpool.jobs.readers import TooLong, file_lines
 
 CHUNK = 1 << 20
@@ -38,14 +39,14 @@ class Shard:
         return f"shard-{self.index:05d}"
 
 
-class PlanMismatch(RuntimeError):
+class PlanMismatch(StartRefused):
     """The work directory belongs to a different input file."""
 
 
 def plan_shards(path: str | os.PathLike, n_shards: int) -> list[Shard]:
     """Cut ``path`` into at most ``n_shards`` ranges of whole lines, of similar byte size."""
     if n_shards < 1:
-        raise ValueError(f"the number of shards must be >= 1, got {n_shards}")
+        raise StartRefused(f"the number of shards must be >= 1, got {n_shards}")
     size = os.path.getsize(path)
     targets = [size * k // n_shards for k in range(1, n_shards)]
     cuts: list[tuple[int, int]] = []  # (byte offset of a shard start, lines before it)

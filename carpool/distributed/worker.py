@@ -29,7 +29,7 @@ from carpool.client.retry import ErrorKind
 from carpool.distributed.shards import Shard, iter_shard_lines
 from carpool.jobs.endpoints_file import job_endpoints
 from carpool.jobs.journal import SeenIds, line_id
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.parts import build_parts, job_defaults
 from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.readers import Reader, parse_jsonl_lines
@@ -40,6 +40,7 @@ from carpool.jobs.writer import error_line
 if TYPE_CHECKING:
     from carpool.client.balancer import Balancer
     from carpool.client.budget import Budget
+    from carpool.client.models import ModelIdentity
     from carpool.engine.protocol import EngineClient
 
 
@@ -186,6 +187,9 @@ class ShardWorker:
 
     def __init__(self, job: dict):
         self.opts: RunOptions = job["opts"]
+        # The model identity the driver settled (None: told from the options), so every shard's
+        # fingerprint and cache keys are the ones a single-process run would use.
+        self.identity: ModelIdentity | None = job.get("identity")
         self.shared: SharedState | None = job.get("shared")
         self.workdir = Path(job["workdir"])
         self.loop = asyncio.new_event_loop()
@@ -203,9 +207,10 @@ class ShardWorker:
         o = self.opts
         return ShardReader(o.input, shard, o.fmt, o.template, job_defaults(o))
 
-    async def _run(self, opts: RunOptions, source: ShardReader) -> Pipeline:
+    async def _run(self, opts: RunOptions, source: ShardReader, engine: EngineClient | None) -> Pipeline:
         budget, balancer, closers = await _shared_parts(opts, self.shared)
-        parts = build_parts(opts, source=source, budget=budget, balancer=balancer)
+        live = LiveParts(engine=engine, budget=budget, identity=self.identity)
+        parts = build_parts(opts, live, source=source, balancer=balancer)
         parts.closers += closers
         pipeline = Pipeline(parts, opts)
         await pipeline.run()
@@ -221,10 +226,10 @@ class ShardWorker:
                     "messages": [f"shard {shard.index}: not started (an earlier shard of this worker stopped "
                                  "by an outage); it runs on resume"]}
         opts = dataclasses.replace(self.opts, output=str(out), errors=str(err) if err else None, progress=False,
-                                   quiet=True, report=None, fresh=False, engine=self._engine())
+                                   quiet=True, report=None, fresh=False)
         source = self._reader(shard)
         started = time.time()
-        pipeline = self.loop.run_until_complete(self._run(opts, source))
+        pipeline = self.loop.run_until_complete(self._run(opts, source, self._engine()))
         stats = pipeline.stats
         if opts.ordered and stats.skipped:
             for path in (out, err):

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from carpool.engine.config import ModelConfig
+from carpool.errors import ModelUnavailable
 from carpool.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ TINY_RANDOM_SHAPE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128
                          "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(ModelUnavailable):
     """A model carpool cannot load; the message says what is wrong and what to do."""
 
 

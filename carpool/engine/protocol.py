@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from carpool.errors import EngineFailure
+
 
 @dataclass
 class StructuredOutputs:
@@ -193,7 +195,7 @@ class RequestOutput:
     error: str | None = None  # finish_reason "error": why
 
 
-class EngineError(ValueError):
+class EngineError(EngineFailure):
     """A request the engine cannot run (prompt past the context, bad parameter).
 
     The message says which field and why; the server maps it to a 400.

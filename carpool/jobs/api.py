@@ -45,18 +45,20 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from carpool.jobs.inputs import MemorySource, check_columns, in_order, input_kind, read_lines, results_as, rows_of
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LIVE_NAMES, LiveParts, RunOptions
 from carpool.jobs.output_format import output_target
 from carpool.jobs.parts import job_defaults
 from carpool.jobs.runner import Runner
 from carpool.jobs.tasks import TaskDefaults, Template
 
-_OPTION_NAMES = {f.name for f in dataclasses.fields(RunOptions)} - {"input", "output"}
+_OPTION_NAMES = ({f.name for f in dataclasses.fields(RunOptions)} | set(LIVE_NAMES)) - {"input", "output"}
 _SHORTCUTS = ("model", "max_tokens", "temperature", "idempotent")
 
 
-def make_options(input: str, output: str, **options) -> RunOptions:
-    """``model``, ``max_tokens``, ``temperature`` and ``idempotent`` are accepted as shortcuts:
+def make_job(input: str, output: str, **options) -> tuple[RunOptions, LiveParts]:
+    """The job ``run_batch``'s keyword arguments describe: its settings, and the objects it is
+    given (``engine``, ``embedder_factory``, ``budget``, ``identity``: ``LiveParts``).
+    ``model``, ``max_tokens``, ``temperature`` and ``idempotent`` are accepted as shortcuts:
     with ``endpoints`` ``model`` is the model name sent, without it the engine's model;
     ``template`` may be a string (chat kind)."""
     unknown = sorted(k for k in options if k not in _OPTION_NAMES and k not in _SHORTCUTS)
@@ -65,6 +67,7 @@ def make_options(input: str, output: str, **options) -> RunOptions:
         hint = f"; did you mean {close[0]!r}?" if close else " (see help(carpool.run_batch))"
         raise TypeError(f"run_batch: unknown keyword argument {unknown[0]!r}{hint}")
     shortcuts = {k: options.pop(k) for k in _SHORTCUTS if k in options}
+    live = LiveParts(**{k: options.pop(k) for k in LIVE_NAMES if k in options})
     defaults = options.pop("defaults", None) or TaskDefaults()
     model = shortcuts.pop("model", None)
     if model is not None:
@@ -75,7 +78,16 @@ def make_options(input: str, output: str, **options) -> RunOptions:
     if isinstance(options.get("template"), str):
         options["template"] = Template(options["template"])
     defaults = dataclasses.replace(defaults, **{k: v for k, v in shortcuts.items() if v is not None})
-    return RunOptions(input=str(input), output=str(output), defaults=defaults, **options)
+    return RunOptions(input=str(input), output=str(output), defaults=defaults, **options), live
+
+
+def make_options(input: str, output: str, **options) -> RunOptions:
+    """The settings of ``make_job`` alone, for a job given no live parts (benchmarks, scripts)."""
+    opts, live = make_job(input, output, **options)
+    if live != LiveParts():
+        raise TypeError("make_options: engine, embedder_factory, budget and identity are live parts, not "
+                        "settings: use make_job and pass its LiveParts to Runner(live=...)")
+    return opts
 
 
 def strict_schema(schema: Any) -> Any:
@@ -174,8 +186,8 @@ def _with_warm_engine(options: dict) -> dict:
     return out
 
 
-async def _run_file(opts: RunOptions) -> dict:
-    runner = Runner(opts)
+async def _run_file(job: tuple[RunOptions, LiveParts]) -> dict:
+    runner = Runner(job[0], live=job[1])
     stats = await runner.run()
     out = stats.to_dict()
     out["messages"] = runner.messages
@@ -193,19 +205,19 @@ async def _look(tasks: Any, kind: str, output: str | os.PathLike | None, want_es
     with tempfile.TemporaryDirectory(prefix="carpool-") as tmp:
         # Without an output there is nothing done yet: an empty place stands for it.
         journal = str(output) if output is not None else os.path.join(tmp, "results.jsonl")
-        opts = make_options(path, journal, **options)
+        opts, live = make_job(path, journal, **options)
         source = None
         if kind != "path":
             source = MemorySource(rows_of(tasks, kind, keep_empty=opts.template is not None), opts.template,
                                   job_defaults(opts))
         if want_estimate:
-            return await estimate(opts, source)
-        return await plan(opts, source)
+            return await estimate(opts, source, live)
+        return await plan(opts, source, live)
 
 
 async def _run_records(tasks: Any, kind: str, journal: str, options: dict, parse: Any) -> tuple[Any, dict]:
     rows = rows_of(tasks, kind, keep_empty=options.get("template") is not None)
-    opts = make_options("", journal, **options)
+    opts, live = make_job("", journal, **options)
     if kind != "list":
         check_columns(list(rows[0]) if rows else [], "response_format" in opts.defaults.extra)
     made: list[MemorySource] = []
@@ -214,7 +226,7 @@ async def _run_records(tasks: Any, kind: str, journal: str, options: dict, parse
         made.append(MemorySource(rows, o.template, job_defaults(o)))
         return made[-1]
 
-    runner = Runner(opts, make_source=make_source)
+    runner = Runner(opts, make_source=make_source, live=live)
     stats = await runner.run()
     summary = {**stats.to_dict(), "messages": runner.messages}
     ids = made[-1].ids if made else []
@@ -230,13 +242,12 @@ async def _arun(tasks: Any, output: str | os.PathLike | None, with_summary: bool
         return await _look(tasks, kind, output, estimate, options)
     options = _with_warm_engine(options)
     if kind == "path" and output is not None:
-        return await _run_file(make_options(str(tasks), str(output), **options))
+        return await _run_file(make_job(str(tasks), str(output), **options))
     with tempfile.TemporaryDirectory(prefix="carpool-") as tmp:
         journal = str(output) if output is not None else os.path.join(tmp, "results.jsonl")
         if kind == "path":
             # The journal in input order, so its lines are the results as they are.
-            opts = make_options(str(tasks), journal, **{**options, "ordered": True})
-            summary = await _run_file(opts)
+            summary = await _run_file(make_job(str(tasks), journal, **{**options, "ordered": True}))
             lines = read_lines(str(output_target(journal).journal))
             results: Any = results_as(tasks, kind, list(lines.values()), parse)
         else:

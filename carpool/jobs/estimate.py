@@ -20,7 +20,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.parts import job_defaults, make_journal
 from carpool.jobs.prices import resolve_prices
 from carpool.jobs.readers import Reader, TaskSource
@@ -28,15 +28,18 @@ from carpool.jobs.tasks import BadLine, Task
 from carpool.jobs.tokens import counter_for, output_bound
 
 
-def job_model(opts: RunOptions) -> tuple[str | None, str | None]:
-    """(the model name sent to the endpoints, the embedded engine's model) of ``opts``."""
+def job_model(opts: RunOptions, live: LiveParts | None = None) -> tuple[str | None, str | None]:
+    """(the model name sent to the endpoints, the embedded engine's model) of ``opts`` (the
+    engine ``live`` gives, if any)."""
     if opts.endpoints or opts.echo:
         return opts.defaults.model, None
-    return None, str(getattr(opts.engine, "model_name", None) or opts.engine_model)
+    engine = live.engine if live is not None else None
+    return None, str(getattr(engine, "model_name", None) or opts.engine_model)
 
 
-async def estimate(opts: RunOptions, source: TaskSource | None = None) -> dict[str, Any]:
-    model, engine_model = job_model(opts)
+async def estimate(opts: RunOptions, source: TaskSource | None = None, live: LiveParts | None = None
+                   ) -> dict[str, Any]:
+    model, engine_model = job_model(opts, live)
     prices = resolve_prices(model, opts.price_in, opts.price_out, opts.prices)
     if prices is not None and opts.batch is not None:  # --batch-api: the provider's batch rates
         prices = prices.at_batch_rate()
@@ -44,7 +47,7 @@ async def estimate(opts: RunOptions, source: TaskSource | None = None) -> dict[s
     done: set[str] | Any = set()
     if opts.output:
         try:
-            journal = make_journal(dataclasses.replace(opts, dry_run=True))
+            journal = make_journal(dataclasses.replace(opts, dry_run=True), live)
             done, notes = journal.open(opts.input or None, fresh=opts.fresh, argv=opts.argv)
             messages += notes
         except ValueError as e:  # a fingerprint mismatch: say it, estimate every task

@@ -26,7 +26,8 @@ from carpool.client.models import ModelIdentity
 from carpool.jobs.exit_codes import StartRefused
 
 if TYPE_CHECKING:
-    from carpool.jobs.options import RunOptions
+    from carpool.engine.protocol import EngineClient
+    from carpool.jobs.options import LiveParts, RunOptions
 
 VERSION = 1
 
@@ -35,11 +36,12 @@ class FingerprintMismatch(StartRefused):
     """A resume that would mix answers made another way into the output (exit 2)."""
 
 
-def job_identity(opts: RunOptions) -> ModelIdentity:
-    """The identity ``opts`` was resolved to (``carpool.jobs.target``), or the one that can be
-    told without asking anything (a job composed without resolution: Ray Data batches, tests)."""
-    if opts.identity is not None:
-        return opts.identity
+def job_identity(opts: RunOptions, live: LiveParts | None = None) -> ModelIdentity:
+    """The identity the job's start settled (``carpool.jobs.target``, kept in ``live``), or the
+    one that can be told without asking anything (a job composed without resolution: Ray Data
+    batches, tests)."""
+    if live is not None and live.identity is not None:
+        return live.identity
     if opts.echo:
         return ModelIdentity("echo", kind="echo")
     if opts.endpoint_specs:
@@ -47,22 +49,23 @@ def job_identity(opts: RunOptions) -> ModelIdentity:
         return ModelIdentity(" | ".join(models))
     if opts.endpoints:
         return ModelIdentity(opts.defaults.model or "")
-    name = str(getattr(opts.engine, "model_name", None) or opts.engine_model)
-    return ModelIdentity(engine_model_name(name, opts), kind="engine")
+    engine = live.engine if live is not None else None
+    name = str(getattr(engine, "model_name", None) or opts.engine_model)
+    return ModelIdentity(engine_model_name(name, opts, engine), kind="engine")
 
 
-def engine_model_name(name: str, opts: RunOptions) -> str:
+def engine_model_name(name: str, opts: RunOptions, engine: EngineClient | None = None) -> str:
     """The in-process engine's model as jobs name it: int8 weights (or an int8 KV cache) answer
     differently from bf16 ones, so "smollm2+int8" ("smollm2+kv-int8") keeps their cache entries
-    and resumes apart."""
-    config = getattr(opts.engine, "config", None)
+    and resumes apart.  ``engine``: the one the job was given, whose settings win."""
+    config = getattr(engine, "config", None)
     quantization = getattr(config, "quantization", None) or opts.engine_config.get("quantization")
     kv = getattr(config, "kv_cache_dtype", None) or opts.engine_config.get("kv_cache_dtype") or "auto"
     name = f"{name}+{quantization}" if quantization else name
     return f"{name}+kv-{kv}" if kv != "auto" else name
 
 
-def make_fingerprint(opts: RunOptions) -> dict:
+def make_fingerprint(opts: RunOptions, live: LiveParts | None = None) -> dict:
     d = opts.defaults
     template = dataclasses.asdict(opts.template) if opts.template is not None else None
     if template is not None:
@@ -71,7 +74,8 @@ def make_fingerprint(opts: RunOptions) -> dict:
                       "extra": dict(sorted(d.extra.items()))}
     if d.max_completion_tokens is not None:
         defaults["max_completion_tokens"] = d.max_completion_tokens
-    doc: dict = {"version": VERSION, "model": job_identity(opts).doc(), "defaults": defaults, "template": template}
+    doc: dict = {"version": VERSION, "model": job_identity(opts, live).doc(), "defaults": defaults,
+                 "template": template}
     if opts.endpoint_specs:
         # The models the endpoints of an endpoints file are sent (never their URLs or keys):
         # a file that now sends another model to one of them is another setup.

@@ -1,15 +1,21 @@
-"""``RunOptions``: everything a batch job can be told, typed, in one place.
+"""``RunOptions``: everything a batch job can be told, typed, in one place; ``LiveParts``:
+the objects a job is given or builds at its start, beside it.
 
-``carpool run`` fills it from its flags (``carpool.commands.run``), the Python API from
-keyword arguments (``carpool.jobs.api``), the Ray driver copies it per shard.  The
-default parts of a job are built from it by ``carpool.jobs.parts.build_parts``; the
-pipeline reads only its flow settings (order, windows, bounds, attempts).
+``RunOptions`` is settings only, and frozen: ``carpool run`` fills it from its flags
+(``carpool.commands.run``), the Python API from keyword arguments (``carpool.jobs.api``),
+the Ray driver copies it per shard (``dataclasses.replace``, never an assignment), so
+what a job was told stays what it was told.  What is not a setting (an engine already
+running, a shared budget, the model identity the endpoints report at start) is a
+``LiveParts``, passed beside the options to what builds a job's parts
+(``carpool.jobs.parts.build_parts``) and names its model
+(``carpool.jobs.fingerprint``).  The pipeline reads only the options' flow settings
+(order, windows, bounds, attempts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from carpool.cache import DEFAULT_TTL_S
@@ -28,7 +34,7 @@ if TYPE_CHECKING:
 EmbedderFactory = Callable[[], Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunOptions:
     input: str
     output: str
@@ -45,13 +51,10 @@ class RunOptions:
     api_version: str | None = None  # --api-version: Azure OpenAI's, for --endpoint URLs on Azure
     engine_model: str = "smollm2"
     engine_config: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
-    engine: EngineClient | None = None  # an engine already running (API / tests); not shut down here
-    embedder_factory: EmbedderFactory | None = None
     concurrency: int | None = None
     max_concurrency: int | None = None
     rpm: float | None = None
     tpm: float | None = None
-    budget: Budget | None = None  # e.g. the shared Redis one; None: local buckets from rpm/tpm
     stream: bool = True
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_attempts: int = 6
@@ -80,9 +83,6 @@ class RunOptions:
     force: bool = False  # resume even when the run fingerprint differs (carpool.jobs.fingerprint)
     retry_errors: bool = False  # on resume, run again the tasks whose final line is an error line
     cache_namespace: str | None = None  # a key component of its own: entries of one namespace serve only it
-    # What the endpoint says the model is (carpool.jobs.target.resolve_target fills it before
-    # the parts are built; None: told from the options alone, carpool.jobs.fingerprint.job_identity).
-    identity: ModelIdentity | None = None
     latency_signal: str = "per_token"
     # $ per million tokens for the summary's $ spent / saved (None: carpool.jobs.prices' table).
     price_in: float | None = None
@@ -93,3 +93,20 @@ class RunOptions:
     # --batch-api / an endpoints-file kind *-batch: the job goes through the provider's batch API
     # (carpool.jobs.batch_api); None: online.
     batch: BatchOptions | None = None
+
+
+@dataclass(frozen=True)
+class LiveParts:
+    """What a job is given or learns at its start that is not a setting: objects, not flags.
+    A field left None is built from the options (``carpool.jobs.parts.build_parts``)."""
+
+    engine: EngineClient | None = None  # an engine already running (API / tests); not shut down here
+    embedder_factory: EmbedderFactory | None = None
+    budget: Budget | None = None  # e.g. the shared Redis one; None: local buckets from rpm/tpm
+    # What the endpoint says the model is (carpool.jobs.target.resolve_target settles it before
+    # the parts are built; None: told from the options alone, carpool.jobs.fingerprint.job_identity).
+    identity: ModelIdentity | None = None
+
+
+# The Python API takes both as keyword arguments; these are the ones that go to LiveParts.
+LIVE_NAMES = tuple(f.name for f in fields(LiveParts))

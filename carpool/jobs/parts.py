@@ -3,9 +3,11 @@
 ``JobParts`` is what ``carpool.jobs.pipeline.Pipeline`` runs: where the tasks come from
 (``source``), where their lines go (``journal``), what answers them (``backend``, with
 an optional admission ``check``), how many may be in flight (``limiter``), the RPM/TPM
-``budget`` and the result ``caches``.  ``build_parts(opts)`` makes the single-process
-ones; a caller that needs another part passes it in (the Ray worker: its shard's reader,
-the shared Redis budget, a balancer with shared cooldowns) and keeps the rest.
+``budget`` and the result ``caches``.  ``build_parts(opts, live)`` makes the
+single-process ones from the settings and the job's ``LiveParts`` (an engine given, the
+identity settled at start); a caller that needs another part passes it in (the Ray
+worker: its shard's reader, the shared Redis budget in its ``LiveParts``, a balancer with
+shared cooldowns) and keeps the rest.
 
 Seams for what comes next: another kind of endpoint is ``make_backend`` (the endpoints
 of a job, with their keys, headers and dialects: ``carpool.jobs.endpoints_file``);
@@ -27,7 +29,7 @@ from carpool.jobs import limit_start
 from carpool.jobs.caching import JobCaches, open_job_caches
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
 from carpool.jobs.journal import Journal
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.output_format import output_target
 from carpool.jobs.prefix_plan import PlannedSource, wants_plan
 from carpool.jobs.readers import Reader, RecordSource, TaskSource
@@ -92,20 +94,20 @@ def job_defaults(opts: RunOptions) -> TaskDefaults:
     return opts.defaults
 
 
-def _engine_setting(opts: RunOptions, name: str, default: int) -> int:
+def _engine_setting(opts: RunOptions, live: LiveParts, name: str, default: int) -> int:
     """An engine setting of the job: the engine given (the API's warm one), else the options."""
-    config = getattr(opts.engine, "config", None)
+    config = getattr(live.engine, "config", None)
     value = getattr(config, name, None) if config is not None else None
     return int(value if value is not None else opts.engine_config.get(name, default))
 
 
-def job_limiter(opts: RunOptions) -> FixedLimiter:
+def job_limiter(opts: RunOptions, live: LiveParts | None = None) -> FixedLimiter:
     if opts.echo and not opts.concurrency:
         return FixedLimiter(256, why="the echo backend's default (no --concurrency)")
     if not opts.endpoints and not opts.concurrency:
         # In-process the engine's own scheduler batches: keep it fed (two per batch slot),
         # nothing to learn from 429s that cannot happen.
-        seqs = int(_engine_setting(opts, "max_num_seqs", 64))
+        seqs = int(_engine_setting(opts, live or LiveParts(), "max_num_seqs", 64))
         why = f"2 x the engine's max_num_seqs ({seqs}), no --concurrency given"
         if opts.max_concurrency and opts.max_concurrency < 2 * seqs:
             return FixedLimiter(opts.max_concurrency, why=f"{why}, capped by --max-concurrency")
@@ -123,9 +125,9 @@ class _Target:
     start_engine: Callable[[], None] | None = None  # the engine this job owns, started in the background
 
 
-def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
+def make_backend(opts: RunOptions, live: LiveParts, balancer: Balancer | None = None) -> _Target:
     """HTTP to ``opts.endpoints`` (through ``balancer`` when given), else the in-process
-    engine (``opts.engine``, or one started here and shut down with the job), or the echo backend."""
+    engine (``live.engine``, or one started here and shut down with the job), or the echo backend."""
     if opts.echo:
         return _Target(EchoBackend(), "echo", "echo")
     if opts.endpoints:
@@ -139,12 +141,12 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
         label = f"http {', '.join(s.name for s in specs)}"
         model = opts.engine_model
         if opts.endpoint_specs:  # the models the endpoints are sent, for cache keys of tasks naming none
-            model = job_identity(opts).name
+            model = job_identity(opts, live).name
         return _Target(http, label, model)
     from carpool.client.engine_backend import EngineBackend, default_embedder_factory
 
     closers: list[Callable[[], Awaitable[None]]] = []
-    engine = opts.engine
+    engine = live.engine
     owned = None
     if engine is None:
         from carpool.engine import AsyncEngine, EngineConfig
@@ -154,8 +156,8 @@ def make_backend(opts: RunOptions, balancer: Balancer | None = None) -> _Target:
         owned = AsyncEngine(EngineConfig(model=opts.engine_model, **opts.engine_config))
         closers.append(owned.shutdown)
         engine = owned
-    backend = EngineBackend(engine, opts.embedder_factory or default_embedder_factory)
-    model = engine_model_name(str(backend.model_name), opts)
+    backend = EngineBackend(engine, live.embedder_factory or default_embedder_factory)
+    model = engine_model_name(str(backend.model_name), opts, live.engine)
     return _Target(backend, f"engine {model}", model, backend.check, closers,
                    backend.begin_start if owned is not None else None)
 
@@ -178,21 +180,23 @@ def _starts_with_generation(source: TaskSource) -> bool:
     return not (isinstance(first, Task) and first.request.kind == "embedding")
 
 
-def endpoint_identity(opts: RunOptions) -> str:
+def endpoint_identity(opts: RunOptions, live: LiveParts | None = None) -> str:
     """What the cache keys name as the endpoint: the model identity it reports, never its URL,
     so a replica of the same model shares the cache (``--cache-namespace`` is a key part of its own)."""
-    return job_identity(opts).cache_identity()
+    return job_identity(opts, live).cache_identity()
 
 
-def make_journal(opts: RunOptions) -> Journal:
-    return Journal(output_target(opts.output).journal, opts.errors, fingerprint=make_fingerprint(opts),
+def make_journal(opts: RunOptions, live: LiveParts | None = None) -> Journal:
+    return Journal(output_target(opts.output).journal, opts.errors, fingerprint=make_fingerprint(opts, live),
                    force=opts.force, retry_errors=opts.retry_errors, read_only=opts.dry_run)
 
 
-def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: Budget | None = None,
+def build_parts(opts: RunOptions, live: LiveParts | None = None, *, source: TaskSource | None = None,
                 balancer: Balancer | None = None) -> JobParts:
-    """The parts ``opts`` asks for; ``source``, ``budget`` and ``balancer`` replace the default
-    ones (the input file's reader, ``opts.budget`` or local RPM/TPM buckets, the local balancer)."""
+    """The parts ``opts`` asks for, with what ``live`` gives (an engine, a shared budget, the
+    settled identity); ``source`` and ``balancer`` replace the default ones (the input
+    file's reader, the local balancer)."""
+    live = live if live is not None else LiveParts()
     messages: list[str] = []
     reader: Reader | None = None
     if source is None:
@@ -204,14 +208,13 @@ def build_parts(opts: RunOptions, *, source: TaskSource | None = None, budget: B
         # A TPM budget for an OpenAI model: its real BPE is cheap next to a request, and a
         # budget from real counts neither overshoots the provider's limit nor idles.
         source = CountedSource(source, openai_counter(encoding))
-    journal = make_journal(opts)
-    target = make_backend(opts, balancer)
+    journal = make_journal(opts, live)
+    target = make_backend(opts, live, balancer)
     start_engine = target.start_engine if target.start_engine is not None and \
         _starts_with_generation(reader if reader is not None else source) else None
-    if budget is None:
-        budget = opts.budget if opts.budget is not None else make_budget(opts.rpm, opts.tpm)
-    caches = open_job_caches(opts, target.model, endpoint_identity(opts), messages)
-    lim = job_limiter(opts)
+    budget = live.budget if live.budget is not None else make_budget(opts.rpm, opts.tpm)
+    caches = open_job_caches(opts, target.model, endpoint_identity(opts, live), messages)
+    lim = job_limiter(opts, live)
     primers, remember = limit_start.wire(opts, lim, reader if reader is not None else source)
     return JobParts(source=source, journal=journal, backend=target.backend, limiter=lim,
                     budget=budget, caches=caches, check=target.check, label=target.label,

@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 from carpool.jobs.fingerprint import job_identity
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.output_format import output_target
 from carpool.jobs.parts import job_defaults, make_journal
 from carpool.jobs.readers import Reader, TaskSource
@@ -25,10 +25,10 @@ from carpool.jobs.tasks import BadLine, Task
 SHOW_BAD = 5  # bad lines quoted in the plan
 
 
-async def plan(opts: RunOptions, source: TaskSource | None = None) -> dict[str, Any]:
+async def plan(opts: RunOptions, source: TaskSource | None = None, live: LiveParts | None = None) -> dict[str, Any]:
     output_target(opts.output)  # a suffix carpool cannot write: refused before any endpoint is asked
-    opts, messages = await resolve_target(opts, source)
-    journal = make_journal(dataclasses.replace(opts, dry_run=True))
+    opts, live, messages = await resolve_target(opts, source, live)
+    journal = make_journal(dataclasses.replace(opts, dry_run=True), live)
     done, notes = journal.open(opts.input or None, fresh=opts.fresh, argv=opts.argv)
     messages += notes
     if source is None:
@@ -58,8 +58,8 @@ async def plan(opts: RunOptions, source: TaskSource | None = None) -> dict[str, 
             no_max_tokens += 1
     return {
         "dry_run": True, "output": opts.output,
-        "model": opts.defaults.model or (job_identity(opts).name if opts.endpoint_specs else None),
-        "identity": opts.identity.doc() if opts.identity is not None else None,
+        "model": opts.defaults.model or (job_identity(opts, live).name if opts.endpoint_specs else None),
+        "identity": live.identity.doc() if live.identity is not None else None,
         "tasks_to_send": tasks, "kinds": dict(kinds), "bad_lines": bad, "bad_fields": dict(bad_fields),
         "first_bad_lines": first_bad, "already_done": already, "failed_before": journal.failed_before,
         "retry_errors": len(journal.recovered.retry), "estimated_tokens": est_tokens,

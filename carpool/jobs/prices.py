@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from carpool.errors import StartRefused
+
 # $ per million tokens (input, output): OpenAI's standard (not Batch API) list prices as
 # published on openai.com/api/pricing, August 2025.  Dated snapshots ("gpt-4o-2024-08-06")
 # take their family's price.  The date is shown with every figure taken from this table.
@@ -114,7 +116,7 @@ def _per_token(path: str, model: str, entry: dict, name: str, required: bool) ->
     if value is None and not required:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"price file {path}: model {model!r}: {name} must be a number of $ per token, 0 or "
+        raise StartRefused(f"price file {path}: model {model!r}: {name} must be a number of $ per token, 0 or "
                          f"more (e.g. 1.5e-07 for $0.15 per million), got {value!r}")
     return float(value)
 
@@ -126,11 +128,11 @@ def _parse(path: str, text: str) -> object:
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ValueError(f"--prices {path}: not valid YAML: {e}") from e
+            raise StartRefused(f"--prices {path}: not valid YAML: {e}") from e
     try:
         return json.loads(text)
     except ValueError as e:
-        raise ValueError(f"--prices {path}: not valid JSON ({e}); a .yaml/.yml file is read as YAML") from e
+        raise StartRefused(f"--prices {path}: not valid JSON ({e}); a .yaml/.yml file is read as YAML") from e
 
 
 def load_price_file(path: str | Path) -> dict[str, tuple[float, float]]:
@@ -140,17 +142,17 @@ def load_price_file(path: str | Path) -> dict[str, tuple[float, float]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise ValueError(f"--prices {path}: cannot read it ({e.strerror or e})") from e
+        raise StartRefused(f"--prices {path}: cannot read it ({e.strerror or e})") from e
     doc = _parse(path, text)
     if not isinstance(doc, dict):
-        raise ValueError(f"--prices {path}: must map model names to their prices, e.g. "
+        raise StartRefused(f"--prices {path}: must map model names to their prices, e.g. "
                          '{"my-model": {"input_cost_per_token": 1e-07, "output_cost_per_token": 4e-07}}')
     table: dict[str, tuple[float, float]] = {}
     for model, entry in doc.items():
         if model == "sample_spec":  # LiteLLM's file documents its fields under this key
             continue
         if not isinstance(entry, dict):
-            raise ValueError(f"--prices {path}: model {model!r}: must be an object with input_cost_per_token "
+            raise StartRefused(f"--prices {path}: model {model!r}: must be an object with input_cost_per_token "
                              "and output_cost_per_token")
         if "input_cost_per_token" not in entry:
             continue  # priced otherwise (per image, per second...): not a token model carpool can price
@@ -181,7 +183,7 @@ def resolve_prices(model: str | None, price_in: float | None, price_out: float |
     file is broken."""
     for flag, value in (("--price-in", price_in), ("--price-out", price_out)):
         if value is not None and not value >= 0:
-            raise ValueError(f"{flag} {value}: a price is $ per million tokens, 0 or more")
+            raise StartRefused(f"{flag} {value}: a price is $ per million tokens, 0 or more")
     table = table_prices(model, price_file)
     if price_in is None and price_out is None:
         return table
@@ -189,7 +191,7 @@ def resolve_prices(model: str | None, price_in: float | None, price_out: float |
         return Prices(price_in, price_out, "--price-in/--price-out")
     if table is None:
         missing = "--price-out" if price_out is None else "--price-in"
-        raise ValueError(f"{missing} is missing: model {model!r} is not in the price tables, so give "
+        raise StartRefused(f"{missing} is missing: model {model!r} is not in the price tables, so give "
                          "both --price-in and --price-out ($ per million tokens; 0 for none)")
     return Prices(price_in if price_in is not None else table.input_per_m,
                   price_out if price_out is not None else table.output_per_m,

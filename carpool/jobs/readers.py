@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from carpool.errors import StartRefused
 from carpool.extras import require
 from carpool.jobs.tasks import (
     BadLine,
@@ -182,7 +183,7 @@ def refuse_special_file(path: Path) -> None:
     what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
             else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
             else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-    raise ValueError(f"input {str(path)!r} is {what}: carpool run reads a regular file (it reads it again "
+    raise StartRefused(f"input {str(path)!r} is {what}: carpool run reads a regular file (it reads it again "
                      "to resume); write the tasks to a file first, e.g. `producer > tasks.jsonl`")
 
 
@@ -220,7 +221,7 @@ class Reader:
         refuse_special_file(self.path)
         self.fmt = fmt or detect_format(path)
         if self.fmt not in FORMATS:
-            raise ValueError(f"unknown input format {self.fmt!r}; one of {', '.join(FORMATS)}")
+            raise StartRefused(f"unknown input format {self.fmt!r}; one of {', '.join(FORMATS)}")
         if self.fmt == "parquet":
             require("parquet", f"reading the Parquet file {str(self.path)!r}")
         self.template = template

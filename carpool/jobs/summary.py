@@ -42,6 +42,29 @@ class Reservoir:
 
 
 @dataclass
+class ShardsRun:
+    """How far a job spread over shards got (``carpool run --ray``): the counts of its
+    ``JobStats`` are the shards' added up; these say which shards finished, and where."""
+
+    shards: int = 0
+    shards_done: int = 0
+    workers: int = 0
+    workdir: str = ""
+    complete: bool = False  # every shard finished and the output was merged
+    already_done: bool = False  # the output was complete before this run: nothing ran
+    summaries: list = field(default_factory=list)  # per shard: shard, host, pid, started, finished
+    # The worst shard's P99 latencies: a bound on the job's, not the job's own figure (the
+    # shards' samples are not brought back), so named for what they are.
+    worst_p99_ms: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"shards": self.shards, "shards_done": self.shards_done, "workers": self.workers,
+                "workdir": self.workdir, "complete": self.complete, "already_done": self.already_done,
+                "shard_summaries": self.summaries,
+                **{f"{k}_p99_worst_shard": v for k, v in self.worst_p99_ms.items()}}
+
+
+@dataclass
 class JobStats:
     total: int | None = None  # records in the input (None until counted)
     done: int = 0  # lines written this run
@@ -89,6 +112,11 @@ class JobStats:
     # Of those, the seconds the engine started in the background while the job opened its
     # journal and read its first tasks (EngineBackend.begin_start), not waited for.
     engine_start_overlap_s: float | None = None
+    # A job spread over shards: which of them finished (None: the job ran in this process).
+    shards: ShardsRun | None = None
+    # Why tasks were left unrun although nothing stopped the job on purpose (a worker
+    # crashed): exit code 1, and the same command resumes them.
+    unfinished: str = ""
 
     @property
     def elapsed(self) -> float:
@@ -172,4 +200,6 @@ class JobStats:
             **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
             **({"prefix_order": self.prefix_order} if self.prefix_order is not None else {}),
             **({"routing": self.routing} if self.routing is not None else {}),
+            **(self.shards.to_dict() if self.shards is not None else {}),
+            **({"unfinished": self.unfinished} if self.unfinished else {}),
         }

@@ -13,9 +13,9 @@ With an endpoints file (``--endpoints``) every endpoint is asked for its own mod
 that answers without it refuses the start, naming the entry.  Azure OpenAI endpoints are
 not asked (their list names base models, not the deployments requests go to).
 
-The result is ``opts`` with the model filled in and ``opts.identity`` set (what the endpoint
-reports about the model: ``carpool.client.models``), which the run fingerprint and the
-cache keys use.  The embedded engine and the echo backend are resolved without asking
+The result is ``opts`` with the model filled in and the job's ``LiveParts`` with its
+``identity`` set (what the endpoint reports about the model: ``carpool.client.models``),
+which the run fingerprint and the cache keys use.  The embedded engine and the echo backend are resolved without asking
 anything.  Nothing here sends a task.
 """
 
@@ -29,7 +29,7 @@ from carpool.client.models import ModelIdentity, ModelList, identity_from_card, 
 from carpool.jobs.endpoints_file import EndpointsFileError, job_endpoints
 from carpool.jobs.exit_codes import StartRefused
 from carpool.jobs.fingerprint import job_identity
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.readers import Reader, TaskSource
 from carpool.jobs.tasks import Task
 
@@ -121,28 +121,31 @@ def settle_model(opts: RunOptions, lists: list[ModelList], source: TaskSource | 
     return model, identity, notes
 
 
-async def resolve_target(opts: RunOptions, source: TaskSource | None = None) -> tuple[RunOptions, list[str]]:
-    """``opts`` with the model settled and ``identity`` set, and what the user should know."""
-    if opts.identity is not None:
-        return opts, []
+async def resolve_target(opts: RunOptions, source: TaskSource | None = None, live: LiveParts | None = None
+                         ) -> tuple[RunOptions, LiveParts, list[str]]:
+    """``opts`` with the model settled, ``live`` with the model's ``identity`` set, and what the
+    user should know."""
+    live = live if live is not None else LiveParts()
+    if live.identity is not None:
+        return opts, live, []
     if opts.echo or not opts.endpoints:
-        return dataclasses.replace(opts, identity=job_identity(opts)), []
+        return opts, dataclasses.replace(live, identity=job_identity(opts, live)), []
     # Azure's /openai/models lists base models, not the deployments requests go to: not asked.
     asked = [s for s in job_endpoints(opts) if s.kind != "azure"]
     if opts.endpoint_specs:
         identity, notes = settle_endpoint_models(opts, asked, await fetch_model_lists(opts, asked))
-        return dataclasses.replace(opts, identity=identity), notes
+        return opts, dataclasses.replace(live, identity=identity), notes
     if not asked:  # only Azure endpoints: --model (the deployment) is sent as given
         if not opts.defaults.model and _first_task_model(opts, source) is None:
             raise StartRefused("no --model given: an Azure OpenAI endpoint needs the deployment name "
                                "(--model DEPLOYMENT)")
-        return dataclasses.replace(opts, identity=job_identity(opts)), []
+        return opts, dataclasses.replace(live, identity=job_identity(opts, live)), []
     lists = await fetch_model_lists(opts, asked)
     model, identity, notes = settle_model(opts, lists, source)
     defaults = dataclasses.replace(opts.defaults, model=model)
-    return dataclasses.replace(opts, defaults=defaults, identity=identity), notes
+    return dataclasses.replace(opts, defaults=defaults), dataclasses.replace(live, identity=identity), notes
 
 
-def resolve_target_sync(opts: RunOptions) -> tuple[RunOptions, list[str]]:
+def resolve_target_sync(opts: RunOptions, live: LiveParts | None = None) -> tuple[RunOptions, LiveParts, list[str]]:
     """``resolve_target`` from code that has no event loop running (the Ray driver)."""
-    return asyncio.run(resolve_target(opts))
+    return asyncio.run(resolve_target(opts, live=live))

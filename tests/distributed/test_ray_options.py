@@ -53,7 +53,7 @@ def test_a_finished_output_is_not_run_again(tmp_path):
     tasks.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     out = tmp_path / "out.jsonl"
     run_batch(str(tasks), str(out), echo=True, cache="off")
-    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), echo=True), RayOptions())
+    result = run_on_ray(RunOptions(input=str(tasks), output=str(out), echo=True), RayOptions()).to_dict()
     assert result["complete"] and result["already_done"] and result["skipped_done_before"] == 2
 
 
@@ -71,3 +71,29 @@ def test_parquet_shards_are_row_group_ranges(tmp_path):
     assert [t.custom_id for t in items] == [f"r{i}" for i in range(50)]
     assert [t.line_no for t in items] == list(range(1, 51))
     assert json.loads(json.dumps(items[7].request.body["messages"]))[-1]["content"] == "Classify: text 7"
+
+
+def test_the_shards_add_up_to_one_job_stats_and_exit_through_the_one_table():
+    from carpool.distributed.ray_runner import _combine
+    from carpool.jobs.exit_codes import ExitCode, exit_code
+    from carpool.jobs.summary import JobStats
+
+    def shard(i: int, **stats) -> dict:
+        doc = {**JobStats().to_dict(), **stats}
+        return {"shard": i, "stats": doc, "host": "h", "pid": 10 + i, "started": 1.0, "finished": 2.0}
+
+    stats = _combine([shard(0, done=3, ok=3, prompt_tokens=30, ttft_ms_p99=5.0, retries={"429": 1}),
+                      shard(1, done=2, ok=1, errors={"timeout": 1}, ttft_ms_p99=9.0, cache_hits=1)])
+    assert isinstance(stats, JobStats)
+    assert (stats.done, stats.ok, stats.n_errors, stats.prompt_tokens, stats.cache_hits) == (5, 4, 1, 30, 1)
+    assert stats.retries == {"429": 1} and stats.succeeded == 5
+    doc = stats.to_dict()
+    # The keys a --ray --summary-json had before it went through JobStats are all there.
+    assert doc["ttft_ms_p99_worst_shard"] == 9.0 and doc["tpot_ms_p99_worst_shard"] is None
+    assert [s["pid"] for s in doc["shard_summaries"]] == [10, 11]
+    assert {"shards", "shards_done", "workers", "workdir", "complete"} <= set(doc)
+    assert exit_code(stats) == ExitCode.TASKS_FAILED
+    stats.unfinished = "1 of 2 shards did not finish"  # a worker crashed
+    assert exit_code(stats) == ExitCode.CRASHED
+    stats.stopped_by_outage = True
+    assert exit_code(stats) == ExitCode.OUTAGE

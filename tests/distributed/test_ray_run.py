@@ -88,9 +88,10 @@ def test_two_workers_stay_under_a_shared_rpm_limit(ray_cluster, rate_window_serv
     out = tmp_path / "out.jsonl"
     opts = RunOptions(input=str(tasks), output=str(out), endpoints=[srv.url], cache="off", rpm=360,
                       defaults=TaskDefaults(model="m"), quiet=True)
-    result = run_on_ray(opts, RayOptions(workers=2, shards=2, redis=redis_url, budget_name=redis_name,
-                                         rpm_window_s=1.0, rpm_burst_s=0.5))
-    assert result["complete"] and result["ok"] == 24
+    stats = run_on_ray(opts, RayOptions(workers=2, shards=2, redis=redis_url, budget_name=redis_name,
+                                        rpm_window_s=1.0, rpm_burst_s=0.5))
+    assert stats.shards is not None and stats.shards.complete and stats.ok == 24
+    result = stats.to_dict()  # the same JobStats as a single-process run, with its shards
     assert len(out.read_text().splitlines()) == 24
     assert srv.rejected == 0, f"the provider answered 429 {srv.rejected} times"
     assert srv.max_in_window() <= 6
@@ -182,7 +183,7 @@ def test_killed_driver_then_resume_sends_nothing_twice(ray_cluster, tmp_path):
         result = run_on_ray(RunOptions(input=str(tasks), output=str(out), endpoints=[srv.url], cache="off",
                                        ordered=True, concurrency=2, defaults=TaskDefaults(model="m"), quiet=True),
                             RayOptions(workers=2, shards=6))
-        assert result["complete"]
+        assert result.shards is not None and result.shards.complete
         assert done_before.isdisjoint(srv.server.seen)  # nothing finished was sent again
         assert all(n == 1 for n in srv.server.seen.values())
         ids = _complete_ids(out)
@@ -224,10 +225,11 @@ def test_a_ray_run_reports_dollars_spent_and_saved(ray_cluster, zero_server, tmp
     tasks = write_tasks(tmp_path / "tasks.jsonl", 8)
     common = {"input": str(tasks), "endpoints": [zero_server.url], "defaults": TaskDefaults(model="m"),
               "cache": f"sqlite:///{tmp_path / 'c.db'}", "price_in": 1.0, "price_out": 4.0}
-    first = run_on_ray(RunOptions(output=str(tmp_path / "a.jsonl"), **common), RayOptions(workers=1, shards=2))
+    ray_opts = RayOptions(workers=1, shards=2)
+    first = run_on_ray(RunOptions(output=str(tmp_path / "a.jsonl"), **common), ray_opts).to_dict()
     spent = (first["prompt_tokens"] * 1.0 + first["completion_tokens"] * 4.0) / 1e6
     assert first["prompt_tokens"] > 0 and first["cost"]["spent_usd"] == pytest.approx(spent)
-    again = run_on_ray(RunOptions(output=str(tmp_path / "b.jsonl"), **common), RayOptions(workers=1, shards=2))
+    again = run_on_ray(RunOptions(output=str(tmp_path / "b.jsonl"), **common), ray_opts).to_dict()
     assert again["cache_hits"] == 8 and again["cost"]["spent_usd"] == 0
     assert again["cost"]["saved_usd"] == pytest.approx(spent)
 

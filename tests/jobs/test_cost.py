@@ -12,7 +12,7 @@ import pytest
 import carpool
 from carpool.jobs.estimate import estimate
 from carpool.jobs.exit_codes import ExitCode
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.prices import builtin_prices, resolve_prices
 from carpool.jobs.tasks import TaskDefaults
 from carpool.jobs.tokens import openai_encoding_name
@@ -92,10 +92,10 @@ def test_estimate_with_the_engine_tokenizer_equals_what_the_engine_counts(engine
                                                {"role": "user", "content": "Say hello in French."}],
                 "max_tokens": 3, "temperature": 0},
                {"custom_id": "b", "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}]
-    opts = RunOptions(input="", output="", engine=engine)
+    opts = RunOptions(input="", output="")
     from carpool.jobs.readers import RecordSource
 
-    doc = asyncio.run(estimate(opts, RecordSource(list(enumerate(records, 1)))))
+    doc = asyncio.run(estimate(opts, RecordSource(list(enumerate(records, 1))), LiveParts(engine=engine)))
     assert "own tokenizer" in doc["tokenizer"]
     results = carpool.run_batch(records, engine=engine, cache="off", progress=False)
     used = sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in results)

@@ -15,7 +15,7 @@ import pytest
 
 from carpool.client.base import Refused, Request
 from carpool.client.engine_backend import EngineBackend
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.parts import build_parts
 
 CHAT = {"custom_id": "a", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
@@ -47,7 +47,8 @@ def test_a_job_of_embeddings_first_leaves_the_engine_to_its_first_use(tmp_path):
 
 def test_an_engine_the_caller_passes_is_never_started_by_the_job(tmp_path, engine):
     src = write(tmp_path / "in.jsonl", CHAT)
-    parts = build_parts(RunOptions(input=str(src), output=str(tmp_path / "out.jsonl"), cache="off", engine=engine))
+    parts = build_parts(RunOptions(input=str(src), output=str(tmp_path / "out.jsonl"), cache="off"),
+                        LiveParts(engine=engine))
     assert parts.start_engine is None
 
 
