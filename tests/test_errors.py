@@ -9,7 +9,7 @@ import pytest
 from carpool.distributed.ray_runner import RayRunError
 from carpool.distributed.shards import PlanMismatch
 from carpool.engine.loader import ModelLoadError
-from carpool.engine.protocol import EngineError, GrammarError
+from carpool.engine.protocol import EngineError, EngineSettingsError, GrammarError
 from carpool.errors import CarpoolError, EngineFailure, ModelUnavailable, StartRefused
 from carpool.jobs.endpoints_file import EndpointsFileError
 from carpool.jobs.exit_codes import ExitCode, code_for_error
@@ -32,6 +32,8 @@ from carpool.jobs.pipeline import OutputError
     # An engine error escaping a job is carpool's failure to turn it into an error line.
     (EngineError("max_model_len"), ExitCode.CRASHED),
     (GrammarError("json", "bad schema"), ExitCode.CRASHED),
+    # ... but settings the engine cannot start with are the user's to fix.
+    (EngineSettingsError("extra.attention must be auto, kernel or torch"), ExitCode.REFUSED),
     # A plain ValueError is no refusal any more: the tree says what is one.
     (ValueError("a bug"), ExitCode.CRASHED),
     (KeyError("a bug"), ExitCode.CRASHED),
@@ -75,3 +77,18 @@ def test_carpool_run_still_refuses_a_model_that_cannot_load_and_a_bad_setting(mo
     assert _run_main(monkeypatch, tmp_path, ModelLoadError("model='x': not a model")) == ExitCode.REFUSED
     assert capsys.readouterr().err.strip() == "carpool run: model='x': not a model"
     assert _run_main(monkeypatch, tmp_path, StartRefused("--prices p.json: not valid JSON")) == ExitCode.REFUSED
+
+
+def test_a_bad_engine_setting_refuses_the_start_with_exit_2(monkeypatch, tmp_path, capsys):
+    """A forced engine route that does not exist, through the real in-process engine start."""
+    from carpool.commands import run as run_command
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "prompt": "hi", "max_tokens": 2}\n')
+    monkeypatch.setenv("CARPOOL_ENGINE_PLAN", "gemm=amx")
+    parser = argparse.ArgumentParser()
+    run_command.add_arguments(parser)
+    code = run_command.main(parser.parse_args([str(src), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny-random"]))
+    err = capsys.readouterr().err
+    assert code == ExitCode.REFUSED
+    assert "CARPOOL_ENGINE_PLAN" in err and "carpool, onednn" in err and "Traceback" not in err

@@ -27,6 +27,7 @@ _EXPORTS = {
     "RequestOutput": ".protocol",
     "Usage": ".protocol",
     "EngineError": ".protocol",
+    "EngineSettingsError": ".protocol",
 }
 
 __all__ = list(_EXPORTS)

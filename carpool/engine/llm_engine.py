@@ -25,7 +25,16 @@ from .model import LlamaModel, StepInterrupted
 from .model_runner import PREFILL_MODES, ModelRunner
 from .ops.build import ISA_NAMES
 from .process import configure_process
-from .protocol import BACKGROUND_PRIORITY, EngineError, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
+from .protocol import (
+    BACKGROUND_PRIORITY,
+    EngineError,
+    EngineSettingsError,
+    GenerateRequest,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from .quant import calibration_ids, check_quantization
 from .sampler import RawLogprobs, SampleResult
 from .scheduler import Scheduler
@@ -59,7 +68,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if name in ("auto", None, ""):
         return torch.bfloat16 if cpu_has_bf16() else torch.float32
     if name not in _DTYPES:
-        raise EngineError(f"dtype: unknown value {name!r}; use auto, bfloat16 or float32")
+        raise EngineSettingsError(f"dtype: unknown value {name!r}; use auto, bfloat16 or float32")
     return _DTYPES[name]
 
 
@@ -86,7 +95,7 @@ class LLMEngine:
             self.quantization = check_quantization(config.quantization)
             self.kv_cache_dtype = check_kv_cache_dtype(config.kv_cache_dtype)
         except ValueError as e:
-            raise EngineError(str(e)) from None
+            raise EngineSettingsError(str(e)) from None
         plan_setting = self._plan_setting(config.extra.get("plan"))
         if loaded is None:
             from .loader import load_model
@@ -101,7 +110,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(loaded, mcfg)
         self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, 8192)
         if self.max_model_len > mcfg.max_position_embeddings:
-            raise EngineError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+            raise EngineSettingsError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                               f"max_position_embeddings ({mcfg.max_position_embeddings})")
         self.block_size = config.block_size
         calib = calibration_ids(self.tokenizer, mcfg.vocab_size) if self.quantization else None
@@ -116,15 +125,15 @@ class LLMEngine:
         # extra["isa"]: "avx512", "avx2" or "scalar" to run a narrower kernel copy than the CPU allows.
         mode = config.extra.get("attention", "auto")
         if mode not in ("auto", "kernel", "torch"):
-            raise EngineError(f"extra.attention must be auto, kernel or torch, got {mode!r}")
+            raise EngineSettingsError(f"extra.attention must be auto, kernel or torch, got {mode!r}")
         prefill_mode = config.extra.get("prefill_attention", "auto")
         if prefill_mode not in PREFILL_MODES:
-            raise EngineError(f"extra.prefill_attention must be one of {', '.join(PREFILL_MODES)}, "
+            raise EngineSettingsError(f"extra.prefill_attention must be one of {', '.join(PREFILL_MODES)}, "
                               f"got {prefill_mode!r}")
         isa_name = config.extra.get("isa")
         isas = {v: k for k, v in ISA_NAMES.items()}
         if isa_name is not None and isa_name not in isas:
-            raise EngineError(f"extra.isa must be one of {', '.join(isas)}, got {isa_name!r}")
+            raise EngineSettingsError(f"extra.isa must be one of {', '.join(isas)}, got {isa_name!r}")
         self.runner = ModelRunner(self.model, self.num_blocks, self.block_size, config.seed,
                                   kernels={"auto": "auto", "kernel": "wait", "torch": "off"}[mode],
                                   prefill=prefill_mode, isa=None if isa_name is None else isas[isa_name],
@@ -134,7 +143,7 @@ class LLMEngine:
         kernels = self.runner.kernels
         if mode == "kernel" and (kernels is None or not kernels.ready):
             why = kernels.error if kernels is not None else f"head_dim {mcfg.head_dim} has no kernel"
-            raise EngineError(f"extra.attention=kernel: the C++ kernels are unavailable ({why}); "
+            raise EngineSettingsError(f"extra.attention=kernel: the C++ kernels are unavailable ({why}); "
                               "use attention=auto or torch")
         self.runner.sampler.eos_token_ids = list(self.eos_token_ids)  # masked under min_tokens
         # Token bytes/text (logprobs) and grammars (structured outputs), built on first use.
@@ -160,7 +169,7 @@ class LLMEngine:
         try:
             parse_overrides(str(text))
         except ValueError as e:
-            raise EngineError(f"{'extra.plan' if value is not None else PLAN_ENV}: {e}") from None
+            raise EngineSettingsError(f"{'extra.plan' if value is not None else PLAN_ENV}: {e}") from None
         return str(text)
 
     def _num_blocks(self) -> int:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from carpool.errors import EngineFailure
+from carpool.errors import EngineFailure, StartRefused
 
 
 @dataclass
@@ -200,6 +200,11 @@ class EngineError(EngineFailure):
 
     The message says which field and why; the server maps it to a 400.
     """
+
+
+class EngineSettingsError(EngineError, StartRefused):
+    """The engine cannot start with the settings it was given (dtype, quantization, max_model_len,
+    ``extra.*``, a forced plan): the user's to fix, so a refused start (exit 2), not a crash."""
 
 
 class GrammarError(EngineError):
