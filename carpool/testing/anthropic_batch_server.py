@@ -40,8 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
-from carpool.compat import Self
-
+from .local_site import LocalAppServer
 from .threaded import ThreadedServer
 
 API_VERSION = "2023-06-01"
@@ -94,47 +93,25 @@ def _text_of(content: object) -> str:
     return ""
 
 
-class AnthropicBatchServer:
+class AnthropicBatchServer(LocalAppServer):
     def __init__(self, config: AnthropicBatchConfig | None = None, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(host, port)
         self.config = config or AnthropicBatchConfig()
-        self.host, self.port = host, port
         self.batches: dict[str, _Batch] = {}
         self.received: Counter[str] = Counter()  # custom_id -> times a create accepted it
         self.creates = 0  # create calls, refused ones included
         self.polls = 0
         self._errors_left = dict(self.config.errors)
         self._expire_left = dict(self.config.expire_ids)
-        self._runner: web.AppRunner | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    async def start(self) -> str:
+    def _app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BYTES + 1024, middlewares=[self._auth])
         app.router.add_post("/v1/messages/batches", self._create)
         app.router.add_get("/v1/messages/batches", self._list)
         app.router.add_get("/v1/messages/batches/{id}", self._retrieve)
         app.router.add_get("/v1/messages/batches/{id}/results", self._results)
         app.router.add_post("/v1/messages/batches/{id}/cancel", self._cancel)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # the free port
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+        return app
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:

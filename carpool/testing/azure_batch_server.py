@@ -32,8 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import BodyPartReader, web
 
-from carpool.compat import Self
-
+from .local_site import LocalAppServer
 from .threaded import ThreadedServer
 
 URLS = ("/chat/completions", "/completions", "/embeddings")  # what an Azure batch line may name
@@ -86,21 +85,16 @@ def _to_azure(batch: dict) -> dict:
     return batch
 
 
-class AzureBatchServer:
+class AzureBatchServer(LocalAppServer):
     def __init__(self, config: AzureBatchConfig, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(host, port)
         self.config = config
-        self.host, self.port = host, port
         self.received: Counter[str] = Counter()
         self.refused: list[str] = []
         self.calls: list[tuple[str, str]] = []
         self._session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    async def start(self) -> str:
+    def _app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 2**20, middlewares=[self._shape])
         r = app.router
         r.add_post("/openai/files", self._upload)
@@ -109,28 +103,18 @@ class AzureBatchServer:
         r.add_get("/openai/batches", self._list)
         r.add_get("/openai/batches/{id}", self._retrieve)
         r.add_post("/openai/batches/{id}/cancel", self._cancel)
+        return app
+
+    async def start(self) -> str:
+        # The session forwards uploads and downloads to the upstream batch server.
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # the free port
-        return self.url
+        return await super().start()
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await super().stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     @web.middleware
     async def _shape(self, request: web.Request, handler: Any) -> web.StreamResponse:

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from carpool.compat import Self
-
+from .local_site import LocalAppServer
 from .threaded import ThreadedServer
 
 FAULT_KINDS = (
@@ -102,11 +101,10 @@ class FaultConfig:
         return cls(zero_latency=True)
 
 
-class FaultServer:
+class FaultServer(LocalAppServer):
     def __init__(self, config: FaultConfig | None = None, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(host, port)
         self.config = config or FaultConfig()
-        self.host, self.port = host, port
-        self._runner: web.AppRunner | None = None
         self._rng = random.Random(self.config.seed)
         self._fault_left = [f.times for f in self.config.faults]
         self._turns: asyncio.Semaphore | None = None  # serve_at_once
@@ -148,7 +146,10 @@ class FaultServer:
         return f"http://{self.host}:{self.port}/v1"
 
     # -- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> str:
+    # Load tests open many connections at once; the default backlog would refuse some.
+    _backlog = 1024
+
+    def _app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)
@@ -160,24 +161,7 @@ class FaultServer:
         app.router.add_get("/openai/models", self._models)
         app.router.add_get("/stats", self._stats)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the free port the OS picked
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
+        return app
 
     # -- handlers -------------------------------------------------------------------------
     def _cards(self) -> list[dict]:

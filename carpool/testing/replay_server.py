@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.log import access_logger
 
+from .local_site import LocalAppServer
 from .threaded import ThreadedServer
 
 
@@ -57,35 +59,23 @@ def load_recordings(directory: Path) -> tuple[dict, dict[tuple[str, str], Record
     return manifest, table
 
 
-class ReplayServer:
+class ReplayServer(LocalAppServer):
     """aiohttp server on 127.0.0.1 answering recorded requests with their recorded bytes."""
 
+    # Each replayed request is logged, as aiohttp does by default.
+    _access_log = access_logger
+
     def __init__(self, directory: Path | str, piece_bytes: int = 61, port: int = 0):
+        super().__init__("127.0.0.1", port)
         self.directory = Path(directory)
         self.manifest, self.table = load_recordings(self.directory)
         self.piece_bytes = piece_bytes
-        self.port = port
         self.served: list[str] = []
-        self._runner: web.AppRunner | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> str:
+    def _app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        return app
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -28,6 +28,8 @@ from aiohttp import web
 
 from carpool.compat import Self
 
+from .local_site import LocalSite
+
 QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -96,7 +98,7 @@ class ScriptedServer:
         self._bucket = self.script.rate_limit_burst
         self._bucket_t = time.perf_counter()
         self._slots: asyncio.Semaphore | None = None
-        self._runner: web.AppRunner | None = None
+        self._site = LocalSite()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -122,16 +124,10 @@ class ScriptedServer:
     async def start_async(self) -> None:
         if self.script.capacity:
             self._slots = asyncio.Semaphore(self.script.capacity)
-        self._runner = web.AppRunner(self._app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, 0)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self.port = await self._site.open(self._app(), self.host, 0)
 
     async def stop_async(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._site.close()
 
     async def __aenter__(self) -> Self:
         await self.start_async()
