@@ -157,12 +157,25 @@ class HttpBackend:
             await ep.budget.acquire(1, req.est_tokens)
         t0 = time.perf_counter()
         res = CallResult(ok=False, endpoint=ep.url, sent_at=t0)
+        firsts = self._first_bytes[ep.url]
+        streamed_first = False
+
+        def first_token() -> None:
+            nonlocal streamed_first
+            streamed_first = True
+            # Kept as it comes, not when the answer ends: a batching server streams the first
+            # tokens of a burst one by one long before any of its answers is whole, and those
+            # are what show that the requests still waiting are queued, not lost.
+            firsts.append(time.perf_counter() - t0)
+            if on_first_token is not None:
+                on_first_token()
+
         watch: _ReadWatch | None = None
         try:
             async with timeout(self.timeouts.total_s), timeout(None) as idle:
                 watch = _ReadWatch(idle, self.timeouts.read_s, lambda: self.read_timeout(ep.url))
                 try:
-                    await self._call(self._spec(ep), req, res, t0, watch, on_first_token)
+                    await self._call(self._spec(ep), req, res, t0, watch, first_token)
                 finally:
                     watch.close()
         except (TimeoutError, asyncio.TimeoutError):
@@ -175,8 +188,8 @@ class HttpBackend:
                 res.error_message = f"no answer within {self.timeouts.total_s:g}s"
                 res.endpoint_fault = True
         res.e2e_s = time.perf_counter() - t0
-        if res.ok and res.ttft_s is not None:
-            self._first_bytes[ep.url].append(res.ttft_s)
+        if res.ok and res.ttft_s is not None and not streamed_first:
+            firsts.append(res.ttft_s)  # not streamed: the whole answer is its first byte
         used = res.prompt_tokens + res.completion_tokens
         if ep.budget is not None and used and req.est_tokens:
             ep.budget.adjust(used - req.est_tokens)
@@ -186,8 +199,8 @@ class HttpBackend:
 
     def read_timeout(self, url: str) -> float:
         """How long a request to ``url`` may go without a byte now: ``read_s``, or twice the
-        slowest first byte of the endpoint's last 64 answers when that is longer (at most
-        ``total_s``); asked again each time the wait passes it (``_ReadWatch``).
+        slowest of the endpoint's last 64 first bytes when that is longer (at most ``total_s``);
+        asked again each time the wait passes it (``_ReadWatch``).
 
         A server past its batch queues requests (vLLM, carpool serve; no 429), and a request
         behind a long queue waits longer than ``read_s`` for its first token: timed out, it

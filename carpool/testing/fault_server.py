@@ -73,6 +73,10 @@ class FaultConfig:
     # At most this many answered at once; the rest wait their turn in arrival order, as in a
     # batching server past its batch (which queues instead of refusing).
     serve_at_once: int | None = None
+    # At most this many in their ``latency_s`` (the prefill) at once; the rest wait for their
+    # first token in arrival order while the earlier ones stream on, as in a batching server
+    # whose prefill is the bottleneck (first bytes come late and one by one, answers later).
+    prefill_at_once: int | None = None
     faults: list[Fault] = field(default_factory=list)
     embedding_dim: int = 8
     seed: int = 0
@@ -108,6 +112,7 @@ class FaultServer(LocalAppServer):
         self._rng = random.Random(self.config.seed)
         self._fault_left = [f.times for f in self.config.faults]
         self._turns: asyncio.Semaphore | None = None  # serve_at_once
+        self._prefill_turns: asyncio.Semaphore | None = None  # prefill_at_once
         self.reset_counts()
 
     def _words(self, body: dict, key: str, n: int) -> list[str]:
@@ -308,7 +313,7 @@ class FaultServer(LocalAppServer):
             return self._error(404, f"The model {body.get('model')!r} does not exist", None)
         path = request.path
         if cfg.latency_s and not cfg.zero_latency:
-            await asyncio.sleep(cfg.latency_s)
+            await self._prefill(cfg.latency_s)
         if path.endswith("/embeddings"):
             return self._embeddings(body, key)
         n_tokens = cfg.completion_tokens or min(int(body.get("max_tokens") or 16), 16)
@@ -333,6 +338,15 @@ class FaultServer(LocalAppServer):
         self.completed[key] += 1
         self.status_counts[200] += 1
         return web.json_response(out)
+
+    async def _prefill(self, seconds: float) -> None:
+        if self.config.prefill_at_once is None:
+            await asyncio.sleep(seconds)
+            return
+        if self._prefill_turns is None:
+            self._prefill_turns = asyncio.Semaphore(self.config.prefill_at_once)  # on the server's loop
+        async with self._prefill_turns:
+            await asyncio.sleep(seconds)
 
     def _embeddings(self, body: dict, key: str) -> web.Response:
         inputs = body.get("input")

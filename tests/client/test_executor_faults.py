@@ -121,6 +121,20 @@ def test_a_request_queued_past_the_read_timeout_is_not_sent_twice(fault_server, 
     assert sum(srv.server.seen.values()) == 12 and not ex.retries
 
 
+def test_first_bytes_of_a_burst_count_before_any_answer_is_whole(fault_server):
+    # A server whose prefill is the bottleneck: one request's first token at a time (0.15 s
+    # each), then every admitted request streams on for ~2.4 s.  The 12th of a burst waits
+    # ~1.8 s for its first byte, 6x the read timeout, and no answer is whole before ~2.5 s:
+    # the first bytes already sent are what show the rest are queued, so none is sent twice.
+    srv = fault_server(FaultConfig(prefill_at_once=1, latency_s=0.15, token_latency_s=0.2,
+                                   completion_tokens=12))
+    t = Timeouts(connect_s=2, read_s=0.3, total_s=20)
+    outs, ex = run([srv.url], [chat(f"q{i}") for i in range(12)], timeouts=t, limit=12)
+    assert all(o.result.ok and o.attempts == 1 for o in outs), [o.retried_kinds for o in outs]
+    assert sum(srv.server.seen.values()) == 12 and not ex.retries
+    assert max(o.result.ttft_s for o in outs) > 1.2  # the queue did outlast the read timeout
+
+
 def test_a_hung_server_still_times_out_after_slow_answers(fault_server):
     # Slow first bytes (0.5 s) raise the patience past read_s (0.6 s) to ~1 s; a request
     # to a server that then hangs (a stall of 3 s) is still cut there.
