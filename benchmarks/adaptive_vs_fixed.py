@@ -51,6 +51,7 @@ from carpool.jobs.runner import Runner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # benchmarks/ is not a package: its directory is put on the path above
+from cpu_info import cpu
 
 PEERS = Path(os.environ.get("PEERS_DIR", "/tmp/carpool-peers"))
 SHARED_PEERS = Path(os.environ.get("SHARED_PEERS", "/work/shared/peers"))
@@ -98,7 +99,7 @@ def sweep(url: str, src: str, tmp: str, fixed: list[int], max_concurrency: int, 
 
 
 def fault_mode(a: argparse.Namespace) -> dict:
-    out: dict = {"benchmark": "adaptive_vs_fixed"}
+    out: dict = {"benchmark": "adaptive_vs_fixed", "cpu": cpu()}
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "tasks.jsonl")
         write_tasks(src, a.requests, 4)
@@ -324,7 +325,7 @@ def endpoint_mode(a: argparse.Namespace) -> dict:
     settings: list[int | None] = [*(int(x) for x in a.settings.split(",") if x)]
     if not a.no_adaptive:
         settings.append(None)
-    out: dict = {"benchmark": "adaptive_vs_fixed", "mode": "endpoint", "endpoint": a.endpoint,
+    out: dict = {"benchmark": "adaptive_vs_fixed", "mode": "endpoint", "endpoint": a.endpoint, "cpu": cpu(),
                  "workload": {**workload, "requests": len(tasks)}, "settings": [s or "adaptive" for s in settings],
                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     rounds: list[list[dict]] = []

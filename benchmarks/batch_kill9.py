@@ -26,9 +26,9 @@ import openai
 from carpool.server.launcher import start_server_process
 
 try:
-    from batch_ttft import cpu_flags, cpu_name  # run from benchmarks/
+    from cpu_info import cpu  # run from benchmarks/
 except ImportError:  # run as a path from elsewhere
-    from benchmarks.batch_ttft import cpu_flags, cpu_name
+    from benchmarks.cpu_info import cpu
 
 
 def input_file(model: str, lines: int, max_tokens: int) -> bytes:
@@ -77,7 +77,7 @@ def main() -> None:
     ids = collections.Counter(json.loads(line)["custom_id"] for line in out)
     want = {f"req-{i:05d}" for i in range(a.lines)}
     print(json.dumps({
-        "benchmark": "batch_kill9", "model": a.model, "cpu": cpu_name(), **cpu_flags(), "seed": seed,
+        "benchmark": "batch_kill9", "model": a.model, "cpu": cpu(), "seed": seed,
         "lines": a.lines, "max_tokens": a.max_tokens, "kills": kills, "final_status": b.status,
         "request_counts": b.request_counts.model_dump(), "output_lines": len(out),
         "lost": len(want - set(ids)), "duplicated": sum(n - 1 for n in ids.values() if n > 1),

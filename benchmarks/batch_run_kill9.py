@@ -32,9 +32,9 @@ from pathlib import Path
 from carpool.server.launcher import start_server_process
 
 try:
-    from batch_ttft import cpu_flags, cpu_name  # run from benchmarks/
+    from cpu_info import cpu  # run from benchmarks/
 except ImportError:  # run as a path from elsewhere
-    from benchmarks.batch_ttft import cpu_flags, cpu_name
+    from benchmarks.cpu_info import cpu
 
 
 def write_tasks(path: Path, n: int, max_tokens: int) -> list[str]:
@@ -170,7 +170,7 @@ def main() -> None:
         counts, batches = received(store)
     resubmitting = [b for b in batches if b["status"] in ("expired", "cancelled", "failed")]
     print(json.dumps({
-        "benchmark": "batch_run_kill9", "model": a.model, "cpu": cpu_name(), **cpu_flags(), "seed": seed,
+        "benchmark": "batch_run_kill9", "model": a.model, "cpu": cpu(), "seed": seed,
         "tasks": a.tasks, "max_tokens": a.max_tokens, "batch_size": a.batch_size, "kills": kills,
         "kills_done": sum(1 for k in kills if "skipped" not in k), "run_exit_code": code, **result,
         "received": {"never": len(want - set(counts)), "once": sum(1 for n in counts.values() if n == 1),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import platform
 import random
 import tempfile
 import time
@@ -28,25 +27,10 @@ import openai
 from carpool.engine.ops import Kernels
 from carpool.server.launcher import start_server_process
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> dict:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return {"avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags}
+try:
+    from cpu_info import cpu  # run from benchmarks/
+except ImportError:  # run as a path from elsewhere
+    from benchmarks.cpu_info import cpu
 
 
 def ttfts(client: openai.OpenAI, model: str, n: int, max_tokens: int, rng: random.Random) -> list[float]:
@@ -133,7 +117,7 @@ def main() -> None:
                 answered, busy_s = answered + n, busy_s + seconds
     base, loaded = summary(idle), summary(busy)
     print(json.dumps({
-        "benchmark": "batch_ttft", "model": a.model, "cpu": cpu_name(), **cpu_flags(),
+        "benchmark": "batch_ttft", "model": a.model, "cpu": cpu(),
         "online": {"requests_per_phase": a.requests, "max_tokens": a.max_tokens, "rounds": a.blocks},
         "batch": {"lines": a.batch_lines, "max_tokens": a.batch_max_tokens,
                   "answered_while_measured": answered,

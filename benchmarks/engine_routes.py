@@ -26,14 +26,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_throughput as et  # beside this file; sets the process up before torch loads
+from cpu_info import cpu
 
 from carpool.engine import plan_measure
-from carpool.engine.plan_cache import cpu_model_name
 
 FIXED = ["gemm=carpool,prefill=kernel", "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash",
          "gemm=onednn,prefill=flash"]
 PLANS = ["measure", "default", *FIXED]
-FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512_bf16", "avx512_vnni")
 
 
 PLAN_CALLS: list[dict] = []  # each engine start's plan: where it came from and what it cost
@@ -48,13 +47,6 @@ def _timed_obtain(*args, **kwargs):
 
 _obtain = plan_measure.obtain
 plan_measure.obtain = _timed_obtain  # type: ignore[assignment]
-
-
-def cpu() -> dict:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = set(text.split())
-    family = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("cpu family")), "?")
-    return {"model": cpu_model_name(), "family": family, **{f: f in flags for f in FLAGS}}
 
 
 def run_plan(rows: list[dict], loaded, args, plan: str) -> dict:

@@ -42,6 +42,9 @@ import torch
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_info import cpu  # beside this file
+
 REPO = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout (/work/main -> /work/shared), also from a worktree one level deeper.
 SHARED = next((p / "shared" for p in REPO.parents[:2] if (p / "shared").is_dir()), REPO.parent / "shared")
@@ -153,7 +156,7 @@ def main() -> int:
     python = args.peers_dir / "vllm" / "bin" / "python"
     have_peers = python.exists() and not args.no_peers
     roofline = gemm_roofline_gflops()
-    result: dict = {"benchmark": "engine_throughput", "model": "smollm2", "dtype": args.dtype,
+    result: dict = {"benchmark": "engine_throughput", "cpu": cpu(), "model": "smollm2", "dtype": args.dtype,
                     "quantization": args.quantization, "attention": args.attention,
                     "threads": torch.get_num_threads(), "load_s": round(load_s, 2),
                     "bf16_gemm_gflops": round(roofline, 1),

@@ -53,21 +53,11 @@ from carpool.jobs.runner import Runner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # benchmarks/ is not a package: its directory is put on the path above
+from cpu_info import cpu
 
 PEERS = Path(os.environ.get("PEERS_DIR", "/tmp/carpool-peers"))
 SHARED_PEERS = Path(os.environ.get("SHARED_PEERS", "/work/shared/peers"))
 VARIANTS = ("default", "off", "presorted")
-
-
-def cpu_info() -> dict:
-    text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    name = re.search(r"Model name:\s*(.+)", text)
-    family = re.search(r"CPU family:\s*(\d+)", text)
-    flags = re.search(r"Flags:\s*(.+)", text)
-    fl = set(flags.group(1).split()) if flags else set()
-    return {"model": name.group(1).strip() if name else "?", "family": family.group(1) if family else "?",
-            "avx512_bf16": "avx512_bf16" in fl, "amx": any(f.startswith("amx") for f in fl),
-            "cores": os.cpu_count()}
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -275,7 +265,7 @@ def main() -> None:
     a = p.parse_args()
     # SIGTERM ends the run as Ctrl-C does: the servers started here are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    doc: dict = {"cpu": cpu_info(), "args": vars(a), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc: dict = {"cpu": cpu(), "args": vars(a), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="prefix-order-bench-") as tmp:
         if a.engine:
             engine_mode(a, tmp, doc)

@@ -21,6 +21,11 @@ import sys
 import tempfile
 import time
 
+try:
+    from cpu_info import cpu  # run from benchmarks/
+except ImportError:  # run as a path from elsewhere
+    from benchmarks.cpu_info import cpu
+
 CHILD = """
 import json, sys, time
 from carpool.jobs.prefix_plan import PlannedSource
@@ -48,14 +53,6 @@ print(json.dumps({"plan_s": round(plan_s, 2), "read_back_s": round(read_s, 2), "
                   "groups_split": split, "info": src.info.to_dict(), "rss_before_kb": before,
                   "peak_rss_kb": rss("VmHWM"), "max_tasks_held": src.max_held}))
 """
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "?"
 
 
 def write(path: str, lines: int, per: int, chars: int, seed: int) -> None:
@@ -90,7 +87,7 @@ def main() -> None:
                               env=env)
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-3000:])
-        doc = {"cpu": cpu_name(), "lines": a.lines, "file_mb": round(size / 2**20, 1), "generate_s": round(gen_s, 1),
+        doc = {"cpu": cpu(), "lines": a.lines, "file_mb": round(size / 2**20, 1), "generate_s": round(gen_s, 1),
                **json.loads(proc.stdout.strip().splitlines()[-1])}
     doc["bytes_held_per_line"] = round(doc["info"]["bytes_held"] / max(1, doc["info"]["lines"]), 1)
     doc["pass_growth_mb"] = round((doc["peak_rss_kb"] - doc["rss_before_kb"]) / 1024, 1)

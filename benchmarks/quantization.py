@@ -42,6 +42,9 @@ import torch
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams, quant
 from carpool.engine.sequence import Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_info import cpu  # beside this file
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p / "shared" for p in REPO.parents[:2] if (p / "shared").is_dir()), REPO.parent / "shared")
 PPL_TOPICS = ("if", "while", "for", "try", "with", "assert", "import", "lambda", "class", "function")
@@ -135,7 +138,7 @@ def main() -> int:
     agree_rows = (reviews + classify)[: args.agreement_prompts]
     ppl_ids = loaded.tokenizer.encode(ppl_text())[: args.ppl_tokens]
 
-    result: dict = {"benchmark": "quantization", "model": "smollm2", "dtype": args.dtype,
+    result: dict = {"benchmark": "quantization", "cpu": cpu(), "model": "smollm2", "dtype": args.dtype,
                     "threads": torch.get_num_threads(), "max_num_seqs": 64,
                     "workload": f"{Path(args.workload).stem} x{args.requests}, {args.max_tokens} tokens out, "
                                 "EOS ignored"}
