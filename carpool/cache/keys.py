@@ -276,8 +276,7 @@ _SLOT = "\u0000carpool-semantic-slot\u0000"
 
 
 def _max_tokens(body: dict) -> float | None:
-    values = [_number(body, n) for n in ("max_tokens", "max_completion_tokens")]
-    values = [v for v in values if v is not None]
+    values = [v for v in (_number(body, n) for n in ("max_tokens", "max_completion_tokens")) if v is not None]
     return min(values) if values else None
 
 

@@ -129,7 +129,8 @@ class RedisStore:
                 batch = []
         if batch:
             payload += measure(batch)
-        lifetime = {k.decode(): int(v) for k, v in self._redis.hgetall(self._stats_key).items()}
+        lifetime = {(k.decode() if isinstance(k, bytes) else k): int(v)
+                    for k, v in self._redis.hgetall(self._stats_key).items()}
         server = self._redis.info("stats")
         with self._lock:
             session = dict(self._session)

@@ -142,10 +142,11 @@ class SemanticCache:
         self._embedder = embedder
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(str(self.db_path), timeout=30, isolation_level=None, check_same_thread=False)
+        self._closed = False
         self._conn.execute("PRAGMA busy_timeout = 30000")
         self._conn.execute("PRAGMA journal_mode = WAL")
         self._conn.executescript(_SCHEMA)
-        self._indexes: dict[str, faiss.IndexFlatIP] = {}
+        self._indexes: dict[str, faiss.Index] = {}
         self._ids: dict[str, list[int]] = {}
         self._dirty: set[str] = set()
         self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
@@ -180,9 +181,10 @@ class SemanticCache:
                     self._recent.popitem(last=False)
         with self._lock:
             vectors = [self._recent.get(t) for t in texts]
-        if any(v is None for v in vectors):  # evicted meanwhile by a very large batch
+        found = [v for v in vectors if v is not None]
+        if len(found) < len(vectors):  # evicted meanwhile by a very large batch
             return self._embed_uncached(texts)
-        return np.ascontiguousarray(np.stack(vectors))
+        return np.ascontiguousarray(np.stack(found))
 
     def _embed_uncached(self, texts: Sequence[str]) -> np.ndarray:
         emb = self.embedder
@@ -201,14 +203,14 @@ class SemanticCache:
         name = "".join(c for c in scope if c.isalnum())[:64] or "scope"
         return self.index_dir / f"{name}.faiss", self.index_dir / f"{name}.ids.npy"
 
-    def _scope(self, scope: str, dim: int | None = None) -> faiss.IndexFlatIP | None:
+    def _scope(self, scope: str, dim: int | None = None) -> faiss.Index | None:
         """The scope's index, loaded from its file or rebuilt from the table on first use."""
         if scope in self._indexes:
             return self._indexes[scope]
         rows = self._conn.execute("SELECT id FROM entries WHERE scope = ? ORDER BY id", (scope,)).fetchall()
         ids = [r[0] for r in rows]
         index_file, ids_file = self._index_files(scope)
-        index = None
+        index: faiss.Index | None = None
         if ids and index_file.exists() and ids_file.exists():
             try:
                 stored_ids = np.load(ids_file).tolist()
@@ -315,6 +317,7 @@ class SemanticCache:
                 scope, _, response = items[i]
                 vector = vectors[row : row + 1]
                 index = self._scope(scope, dim=vector.shape[1])
+                assert index is not None  # made for the dimension given when the scope is new
                 if index.d != vector.shape[1]:
                     raise ValueError(
                         f"semantic cache in {self.dir}: stored vectors have {index.d} dimensions, "
@@ -330,7 +333,8 @@ class SemanticCache:
                     (scope, texts[i], vector.tobytes(), json.dumps(response, ensure_ascii=False), now),
                 )
                 index.add(vector)
-                self._ids[scope].append(int(cur.lastrowid))
+                assert cur.lastrowid is not None  # an INSERT that succeeded
+                self._ids[scope].append(cur.lastrowid)
                 self._dirty.add(scope)
                 self.adds += 1
                 stored[i] = True
@@ -389,11 +393,11 @@ class SemanticCache:
 
     def close(self) -> None:
         with self._lock:
-            if self._conn is None:
+            if self._closed:
                 return
             self.save()
             self._conn.close()
-            self._conn = None
+            self._closed = True
 
     def __enter__(self) -> Self:
         return self

@@ -84,7 +84,9 @@ class DeprecatedAlias(argparse.Action):
         self.new = new
         self.inner = (then or argparse._StoreAction)(option_strings, dest, **kw)
         super().__init__(option_strings, dest, nargs=self.inner.nargs, const=self.inner.const,
-                         default=self.inner.default, type=self.inner.type, choices=self.inner.choices,
+                         # typeshed lets Action.type hold a registry name but not __init__ take one
+                         default=self.inner.default, type=self.inner.type,  # type: ignore[arg-type]
+                         choices=self.inner.choices,
                          help=argparse.SUPPRESS, metavar=self.inner.metavar)
 
     def __call__(self, parser, namespace, values, option_string=None):

@@ -17,8 +17,8 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from carpool.cache import DEFAULT_TTL_S
 from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
@@ -478,7 +478,7 @@ def _ended_early(error: Exception, command: str = "carpool run") -> int:
     return code
 
 
-def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Awaitable[dict]]) -> dict | None:
+def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Coroutine[Any, Any, dict]]) -> dict | None:
     """``--dry-run`` and ``--estimate``: the document ``produce`` makes of the options, its messages
     printed and ``--summary-json`` written; None (after saying why) when the start is refused."""
     from carpool.errors import CarpoolError

@@ -220,8 +220,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {r.label}: with steps {b['factor']:.0%} faster .. slower, P99 E2E {e2e[0]:.3g}-{e2e[1]:.3g} s "
                   f"(here {r.e2e_s['p99']:.3g}), P99 TTFT {ttft[0]:.3g}-{ttft[1]:.3g} s")
         for r in results:
-            for e in r.errors[:3]:
-                print(f"  {r.label}: rejected {e}", file=sys.stderr)
+            for why in r.errors[:3]:
+                print(f"  {r.label}: rejected {why}", file=sys.stderr)
     if args.report:
         from carpool.tune.report import html_report
 

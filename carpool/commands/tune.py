@@ -14,11 +14,15 @@ import json
 import math
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from carpool.commands import flags
 from carpool.commands import simulate as sc
 from carpool.tune.measure import SLO
 from carpool.tune.tuner import Setting, SimEvaluator, TuneResult, grid, tune, vllm_command
+
+if TYPE_CHECKING:
+    from carpool.tune.serve_eval import ServeEvaluator
 
 
 def _ints(text: str) -> list[int]:
@@ -152,17 +156,17 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     if args.simulate:
         cost = sc.build_cost(args)
         info["cost_model"] = cost.describe()
-        ev = SimEvaluator(cost, requests, duration_s=duration)
-        res = tune(settings, ev, slos, start, None, args.top_k, args.rtol, args.max_probes, _log, **how)
+        sim = SimEvaluator(cost, requests, duration_s=duration)
+        res = tune(settings, sim, slos, start, None, args.top_k, args.rtol, args.max_probes, _log, **how)
         return res, info
     if args.endpoint:
         from carpool.tune.http_eval import EndpointEvaluator
 
         if not args.model:
             raise ValueError("--endpoint needs --model NAME (the model the endpoint serves)")
-        ev = EndpointEvaluator(args.endpoint, args.model, requests, api_key=flags.api_key(args.api_key),
-                               duration_s=duration)
-        res = tune([Setting()], ev, slos, start, None, 1, args.rtol, args.max_probes, _log, **how)
+        remote = EndpointEvaluator(args.endpoint, args.model, requests, api_key=flags.api_key(args.api_key),
+                                   duration_s=duration)
+        res = tune([Setting()], remote, slos, start, None, 1, args.rtol, args.max_probes, _log, **how)
         info["note"] = "server settings are the server's own; only the rate (or client concurrency) is tuned"
         return res, info
     # --engine / --serve: fit (or load) the profiled model, prune with the simulator, measure the finalists.
@@ -170,6 +174,7 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     from carpool.tune.tuner import EngineEvaluator
 
     base = EngineConfig(model=args.model or "smollm2")
+    ev: ServeEvaluator | EngineEvaluator
     if args.serve:
         from carpool.tune.serve_eval import ServeEvaluator
 
@@ -232,6 +237,7 @@ def main(args: argparse.Namespace) -> int:
             print("no setting meets the SLO at any rate tried: relax the SLO or shorten the workload")
         else:
             m = res.best.measurement
+            assert m is not None  # a best setting was measured
             label = "the endpoint" if args.endpoint else res.best.setting.label()
             at = "at that concurrency" if res.best.concurrency is not None else "at that rate"
             print(f"best: {label}: goodput {res.best.goodput_rps:.3f} req/s; {at} "

@@ -22,6 +22,7 @@ first token, and batch requests carry a low engine priority (``batch_requests``)
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -128,7 +129,7 @@ class BatchRunner:
         self._stops[bid] = asyncio.Event()
         task = asyncio.create_task(self._run(doc), name=f"batch {bid}")
         self._tasks[bid] = task
-        task.add_done_callback(lambda t, bid=bid: self._forget(bid, t))
+        task.add_done_callback(functools.partial(self._forget, bid))
 
     def _forget(self, bid: str, task: asyncio.Task) -> None:
         self._tasks.pop(bid, None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from pathlib import Path
 
 from aiohttp import BodyPartReader, web
 
@@ -102,7 +103,7 @@ async def create_file(request: web.Request) -> web.Response:
         raise OpenAIError(400, "upload a file as multipart/form-data with the fields 'file' and 'purpose'")
     reader = await request.multipart()
     purpose: str | None = None
-    upload: tuple[os.PathLike, str] | None = None
+    upload: tuple[Path, str] | None = None
     try:
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
@@ -122,7 +123,7 @@ async def create_file(request: web.Request) -> web.Response:
             os.unlink(upload[0])
 
 
-async def _receive(part: BodyPartReader, runner: BatchRunner) -> tuple[os.PathLike, str]:
+async def _receive(part: BodyPartReader, runner: BatchRunner) -> tuple[Path, str]:
     """Stream one uploaded file to disk (fsync'd), refusing it past the size limit."""
     most = runner.limits.max_file_bytes
     path = runner.store.upload_path()

@@ -121,8 +121,8 @@ class GuardedSite(web.BaseSite):
     @property
     def port(self) -> int:
         """The bound port (the one the OS picked when 0 was asked)."""
-        server = self._server
-        return server.sockets[0].getsockname()[1] if server is not None and server.sockets else 0
+        server = self._server  # the asyncio.Server start() made (the base class types it abstractly)
+        return server.sockets[0].getsockname()[1] if isinstance(server, asyncio.Server) and server.sockets else 0
 
 
 class RateLimitFilter(logging.Filter):

@@ -176,7 +176,8 @@ def start_server_process(args: list[str], *, env: dict[str, str] | None = None,
         if url is None:
             raise RuntimeError(f"carpool serve exited or never listened (exit code {proc.poll()}): {cmd}")
         # keep draining stdout so the child never blocks on a full pipe
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        out = proc.stdout
+        threading.Thread(target=lambda: [None for _ in out], daemon=True).start()
         yield ServerHandle(base_url=url, port=int(url.rsplit(":", 1)[1]), process=proc)
     finally:
         if proc.poll() is None:
