@@ -1,7 +1,7 @@
 """Each fixed route of carpool's engine and the plan it measures, on each workload, in one run.
 
     python benchmarks/engine_routes.py [--workload reviews-128.jsonl ...] [--plan ROUTES ...]
-        [--no-peers] [--limit N]
+        [--no-peers] [--limit N] [--rounds R]
 
 For every workload (those of engine_throughput.py: reviews-128, classify-512, the long mix) the
 engine runs once per plan setting (``extra["plan"]``, the syntax of $CARPOOL_ENGINE_PLAN):
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -91,6 +92,8 @@ def main() -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--peer-timeout", type=float, default=1800)
     ap.add_argument("--long-seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every plan per workload, each round starting one plan later; medians compared")
     args = ap.parse_args()
     # run_carpool's engine settings: engine_throughput's defaults.
     args.dtype, args.max_num_seqs, args.max_num_batched_tokens = "bfloat16", 64, 2048
@@ -111,12 +114,20 @@ def main() -> int:
         path = et.long_workload(args, tmp) if name == long_name else args.workloads_dir / name
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:args.limit]
         w: dict = {"cpu": machine, "requests": len(rows), "carpool": {}}
-        for plan in args.plan or PLANS:
-            t = time.perf_counter()
-            w["carpool"][plan] = {**run_plan(rows, loaded, args, plan), "cpu": machine,
-                                  "run_s": round(time.perf_counter() - t, 1),
-                                  "plan": PLAN_CALLS[-1] if PLAN_CALLS else None}
-            print(json.dumps({name: {plan: w["carpool"][plan]["total_tok_s"]}}), file=sys.stderr)
+        plans = args.plan or PLANS
+        rounds: dict[str, list[float]] = {p: [] for p in plans}
+        for r in range(args.rounds):
+            # Each round starts one plan later: engines with the same routes differ by a few
+            # percent from one run to the next, and a fixed order would give one plan the
+            # same slot (after the same neighbour) every time.
+            for plan in plans[r % len(plans):] + plans[:r % len(plans)]:
+                t = time.perf_counter()
+                res = {**run_plan(rows, loaded, args, plan), "cpu": machine,
+                       "run_s": round(time.perf_counter() - t, 1), "plan": PLAN_CALLS[-1] if PLAN_CALLS else None}
+                rounds[plan].append(res["total_tok_s"])
+                w["carpool"][plan] = {**res, "total_tok_s_rounds": rounds[plan],
+                                      "total_tok_s": statistics.median(rounds[plan])}
+                print(json.dumps({name: {plan: res["total_tok_s"], "round": r + 1}}), file=sys.stderr)
         if have_peers and args.limit is None:
             w["vllm"] = {**et.run_peer(args.peer_scripts / "bench_vllm_cpu.py", python, path, args.peer_timeout),
                          "cpu": machine}
