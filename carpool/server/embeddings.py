@@ -34,7 +34,8 @@ async def embeddings_body(state: ServerState, body: dict) -> dict:
     except SchemaError as e:
         raise OpenAIError(400, e.message, param=e.param) from None
     assert state.batcher is not None  # resolve_model found an embedding model
-    texts: list[str] = [inp] if isinstance(inp, str) else list(inp or ())  # the schema checked its type
+    assert inp is not None  # the schema requires it
+    texts: list[str] = [inp] if isinstance(inp, str) else list(inp)
     try:
         vectors = await state.batcher.embed(texts)
     except (QueueFullError, QueueTimeoutError) as e:
