@@ -91,4 +91,4 @@ def test_a_bad_engine_setting_refuses_the_start_with_exit_2(monkeypatch, tmp_pat
     code = run_command.main(parser.parse_args([str(src), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny-random"]))
     err = capsys.readouterr().err
     assert code == ExitCode.REFUSED
-    assert "CARPOOL_ENGINE_PLAN" in err and "carpool, onednn" in err and "Traceback" not in err
+    assert "CARPOOL_ENGINE_PLAN" in err and "carpool, carpool_split, onednn" in err and "Traceback" not in err

@@ -32,6 +32,8 @@ def _ms(t: float | None) -> str:
 
 
 def _table(title: str, routes: dict[str, Any], timings: dict[str, Any]) -> list[str]:
+    from carpool.engine.plan import GEMM_ROUTES
+
     lines = [f"{title}:"]
     for name, table in routes.items():
         spans, lo = [], 1
@@ -41,7 +43,8 @@ def _table(title: str, routes: dict[str, Any], timings: dict[str, Any]) -> list[
             lo = bound + 1
         lines.append(f"  {name:8s} {', '.join(spans)}")
         for rows, t in (timings.get(name) or {}).items():
-            lines.append(f"      {rows:>5s} rows: carpool {_ms(t.get('carpool'))} ms, onednn {_ms(t.get('onednn'))} ms")
+            routes_timed = ", ".join(f"{r} {_ms(t.get(r))} ms" for r in GEMM_ROUTES if r in t)
+            lines.append(f"      {rows:>5s} rows: {routes_timed}")
     return lines
 
 

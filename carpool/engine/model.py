@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import decode_gemm, kv_quant, quant
 from .config import ModelConfig
-from .plan import Plan, RouteTable, default_plan, route_for
+from .plan import PACKED_ROUTES, Plan, RouteTable, default_plan, route_for
 from .quant import Int8Linear, linear
 
 if TYPE_CHECKING:
@@ -125,14 +125,11 @@ class Linear:
         # Which GEMM runs how many rows: the engine plan's table for this linear (plan.py).
         self.routes: RouteTable = default_plan().gemm_routes("qkv")
 
-    def carpool_rows(self, rows: int) -> bool:
-        """Whether the plan sends a batch of ``rows`` rows to the packed GEMM (else oneDNN)."""
-        return rows > 0 and route_for(self.routes, rows) == "carpool"
-
     def __call__(self, x: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
-        if (self.decode_packed is not None and kernels is not None and kernels.has_bf16_gemm
-                and self.carpool_rows(x.shape[0]) and x.is_contiguous()):
-            return kernels.bf16_gemm(x, self.decode_packed, self.n)
+        route = route_for(self.routes, x.shape[0]) if x.shape[0] > 0 else "onednn"
+        if (route in PACKED_ROUTES and self.decode_packed is not None and kernels is not None
+                and kernels.has_bf16_gemm and x.is_contiguous()):
+            return kernels.bf16_gemm(x, self.decode_packed, self.n, split_rows=route == "carpool_split")
         if self.packed is None or x.shape[0] == 0:
             return linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

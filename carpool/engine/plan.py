@@ -9,8 +9,11 @@ start on a machine, ``choose`` (pure: timings in, plan out, no clock) keeps the 
 
 The routes a plan holds:
 - ``gemm`` / ``int8_gemm``: per linear (qkv, o, gate_up, down, head) a table of row buckets
-  ``[(max_rows, route), ...]``, route "carpool" (the packed GEMM) or "onednn" (torch's prepacked
-  GEMM, or torch._int_mm for int8); rows past the last bucket take the last bucket's route;
+  ``[(max_rows, route), ...]``, route "carpool" (the packed GEMM, each thread a share of the
+  32-column blocks), "carpool_split" (the same GEMM with each block's rows also cut in pieces so
+  the work divides evenly between the threads: timed only where the block count does not divide
+  by the thread count) or "onednn" (torch's prepacked GEMM, or torch._int_mm for int8); rows past
+  the last bucket take the last bucket's route;
 - ``weight_only_max_rows``: int8 batches of at most this many rows run weight-only
   (``_weight_int8pack_mm``), larger ones quantize the activations;
 - ``flash_min_work``: a prefill chunk whose attention work (rows x keys seen) is at least this
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 LINEARS = ("qkv", "o", "gate_up", "down", "head")
-GEMM_ROUTES = ("carpool", "onednn")  # on an exact tie the first wins
+GEMM_ROUTES = ("carpool", "carpool_split", "onednn")  # on an exact tie the first wins
+PACKED_ROUTES = ("carpool", "carpool_split")  # the routes that run ops/decode_gemm.cpp
 PREFILL_ROUTES = ("kernel", "flash")
 # Upper ends of the row buckets timed; the engine's token budget is added as the last one.
 ROW_BUCKETS = (16, 64, 256, 1024, 2048)
@@ -100,11 +104,11 @@ def _uniform(route_rows: RouteTable) -> dict[str, RouteTable]:
 
 
 # The fallback (what the engine ran before it measured; each figure from one machine): carpool's GEMM
-# up to 2048 rows, oneDNN above (a 2-core Zen 5); weight-only int8 up to 4 rows (a 2-core Zen 4);
-# flash attention only on AMX CPUs, for chunks of 12288 work (rows x keys seen) or more: on a 2-core
-# Sapphire Rapids 64 new tokens after 144 cached cost the same both ways, 128 after 144 took 0.30 ms
-# in flash vs 0.41 in the kernel, while on a Zen 4 without AMX whole workloads ran faster with the
-# kernel alone.
+# up to 2048 rows, oneDNN above (a 2-core Zen 5), its blocks never cut between threads; weight-only
+# int8 up to 4 rows (a 2-core Zen 4); flash attention only on AMX CPUs, for chunks of 12288 work
+# (rows x keys seen) or more: on a 2-core Sapphire Rapids 64 new tokens after 144 cached cost the
+# same both ways, 128 after 144 took 0.30 ms in flash vs 0.41 in the kernel, while on a Zen 4
+# without AMX whole workloads ran faster with the kernel alone.
 DEFAULT_CARPOOL_MAX_ROWS = 2048
 _DEFAULT_GEMM: RouteTable = ((DEFAULT_CARPOOL_MAX_ROWS, "carpool"), (UNBOUNDED, "onednn"))
 DEFAULT_WEIGHT_ONLY_MAX_ROWS = 4
@@ -232,7 +236,7 @@ _NUMBER_KEYS = ("weight_only_max_rows", "row_grain", "silu_grain")
 def parse_overrides(text: str) -> dict[str, str]:
     """``"gemm=onednn,prefill=flash"`` -> a dict; ValueError naming the bad item and the choices.
 
-    Keys: gemm (carpool|onednn, every bf16 linear), int8_gemm (carpool|onednn), prefill
+    Keys: gemm (carpool|carpool_split|onednn, every bf16 linear), int8_gemm (the same), prefill
     (kernel|flash: every prefill chunk's attention), and whole numbers weight_only_max_rows,
     row_grain and silu_grain (values a row-wise pass holds at most to run on one thread).  The
     words "measure" (the default: the cached plan, else measured now), "remeasure" (measured now

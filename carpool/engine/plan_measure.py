@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import plan_cache
+from . import decode_gemm, plan_cache
 from .plan import ROW_BUCKETS, WEIGHT_ONLY_ROWS, Plan, apply_overrides, choose, default_plan, parse_overrides
 from .quant import Int8Linear, quantize_rows
 
@@ -74,21 +74,37 @@ def _buckets(limit: int) -> list[int]:
     return sorted({b for b in ROW_BUCKETS if b < limit} | {limit})
 
 
+def splits(n: int, rows: int) -> bool:
+    """Whether cutting the blocks' rows can change a GEMM of ``n`` columns x ``rows`` rows here: the
+    32-column blocks do not divide evenly between the threads, and there are rows to cut."""
+    return (n // decode_gemm.BLOCK) % torch.get_num_threads() != 0 and rows > 1
+
+
 def _time_bf16(lin: Linear, k: Kernels, rows: int) -> dict[str, float]:
     x = torch.randn(rows, lin.weight.shape[1]).to(torch.bfloat16)
     assert lin.decode_packed is not None and lin.packed is not None
     packed, dense = lin.decode_packed, lin.packed
-    return race({"carpool": lambda: k.bf16_gemm(x, packed, lin.n),
-                 "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "")})
+    fns = {"carpool": lambda: k.bf16_gemm(x, packed, lin.n),
+           "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "")}
+    if splits(lin.n, rows):
+        fns["carpool_split"] = lambda: k.bf16_gemm(x, packed, lin.n, split_rows=True)
+    return race(fns)
 
 
 def _time_int8(w: Int8Linear, k: Kernels, rows: int) -> dict[str, float]:
     xq = torch.randint(-127, 128, (rows, w.shape[1]), dtype=torch.int8)
     xs = torch.rand(rows) * 1e-2
-    packed = w.packed
+    packed, n = w.packed, w.shape[0]
     assert packed is not None
-    return race({"carpool": lambda: k.int8_gemm_dequant(xq, packed, w.shape[0], xs, w.scale_f32, None, w.dtype),
-                 "onednn": lambda: k.int8_dequantize(w.int_mm(xq), xs, w.scale_f32, None, w.dtype)})
+
+    def carpool(split: bool) -> Callable[[], Any]:
+        return lambda: k.int8_gemm_dequant(xq, packed, n, xs, w.scale_f32, None, w.dtype, split_rows=split)
+
+    fns = {"carpool": carpool(False),
+           "onednn": lambda: k.int8_dequantize(w.int_mm(xq), xs, w.scale_f32, None, w.dtype)}
+    if splits(n, rows):
+        fns["carpool_split"] = carpool(True)
+    return race(fns)
 
 
 def _gemm_timings(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, clock: _Clock) -> dict[str, Any]:

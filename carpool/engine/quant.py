@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import decode_gemm
-from .plan import DEFAULT_WEIGHT_ONLY_MAX_ROWS, RouteTable, default_plan, route_for
+from .plan import DEFAULT_WEIGHT_ONLY_MAX_ROWS, PACKED_ROUTES, RouteTable, default_plan, route_for
 
 if TYPE_CHECKING:
     from .ops.build import Kernels
@@ -124,10 +124,10 @@ class Int8Linear:
         GEMM runs (and the plan routes these rows to it) it scales the sums back as it stores them
         (``kernels.int8_gemm_dequant``), else torch._int_mm's int32 product is scaled back by
         ``kernels.int8_dequantize``; the same values."""
-        if (self.packed is not None and kernels.has_int8_gemm and xq.shape[0] > 0
-                and route_for(self.routes, xq.shape[0]) == "carpool"):
+        route = route_for(self.routes, xq.shape[0]) if xq.shape[0] > 0 else "onednn"
+        if self.packed is not None and kernels.has_int8_gemm and route in PACKED_ROUTES:
             return kernels.int8_gemm_dequant(xq, self.packed, self.shape[0], row_scale, self.scale_f32, bias,
-                                             self.dtype)
+                                             self.dtype, split_rows=route == "carpool_split")
         return kernels.int8_dequantize(self.int_mm(xq), row_scale, self.scale_f32, bias, self.dtype)
 
 

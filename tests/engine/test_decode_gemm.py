@@ -51,7 +51,7 @@ def test_packing_puts_a_k_step_of_32_columns_together():
 
 
 # Rows: under, at and over a tile (8), an odd tail, a decode batch, the dispatch limit.  Columns:
-# 3 blocks (odd: each block's rows split in halves between the threads), 18, 30.  K: one k-step,
+# 3 blocks (odd: one thread takes a block more), 18, 30.  K: one k-step,
 # SmolLM2's 576 and its MLP's 1536 (not a multiple of 64: the row sums' scalar tail).
 @pytest.mark.parametrize("m", [1, 7, 8, 9, 23, 64, 65, 256])
 @pytest.mark.parametrize("n,kdim", [(96, 4), (576, 1536), (960, 576), (64, 100)])
@@ -136,6 +136,33 @@ def test_bf16_gemm_equals_the_dot_products_definition(k16, m, n, kdim):
     assert (got != ref).float().mean() < 0.01
 
 
+@pytest.fixture
+def three_threads():
+    """Three threads: SmolLM2's 18 and 30 column blocks then divide unevenly, as on many CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 9, 64, 65])
+@pytest.mark.parametrize("n,kdim", [(96, 64), (160, 36), (576, 576), (960, 64)])
+def test_cutting_the_blocks_rows_between_threads_changes_no_value(k8, k16, three_threads, m, n, kdim):
+    """split_rows (the plan's carpool_split route) gives the whole-block run's values bit for bit,
+    for every block count (3, 5, 18, 30 blocks over three threads) and rows fewer than pieces."""
+    g = torch.Generator().manual_seed(m * 7 + n)
+    x = torch.randn(m, kdim, generator=g).bfloat16()
+    w = (torch.randn(n, kdim, generator=g) * 0.05).bfloat16()
+    assert torch.equal(k16.bf16_gemm(x, pack_bf16(w), n, split_rows=True), vdpbf16ps_reference(x, w))
+    xq = torch.randint(-128, 128, (m, kdim), dtype=torch.int8, generator=g)
+    wq = torch.randint(-127, 128, (n, kdim), dtype=torch.int8, generator=g)
+    p = pack_vnni(wq)
+    assert torch.equal(k8.int8_gemm(xq, p, n, split_rows=True).long(), xq.long() @ wq.long().t())
+    rs, cs = torch.rand(m, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-2
+    assert torch.equal(k8.int8_gemm_dequant(xq, p, n, rs, cs, None, torch.bfloat16, split_rows=True),
+                       k8.int8_gemm_dequant(xq, p, n, rs, cs, None, torch.bfloat16))
+
+
 def test_linear_takes_the_bf16_gemm_for_decode_batches_only(k16):
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(192, 576, generator=g) * 0.05).bfloat16()
@@ -174,9 +201,9 @@ def test_int8_engine_answers_the_same_with_the_vnni_gemm(h, tiny, k8, monkeypatc
     calls = []
     orig = Kernels.int8_gemm_dequant
 
-    def counted(self, x, *args):
+    def counted(self, x, *args, **kw):
         calls.append(x.shape[0])
-        return orig(self, x, *args)
+        return orig(self, x, *args, **kw)
 
     monkeypatch.setattr(Kernels, "int8_gemm_dequant", counted)
 

@@ -59,6 +59,21 @@ def test_a_route_within_the_noise_margin_does_not_displace_the_first():
     assert plan["o"] == ((16, "carpool"), (UNBOUNDED, "onednn"))
 
 
+def test_cutting_the_blocks_rows_wins_only_where_it_was_timed_faster():
+    """Where the column blocks do not divide between the threads the plan also times the packed
+    GEMM with each block's rows cut in pieces; that route takes the buckets it won by the margin."""
+    t = {"16": {"carpool": 1.0, "carpool_split": 1.2, "onednn": 2.0},  # rows few: the weights re-read cost
+         "256": {"carpool": 10.0, "carpool_split": 7.5, "onednn": 12.0},  # an idle thread cost more
+         "1024": {"carpool": 40.0, "carpool_split": 39.5, "onednn": 45.0}}  # within the margin
+    assert choose_gemm({"o": t})["o"] == ((16, "carpool"), (256, "carpool_split"), (UNBOUNDED, "carpool"))
+    forced = apply_overrides(choose_gemm_plan(t), parse_overrides("int8_gemm=carpool_split"))
+    assert forced.gemm_routes("o", int8=True) == ((UNBOUNDED, "carpool_split"),)
+
+
+def choose_gemm_plan(t):
+    return choose({"gemm": {"o": t}})
+
+
 def test_a_route_that_was_not_timed_never_wins():
     assert choose_gemm({"o": {"64": {"onednn": 1.0}}})["o"] == ((UNBOUNDED, "onednn"),)
     assert choose_gemm({"o": {"64": {"carpool": 1.0, "onednn": float("nan")}}})["o"] == ((UNBOUNDED, "carpool"),)
@@ -100,7 +115,8 @@ def test_forced_routes_override_and_bad_ones_name_the_choices():
     assert forced.weight_only_max_rows == 0 and forced.source == "measured+forced"
     assert apply_overrides(base, parse_overrides("prefill=kernel")).flash_min_work is None
     assert parse_overrides("default") == {"mode": "default"}
-    for bad, words in [("gemm=amx", "carpool, onednn"), ("speed=11", "KEY=VALUE"), ("weight_only_max_rows=x", "whole")]:
+    for bad, words in [("gemm=amx", "carpool, carpool_split, onednn"), ("speed=11", "KEY=VALUE"),
+                       ("weight_only_max_rows=x", "whole")]:
         with pytest.raises(ValueError, match=words):
             parse_overrides(bad)
 
@@ -225,7 +241,8 @@ def _generate(loaded, h, dtype: str, plan: str, ps: list[list[int]], n: int, **k
 
 
 ROUTES = ["measure", "default", "gemm=carpool,prefill=kernel", "gemm=onednn,prefill=flash",
-          "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash", "row_grain=0,silu_grain=0",
+          "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash", "gemm=carpool_split,prefill=kernel",
+          "row_grain=0,silu_grain=0",
           "row_grain=1099511627776,silu_grain=1099511627776"]
 
 
@@ -241,19 +258,31 @@ def test_every_route_answers_as_transformers_fp32(tiny, h, plan):
 @pytest.mark.parametrize("plan", ROUTES)
 def test_every_bf16_route_answers_as_transformers(tiny, h, kernels, plan, monkeypatch):
     """bf16 weights (where the packed GEMM and oneDNN both run): greedy tokens equal HF's bf16
-    model's, and a forced GEMM route really is the one that runs."""
+    model's, and a forced GEMM route really is the one that runs.  The split route runs on three
+    threads, where none of the tiny model's block counts (2, 4, 8) divides evenly, so its rows are
+    really cut."""
     model, loaded = tiny
     ref = copy.deepcopy(model).to(torch.bfloat16)  # the session's fp32 model stays as it is
     calls = []
     orig = Kernels.bf16_gemm
-    monkeypatch.setattr(Kernels, "bf16_gemm", lambda self, x, *a: calls.append(x.shape[0]) or orig(self, x, *a))
+
+    def counted(self, x, *a, **kw):
+        calls.append((x.shape[0], kw.get("split_rows", False)))
+        return orig(self, x, *a, **kw)
+
+    monkeypatch.setattr(Kernels, "bf16_gemm", counted)
     ps = h.prompts(4, [3, 17, 40, 70])
-    outs, _ = _generate(loaded, h, "bfloat16", plan, ps, 10)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3 if "carpool_split" in plan else threads)
+    try:
+        outs, _ = _generate(loaded, h, "bfloat16", plan, ps, 10)
+    finally:
+        torch.set_num_threads(threads)
     assert outs == [h.hf_greedy(ref, p, 10) for p in ps]
     if "gemm=onednn" in plan:
         assert not calls
     if "gemm=carpool" in plan and kernels.has_bf16_gemm:
-        assert calls
+        assert calls and all(split == ("carpool_split" in plan) for _, split in calls)
     if "row_grain" in plan:  # the forced limits are the ones the kernels run with
         limit = dict(item.split("=") for item in plan.split(","))["row_grain"]
         assert kernels.row_grains() == (int(limit), int(limit))
@@ -261,13 +290,20 @@ def test_every_bf16_route_answers_as_transformers(tiny, h, kernels, plan, monkey
 
 @pytest.mark.parametrize("weight_only", [0, 4])
 def test_int8_routes_answer_alike(tiny, h, kernels, weight_only):
-    """int8 weights: the packed int8 GEMM and torch._int_mm give the same sums, so both int8 routes
-    answer the same greedy tokens, whichever weight-only limit the plan sets."""
+    """int8 weights: the packed int8 GEMM (whole blocks per thread or rows cut, on three threads
+    where the tiny model's blocks do not divide) and torch._int_mm give the same sums, so every
+    int8 route answers the same greedy tokens, whichever weight-only limit the plan sets."""
     _, loaded = tiny
     ps = h.prompts(5, [3, 9, 30, 3, 12, 7])
     carpool, onednn = (_int8(loaded, h, f"int8_gemm={route},weight_only_max_rows={weight_only}", ps)
                        for route in ("carpool", "onednn"))
-    assert carpool == onednn
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        split = _int8(loaded, h, f"int8_gemm=carpool_split,weight_only_max_rows={weight_only}", ps)
+    finally:
+        torch.set_num_threads(threads)
+    assert carpool == onednn == split
 
 
 def _int8(loaded, h, plan, ps):
@@ -301,7 +337,7 @@ def test_carpool_engine_plan_refuses_a_bad_forced_route_with_exit_2(capsys):
 
     assert main(["engine", "plan", "--model", "tiny-random", "--force", "gemm=amx"]) == 2
     err = capsys.readouterr().err
-    assert "extra.plan" in err and "gemm must be one of carpool, onednn" in err
+    assert "extra.plan" in err and "gemm must be one of carpool, carpool_split, onednn" in err
 
 
 def test_carpool_engine_plan_prints_the_plan_and_its_timings(capsys):

@@ -223,21 +223,25 @@ class Kernels:
     # The linears' packed GEMMs (decode_gemm.cpp; weights packed by engine/decode_gemm.py), for the
     # row counts the engine plan routes to them (engine/plan.py).
 
-    def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int, split_rows: bool = False) -> torch.Tensor:
         """int8 x [M, K] times a ``decode_gemm.pack_vnni`` weight of n output columns -> int32 [M, n]:
-        the same sums as ``torch._int_mm(x, w.t())``."""
-        return self.module.int8_gemm(x, packed, n)
+        the same sums as ``torch._int_mm(x, w.t())``.  ``split_rows``: each 32-column block's rows are
+        cut in as many pieces as make the work divide evenly between the threads (the plan's
+        "carpool_split" route); the same values either way."""
+        return self.module.int8_gemm(x, packed, n, split_rows)
 
     def int8_gemm_dequant(self, x: torch.Tensor, packed: torch.Tensor, n: int, row_scale: torch.Tensor,
-                          col_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+                          col_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                          split_rows: bool = False) -> torch.Tensor:
         """``int8_gemm`` scaled back to ``dtype`` as it stores: the values of ``int8_dequantize(int8_gemm(x,
         packed, n), row_scale, col_scale, bias, dtype)`` in one pass."""
-        return self.module.int8_gemm_dequant(x, packed, n, row_scale, col_scale, bias, dtype)
+        return self.module.int8_gemm_dequant(x, packed, n, row_scale, col_scale, bias, dtype, split_rows)
 
-    def bf16_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    def bf16_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int, split_rows: bool = False) -> torch.Tensor:
         """bf16 x [M, K] times a ``decode_gemm.pack_bf16`` weight of n output columns -> bf16 [M, n]
-        (fp32 sums, as F.linear's up to the rounding of a sum's last step)."""
-        return self.module.bf16_gemm(x, packed, n)
+        (fp32 sums, as F.linear's up to the rounding of a sum's last step); ``split_rows`` as in
+        ``int8_gemm``."""
+        return self.module.bf16_gemm(x, packed, n, split_rows)
 
     # The int8 x int8 linear's ends (quant_kernels.h).
 

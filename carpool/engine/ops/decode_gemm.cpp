@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 
 #include "attention_bf16.h"  // cpu_has_avx512_bf16: the bf16 GEMM runs where the bf16 attention does
@@ -161,26 +162,35 @@ void tail(const T& op, const typename T::In* a, int64_t row, int64_t col, int64_
   }
 }
 
-// a [m, k] x packed [n / 32 blocks] -> c [m, n], on the thread pool.  Items are (block, half):
-// an odd, small number of blocks would leave one thread a block more than the other, so then each
-// block's rows are split in two halves instead.  The tiles of a block prefetch the next one between
-// them: when the first tile fetched it all (two lines a k-step) the loads queued behind one
+// a [m, k] x packed [n / 32 blocks] -> c [m, n], on the thread pool.  Items are (block, part): with
+// split_rows each block's rows are cut in `parts` pieces so that the items divide evenly between the
+// threads (a block count that does not divide by the thread count leaves some threads a block more
+// than the others); each piece re-reads the block's weights, so whether that pays depends on the rows,
+// the block count and the CPU, and the engine plan times both ways where it can matter (plan.py).
+// The tiles of a block prefetch the next one between them: when the first tile fetched it all (two lines a k-step) the loads queued behind one
 // another; spread over all of them, in the engine (64 reviews-128 prompts x 256 tokens, wall, two
 // alternating rounds) int8 9.63 / 9.63 -> 9.48 / 9.50 s, bf16 12.75 / 12.68 -> 12.48 / 12.45 s.
 // Two blocks ahead was no better (9.64 / 9.47 vs 9.54 / 9.47 s).
+// The fewest pieces per block that make blocks * pieces a multiple of the thread count (1 when the
+// blocks already divide evenly), never more pieces than rows.
+int64_t row_parts(int64_t blocks, int64_t m) {
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  return std::max<int64_t>(std::min(threads / std::gcd(blocks, threads), m), 1);
+}
+
 template <typename T>
 void gemm(const T& op, const typename T::In* a, const typename T::W* w, typename T::Out* c, int64_t m, int64_t k,
-          int64_t n) {
+          int64_t n, bool split_rows) {
   const int64_t blocks = n / kCols, block_elems = k * kCols;
-  const int64_t halves = (blocks % 2 == 1 && blocks < 32) ? 2 : 1;
-  const int64_t half_rows = (m + halves - 1) / halves;
-  at::parallel_for(0, blocks * halves, 1, [&](int64_t begin, int64_t end) {
+  const int64_t parts = split_rows ? row_parts(blocks, m) : 1;
+  const int64_t part_rows = (m + parts - 1) / parts;
+  at::parallel_for(0, blocks * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = it / halves, h = it % halves, next = (it + 1) / halves;
+      const int64_t b = it / parts, h = it % parts, next = (it + 1) / parts;
       const auto* wb = w + b * block_elems;
       auto* pf = (it + 1 < end && next != b) ? reinterpret_cast<const char*>(w + next * block_elems) : nullptr;
-      const int64_t m1 = std::min(m, (h + 1) * half_rows);
-      int64_t row = h * half_rows;
+      const int64_t m1 = std::min(m, (h + 1) * part_rows);
+      int64_t row = h * part_rows;
       // The next block's lines, shared out evenly over this item's tiles (and each tile's k-steps).
       const int64_t lines = pf ? block_elems * static_cast<int64_t>(sizeof(typename T::W)) / 64 : 0;
       const int64_t per_tile = (lines * kRows + (m1 - row) - 1) / std::max<int64_t>(m1 - row, 1);
@@ -211,25 +221,26 @@ void row_sums(const int8_t* a, int64_t rows, int64_t k, int32_t* comp) {
   }
 }
 
-void gemm_int8(const int8_t* a, const uint8_t* w, int32_t* c, int32_t* comp, int64_t m, int64_t k, int64_t n) {
+void gemm_int8(const int8_t* a, const uint8_t* w, int32_t* c, int32_t* comp, int64_t m, int64_t k, int64_t n,
+               bool split_rows) {
   row_sums(a, m, k, comp);
-  gemm(Int8Tile{comp}, a, w, c, m, k, n);
+  gemm(Int8Tile{comp}, a, w, c, m, k, n, split_rows);
 }
 
 template <typename T>
 void gemm_int8_dequant(const int8_t* a, const uint8_t* w, T* c, int32_t* comp, const float* rs, const float* cs,
-                       const T* bias, int64_t m, int64_t k, int64_t n) {
+                       const T* bias, int64_t m, int64_t k, int64_t n, bool split_rows) {
   row_sums(a, m, k, comp);
   Int8DequantTile<T> op;
   op.comp = comp;
   op.rs = rs;
   op.cs = cs;
   op.bias = bias;
-  gemm(op, a, w, c, m, k, n);
+  gemm(op, a, w, c, m, k, n, split_rows);
 }
 
-void gemm_bf16(const uint16_t* a, const uint16_t* w, uint16_t* c, int64_t m, int64_t k, int64_t n) {
-  gemm(Bf16Tile{}, a, w, c, m, k, n);
+void gemm_bf16(const uint16_t* a, const uint16_t* w, uint16_t* c, int64_t m, int64_t k, int64_t n, bool split_rows) {
+  gemm(Bf16Tile{}, a, w, c, m, k, n, split_rows);
 }
 
 }  // namespace
@@ -257,19 +268,19 @@ void check_int8(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
 }
 }  // namespace
 
-at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
+at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n, bool split_rows) {
   check_int8(x, packed, n, "int8_gemm");
   const int64_t m = x.size(0), k = x.size(1);
   auto c = at::empty({m, n}, x.options().dtype(at::kInt));
   if (m == 0) return c;
   auto comp = at::empty({m}, x.options().dtype(at::kInt));
   gemm_int8(x.data_ptr<int8_t>(), packed.data_ptr<uint8_t>(), c.data_ptr<int32_t>(), comp.data_ptr<int32_t>(), m, k,
-            n);
+            n, split_rows);
   return c;
 }
 
 at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Tensor row_scale, at::Tensor col_scale,
-                             c10::optional<at::Tensor> bias, at::ScalarType dtype) {
+                             c10::optional<at::Tensor> bias, at::ScalarType dtype, bool split_rows) {
   check_int8(x, packed, n, "int8_gemm_dequant");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() && row_scale.numel() == m,
@@ -288,7 +299,7 @@ at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Ten
     using T = decltype(tag);
     gemm_int8_dequant<T>(x.data_ptr<int8_t>(), packed.data_ptr<uint8_t>(), c.data_ptr<T>(), comp.data_ptr<int32_t>(),
                          row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
-                         b.defined() ? b.data_ptr<T>() : nullptr, m, k, n);
+                         b.defined() ? b.data_ptr<T>() : nullptr, m, k, n, split_rows);
   };
   switch (dtype) {
     case at::kBFloat16: run(c10::BFloat16()); break;
@@ -299,14 +310,14 @@ at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Ten
   return c;
 }
 
-at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
+at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n, bool split_rows) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "bf16_gemm: this CPU has no AVX-512 BF16 (use F.linear)");
   check_shapes(x, packed, n, 2, at::kBFloat16, at::kBFloat16, "bf16_gemm");
   const int64_t m = x.size(0), k = x.size(1);
   auto c = at::empty({m, n}, x.options());
   if (m == 0) return c;
   gemm_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-            reinterpret_cast<uint16_t*>(c.data_ptr()), m, k, n);
+            reinterpret_cast<uint16_t*>(c.data_ptr()), m, k, n, split_rows);
   return c;
 }
 

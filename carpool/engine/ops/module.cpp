@@ -22,10 +22,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_quant(at::Tensor x, c10::optiona
                                                       double eps, int64_t isa);
 std::tuple<at::Tensor, at::Tensor> silu_mul_quant(at::Tensor gu, int64_t isa);
 bool cpu_has_vnni_gemm();
-at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n);
+at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, int64_t n, bool split_rows);
 at::Tensor int8_gemm_dequant(at::Tensor x, at::Tensor packed, int64_t n, at::Tensor row_scale, at::Tensor col_scale,
-                             c10::optional<at::Tensor> bias, at::ScalarType dtype);
-at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n);
+                             c10::optional<at::Tensor> bias, at::ScalarType dtype, bool split_rows);
+at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n, bool split_rows);
 void set_row_grains(int64_t light_values, int64_t silu_values);
 std::tuple<int64_t, int64_t> row_grains();
 }  // namespace carpool
@@ -64,8 +64,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x += residual (in place, optional), then rms_norm(x) * w quantized to int8 rows");
   m.def("silu_mul_quant", &carpool::silu_mul_quant, kNoGil, "[gate | up] -> silu(gate) * up, quantized to int8 rows");
   m.def("cpu_has_vnni_gemm", &carpool::cpu_has_vnni_gemm, "whether this CPU runs int8_gemm (AVX-512 VNNI)");
-  m.def("int8_gemm", &carpool::int8_gemm, kNoGil, "int8 [M, K] x a pack_vnni weight -> int32 [M, N] (AVX-512 VNNI)");
+  m.def("int8_gemm", &carpool::int8_gemm, kNoGil, "int8 [M, K] x a pack_vnni weight -> int32 [M, N] (AVX-512 VNNI)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("split_rows") = false);
   m.def("int8_gemm_dequant", &carpool::int8_gemm_dequant, kNoGil,
-        "int8_gemm scaled back: T((sums * row scale) * column scale) (+ bias) [M, N] in dtype");
-  m.def("bf16_gemm", &carpool::bf16_gemm, kNoGil, "bf16 [M, K] x a pack_bf16 weight -> bf16 [M, N] (AVX-512 BF16)");
+        "int8_gemm scaled back: T((sums * row scale) * column scale) (+ bias) [M, N] in dtype",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"),
+        py::arg("dtype"), py::arg("split_rows") = false);
+  m.def("bf16_gemm", &carpool::bf16_gemm, kNoGil, "bf16 [M, K] x a pack_bf16 weight -> bf16 [M, N] (AVX-512 BF16)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("split_rows") = false);
 }
