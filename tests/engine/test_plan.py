@@ -230,6 +230,29 @@ def test_the_engine_measures_once_then_loads_and_remeasures_on_another_cpu(tiny,
         assert "measured under another" in caplog.text
 
 
+def test_rows_are_cut_only_where_the_blocks_do_not_divide_between_the_threads(tiny, kernels):
+    """The tiny model's linears have 2, 4 and 8 column blocks: on two threads each divides, so only
+    the whole-block GEMM is timed; on three none does, so the cut one is timed too."""
+    if not kernels.has_bf16_gemm:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    from carpool.engine.model import LlamaModel
+
+    _, loaded = tiny
+    model = LlamaModel(loaded.config, loaded.state_dict, torch.bfloat16)
+    threads = torch.get_num_threads()
+    timed = {}
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            timed[n] = plan_measure.measure(model, kernels, 16, 4, 64, budget_s=30)["gemm"]
+    finally:
+        torch.set_num_threads(threads)
+    assert not any("carpool_split" in t for by_rows in timed[2].values() for t in by_rows.values())
+    assert set(timed[3]) == {"qkv", "o", "gate_up", "down", "head"}
+    for name, by_rows in timed[3].items():  # buckets of 4, 8 and 16 rows (the head: 4)
+        assert by_rows and all("carpool_split" in t for t in by_rows.values()), name
+
+
 def _generate(loaded, h, dtype: str, plan: str, ps: list[list[int]], n: int, **kw):
     cfg = h.engine_config(dtype=dtype, max_num_batched_tokens=32,
                           extra={"attention": "kernel", "plan": plan, **kw})
