@@ -37,7 +37,7 @@ PACKED_ROUTES = ("carpool", "carpool_split")  # the routes that run ops/decode_g
 PREFILL_ROUTES = ("kernel", "flash")
 # Upper ends of the row buckets timed; the engine's token budget is added as the last one.  4 and 8
 # apart because a few decode rows are where cutting a block's rows stops paying (on a 2-core Zen 4,
-# 19 blocks over two threads: cut 30% slower at 2-4 rows, 3-5% faster from 8 rows on).
+# 19 blocks over two threads: cut 30% slower at 2-4 rows, 1-5% faster from 8 rows on).
 ROW_BUCKETS = (4, 8, 16, 64, 256, 1024, 2048)
 WEIGHT_ONLY_ROWS = (1, 2, 4, 8)
 UNBOUNDED = 1 << 30  # rows past every timed bucket
