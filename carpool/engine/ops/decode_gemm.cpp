@@ -1,5 +1,5 @@
-// The linears' GEMM for decode-sized batches (up to engine/decode_gemm.py's MAX_ROWS rows; larger
-// ones stay oneDNN's): int8 x int8 -> int32 on AVX-512 VNNI (the int8 model) and bf16 x bf16 ->
+// The linears' own GEMM (for the row counts the engine plan sends it, engine/plan.py; the others
+// run oneDNN's): int8 x int8 -> int32 on AVX-512 VNNI (the int8 model) and bf16 x bf16 ->
 // bf16 with fp32 sums on AVX-512 BF16 (the bf16 model).
 //
 // Why our own (measured on the 2-core Zen 4, SmolLM2's four linears of 30 layers at 64 rows, each
@@ -162,15 +162,6 @@ void tail(const T& op, const typename T::In* a, int64_t row, int64_t col, int64_
   }
 }
 
-// a [m, k] x packed [n / 32 blocks] -> c [m, n], on the thread pool.  Items are (block, part): with
-// split_rows each block's rows are cut in `parts` pieces so that the items divide evenly between the
-// threads (a block count that does not divide by the thread count leaves some threads a block more
-// than the others); each piece re-reads the block's weights, so whether that pays depends on the rows,
-// the block count and the CPU, and the engine plan times both ways where it can matter (plan.py).
-// The tiles of a block prefetch the next one between them: when the first tile fetched it all (two lines a k-step) the loads queued behind one
-// another; spread over all of them, in the engine (64 reviews-128 prompts x 256 tokens, wall, two
-// alternating rounds) int8 9.63 / 9.63 -> 9.48 / 9.50 s, bf16 12.75 / 12.68 -> 12.48 / 12.45 s.
-// Two blocks ahead was no better (9.64 / 9.47 vs 9.54 / 9.47 s).
 // The fewest pieces per block that make blocks * pieces a multiple of the thread count (1 when the
 // blocks already divide evenly), never more pieces than rows.
 int64_t row_parts(int64_t blocks, int64_t m) {
@@ -178,6 +169,16 @@ int64_t row_parts(int64_t blocks, int64_t m) {
   return std::max<int64_t>(std::min(threads / std::gcd(blocks, threads), m), 1);
 }
 
+// a [m, k] x packed [n / 32 blocks] -> c [m, n], on the thread pool.  Items are (block, piece): each
+// thread takes a share of the blocks, and with split_rows each block's rows are also cut in
+// row_parts pieces, so that the items divide evenly between the threads where the blocks do not
+// (some threads would take a block more than the others).  Each piece reads the block's weights
+// again, so whether cutting pays depends on the rows, the block count and the CPU: the engine plan
+// times both where they differ (plan.py).  The tiles of a block prefetch the next one between
+// them: when the first tile fetched it all (two lines a k-step) the loads queued behind one
+// another; spread over all of them, in the engine (64 reviews-128 prompts x 256 tokens, wall, two
+// alternating rounds) int8 9.63 / 9.63 -> 9.48 / 9.50 s, bf16 12.75 / 12.68 -> 12.48 / 12.45 s.
+// Two blocks ahead was no better (9.64 / 9.47 vs 9.54 / 9.47 s).
 template <typename T>
 void gemm(const T& op, const typename T::In* a, const typename T::W* w, typename T::Out* c, int64_t m, int64_t k,
           int64_t n, bool split_rows) {

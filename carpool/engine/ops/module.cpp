@@ -1,5 +1,5 @@
 // The Python module of carpool's kernels: the ops of attention.cpp and layers.cpp (with the int8
-// linear's ends), decode_gemm.cpp's GEMMs (up to decode_gemm.MAX_ROWS rows), and the instruction
+// linear's ends), decode_gemm.cpp's GEMMs (the row counts the engine plan sends them), and the instruction
 // set dispatch level (best_isa) the Python side passes back to every call.
 #include <torch/extension.h>
 

@@ -1,8 +1,8 @@
 // The int8 x int8 linear's row-wise ends (quant.py, EngineConfig.quantization="int8"), written
 // once against simd.h's vocabulary and included by layers.cpp once per instruction set (after
 // layer_kernels.h, whose round_as and row kernels they use).  The GEMM is
-// decode_gemm.cpp's (up to decode_gemm.MAX_ROWS rows; its store scales the int32 sums back to the
-// model dtype) or torch._int_mm (oneDNN; then `dequantize` below scales them back); these kernels
+// decode_gemm.cpp's (where the engine plan sends the rows; its store scales the int32 sums back to
+// the model dtype) or torch._int_mm (oneDNN; then `dequantize` below scales them back); these kernels
 // are what comes before and after it:
 // - before: quantize each row of activations to int8 with its own fp32 scale (amax / 127), fused
 //   into the op that produces the row (residual add + RMSNorm, SiLU * up) so that op writes int8;
