@@ -51,7 +51,8 @@ from carpool.jobs.runner import Runner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # benchmarks/ is not a package: its directory is put on the path above
-from cpu_info import cpu
+
+from carpool.engine.cpu import describe as cpu
 
 PEERS = Path(os.environ.get("PEERS_DIR", "/tmp/carpool-peers"))
 SHARED_PEERS = Path(os.environ.get("SHARED_PEERS", "/work/shared/peers"))

@@ -23,12 +23,8 @@ import time
 
 import openai
 
+from carpool.engine.cpu import describe as cpu
 from carpool.server.launcher import start_server_process
-
-try:
-    from cpu_info import cpu  # run from benchmarks/
-except ImportError:  # run as a path from elsewhere
-    from benchmarks.cpu_info import cpu
 
 
 def input_file(model: str, lines: int, max_tokens: int) -> bytes:

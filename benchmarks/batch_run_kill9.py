@@ -29,12 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from carpool.engine.cpu import describe as cpu
 from carpool.server.launcher import start_server_process
-
-try:
-    from cpu_info import cpu  # run from benchmarks/
-except ImportError:  # run as a path from elsewhere
-    from benchmarks.cpu_info import cpu
 
 
 def write_tasks(path: Path, n: int, max_tokens: int) -> list[str]:

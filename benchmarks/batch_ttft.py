@@ -24,13 +24,9 @@ import time
 import numpy as np
 import openai
 
+from carpool.engine.cpu import describe as cpu
 from carpool.engine.ops import Kernels
 from carpool.server.launcher import start_server_process
-
-try:
-    from cpu_info import cpu  # run from benchmarks/
-except ImportError:  # run as a path from elsewhere
-    from benchmarks.cpu_info import cpu
 
 
 def ttfts(client: openai.OpenAI, model: str, n: int, max_tokens: int, rng: random.Random) -> list[float]:

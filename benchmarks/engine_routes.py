@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_throughput as et  # beside this file; sets the process up before torch loads
-from cpu_info import cpu
 
 from carpool.engine import plan_measure
+from carpool.engine.cpu import describe as cpu
 
 FIXED = ["gemm=carpool,prefill=kernel", "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash",
          "gemm=onednn,prefill=flash"]

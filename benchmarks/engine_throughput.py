@@ -41,9 +41,7 @@ configure_process()  # before torch loads OpenMP
 import torch
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_info import cpu  # beside this file
+from carpool.engine.cpu import describe as cpu
 
 REPO = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout (/work/main -> /work/shared), also from a worktree one level deeper.

@@ -21,10 +21,7 @@ import sys
 import tempfile
 import time
 
-try:
-    from cpu_info import cpu  # run from benchmarks/
-except ImportError:  # run as a path from elsewhere
-    from benchmarks.cpu_info import cpu
+from carpool.engine.cpu import describe as cpu
 
 CHILD = """
 import json, sys, time

@@ -40,10 +40,8 @@ configure_process()  # before torch loads OpenMP
 import torch
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams, quant
+from carpool.engine.cpu import describe as cpu
 from carpool.engine.sequence import Sequence
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_info import cpu  # beside this file
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p / "shared" for p in REPO.parents[:2] if (p / "shared").is_dir()), REPO.parent / "shared")

@@ -10,10 +10,9 @@ them) is the engine plan's choice per linear and row bucket, timed where the eng
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from . import cpu
 from .plan import DEFAULT_CARPOOL_MAX_ROWS
 
 # The fallback plan's limit (plan.default_plan, used when nothing is measured): up to this many rows
@@ -31,19 +30,12 @@ MAX_ROWS = DEFAULT_CARPOOL_MAX_ROWS
 BLOCK = 32  # columns of a packed block
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    from .ops.build import cpu_flags
-
-    return frozenset(cpu_flags().split())
-
-
 def cpu_has_vnni() -> bool:
-    return "avx512_vnni" in _cpu_flags()
+    return cpu.has("avx512_vnni")
 
 
 def cpu_has_bf16() -> bool:
-    return "avx512_bf16" in _cpu_flags()
+    return cpu.has("avx512_bf16")
 
 
 def _pack(w: torch.Tensor, step: int) -> torch.Tensor:

@@ -21,6 +21,8 @@ from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .guided import GrammarCompiler, TokenVocabulary
 from .kv_quant import bytes_per_head_vector, check_kv_cache_dtype
+from .loader import ModelLoadError
+from .loader import resolve_dtype as loader_dtype
 from .model import LlamaModel, StepInterrupted
 from .model_runner import PREFILL_MODES, ModelRunner
 from .ops.build import ISA_NAMES
@@ -48,28 +50,13 @@ log = logging.getLogger("carpool.engine")
 # slow the batch but cannot starve it, and at most this many steps of work are thrown away at once.
 MAX_INTERRUPTED_IN_ROW = 2
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-           "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16}
-
-
-def cpu_has_bf16() -> bool:
-    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX)."""
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    """``EngineConfig.dtype`` as the loader reads it (empty: auto); a name it does not know refuses
+    the engine's start."""
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name in ("auto", None, ""):
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
-    if name not in _DTYPES:
-        raise EngineSettingsError(f"dtype: unknown value {name!r}; use auto, bfloat16 or float32")
-    return _DTYPES[name]
+        return loader_dtype(name or "auto")
+    except ModelLoadError as e:
+        raise EngineSettingsError(f"dtype: unknown value {name!r}; use auto, bfloat16 or float32") from e
 
 
 def _eos_ids(loaded: Any, cfg: ModelConfig) -> list[int]:

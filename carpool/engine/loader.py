@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from carpool.engine import cpu
 from carpool.engine.config import ModelConfig
 from carpool.errors import ModelUnavailable
 from carpool.paths import cache_dir
@@ -67,14 +68,6 @@ class LoadedModel:
 # ----------------------------------------------------------------------------- dtype
 
 
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """"auto" -> bfloat16 where the CPU computes it natively, else float32."""
     if isinstance(dtype, torch.dtype):
@@ -84,7 +77,7 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
     key = str(dtype).lower().removeprefix("torch.")
     if key == "auto":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if cpu.native_bf16() else torch.float32
     if key not in names:
         raise ModelLoadError(f"dtype={dtype!r} is not one of auto, bfloat16, float32, float16")
     return names[key]

@@ -19,31 +19,20 @@ from typing import Any
 
 from carpool.paths import cache_dir as carpool_cache_dir
 
+from . import cpu
 from .plan import Plan
 
 log = logging.getLogger(__name__)
 FORMAT = 1
 
 
-def cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def machine_fingerprint() -> dict[str, Any]:
     """What a timing on this machine depends on besides the model."""
     import torch
 
-    from .ops.build import build_key, cpu_flags
+    from .ops.build import build_key
 
-    return {"cpu": cpu_model_name(), "cpu_flags": hashlib.sha256(cpu_flags().encode()).hexdigest()[:16],
+    return {"cpu": cpu.model_name(), "cpu_flags": hashlib.sha256(cpu.flag_text().encode()).hexdigest()[:16],
             "torch": torch.__version__, "kernels": build_key(), "threads": torch.get_num_threads()}
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import decode_gemm, plan_cache
+from . import cpu, decode_gemm, plan_cache
 from .plan import ROW_BUCKETS, WEIGHT_ONLY_ROWS, Plan, apply_overrides, choose, default_plan, parse_overrides
 from .quant import Int8Linear, quantize_rows
 
@@ -273,9 +273,7 @@ def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len:
     "default" takes the fallback plan, otherwise the cached plan of this machine and model or,
     when there is none (or ``remeasure``), one measured now and cached; forced routes on top."""
     overrides = parse_overrides(setting if setting is not None else os.environ.get(PLAN_ENV, ""))
-    from .ops.build import cpu_flags
-
-    fallback = default_plan(has_amx="amx_bf16" in cpu_flags().split())
+    fallback = default_plan(has_amx=cpu.has("amx_bf16"))
     if overrides.get("mode") == "default":
         return apply_overrides(fallback, overrides)
     shapes = model_shapes(model, max_rows, max_seqs, max_len, kv_cache_dtype)

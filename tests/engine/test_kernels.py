@@ -197,7 +197,7 @@ def test_build_key_covers_the_cpu_and_flags(monkeypatch):
     assert "-ffast-math" not in build.CFLAGS  # the kernels use -inf for masked scores
     assert not any(f.startswith("-march") for f in build.CFLAGS)  # run-time ISA choice instead
     build.build_key.cache_clear()
-    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu sse sse2")  # another CPU sharing the home directory
+    monkeypatch.setattr(build.cpu, "flag_text", lambda: "fpu sse sse2")  # another CPU sharing the home directory
     try:
         assert build.build_key() != key
     finally:

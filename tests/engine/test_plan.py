@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from carpool.engine import LLM, GenerateRequest, SamplingParams, plan_cache, plan_measure
+from carpool.engine import LLM, GenerateRequest, SamplingParams, cpu, plan_cache, plan_measure
 from carpool.engine.ops import Kernels
 from carpool.engine.plan import (
     UNBOUNDED,
@@ -370,7 +370,7 @@ def test_carpool_engine_plan_prints_the_plan_and_its_timings(capsys):
     args = ["engine", "plan", "--model", "tiny-random", "--dtype", "bfloat16", "--max-num-batched-tokens", "128"]
     assert main([*args, "--json"]) == 0
     first = json.loads(capsys.readouterr().out)
-    assert first["timings"]["prefill"] and first["fingerprint"]["cpu"] == plan_cache.cpu_model_name()
+    assert first["timings"]["prefill"] and first["fingerprint"]["cpu"] == cpu.model_name()
     assert main(args) == 0
     text = capsys.readouterr().out
     assert text.startswith("engine plan (cached)") and "prefill attention:" in text and "rows after" in text

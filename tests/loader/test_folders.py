@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from carpool.engine import loader
+from carpool.engine import cpu, loader
 from carpool.engine.loader import ModelLoadError, hf_reference_model, load_model
 
 
@@ -103,7 +103,7 @@ def test_tiny_random_is_deterministic_and_not_degenerate(tokenizer):
 
 
 def test_dtype_auto_follows_cpu_flags(tokenizer):
-    expected = torch.bfloat16 if loader.cpu_has_native_bf16() else torch.float32
+    expected = torch.bfloat16 if cpu.native_bf16() else torch.float32
     assert loader.resolve_dtype("auto") == expected
     assert load_model("tiny-random").dtype == expected
     assert load_model("tiny-random", dtype="float32").dtype == torch.float32

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from carpool.engine import cpu
 from carpool.paths import cache_dir as carpool_cache_dir
 
 from .compile_process import compile_child, machine_lock
@@ -56,19 +57,6 @@ _NAME = "carpool_ops"
 _BUILD_LOCK = threading.Lock()
 
 
-def cpu_flags() -> str:
-    """The CPU's model name and instruction set flags (/proc/cpuinfo), or the platform where absent."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        import platform
-
-        return f"{platform.machine()}|{platform.processor()}"
-    lines = text.splitlines()
-    flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith(("flags", "Features"))), "")
-    return " ".join(sorted(set(flags.split())))
-
-
 def compiler_version() -> str:
     cxx = os.environ.get("CXX", "c++")
     try:
@@ -84,7 +72,7 @@ def build_key() -> str:
     for name in (*SOURCES, *HEADERS):
         h.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
     parts = [*CFLAGS, torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or sys.version, compiler_version(),
-             cpu_flags()]
+             cpu.flag_text()]
     h.update("|".join(parts).encode())
     return h.hexdigest()[:16]
 
