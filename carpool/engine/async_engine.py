@@ -66,12 +66,23 @@ class AsyncEngine:
         self._build()
         return self
 
-    async def shutdown(self) -> None:
+    def _ask_stop(self) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+
+    async def shutdown(self) -> None:
+        self._ask_stop()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+
+    def stop(self) -> None:
+        """``shutdown`` where no event loop may run: at interpreter exit the default executor
+        takes no more work, so the engine's thread is joined here, blocking."""
+        self._ask_stop()
+        if self._thread is not None:
+            self._thread.join()
             self._thread = None
 
     async def __aenter__(self) -> Self:

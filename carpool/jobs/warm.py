@@ -12,7 +12,6 @@ CLI job owns its engine and shuts it down with the job.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import json
 import threading
@@ -74,7 +73,7 @@ def close_all() -> None:
         _engines.clear()
         _embedder.clear()
     for engine in engines:
-        asyncio.run(engine.shutdown())
+        engine.stop()
 
 
 def warm_engines() -> list[Any]:

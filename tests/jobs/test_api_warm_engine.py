@@ -38,3 +38,16 @@ def test_a_warm_engine_resumes_the_same_output(tmp_path):
     assert summary["skipped_done_before"] == 3 and summary["sent"] == 0
     assert all(r.ok for r in first) and len(out.read_text().splitlines()) == 3
     warm.close_all()
+
+
+def test_a_process_that_exits_with_a_warm_engine_stops_it_quietly():
+    """No close_all by the caller: the interpreter's exit stops the engine, with no traceback
+    (the default executor takes no work by then, so the exit must not need it)."""
+    import subprocess
+    import sys
+
+    code = ("import carpool; r = carpool.run_batch(['Count to three:'], model='tiny-random', "
+            f"engine_config={SETTINGS!r}, max_tokens=2, cache='off', progress=False); print(r[0].ok)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
