@@ -84,7 +84,7 @@ def load_jsonl(
                 raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            body = row.get("body") if isinstance(row.get("body"), dict) else row
+            body: dict = row["body"] if isinstance(row.get("body"), dict) else row
             messages, prompt = body.get("messages"), body.get("prompt")
             if messages is None and prompt is None:
                 raise DatasetError(f"{path}:{lineno}: needs a 'messages' list or a 'prompt' string")
@@ -93,7 +93,7 @@ def load_jsonl(
             max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
             if not isinstance(max_tokens, int) or max_tokens < 1:
                 raise DatasetError(f"{path}:{lineno}: 'max_tokens' must be a positive integer")
-            text = prompt if prompt is not None else " ".join(str(m.get("content", "")) for m in messages)
+            text = prompt if prompt is not None else " ".join(str(m.get("content", "")) for m in messages or [])
             known = {"messages", "prompt", "max_tokens", "max_completion_tokens", "model", "stream"}
             out.append(
                 BenchRequest(

@@ -128,7 +128,8 @@ class CarpoolMapper:
         for line in dst.read_text().splitlines():
             doc = json.loads(line)
             by_id.setdefault(doc["custom_id"], []).append(doc)
-        responses, errors = [], []
+        responses: list[str | None] = []
+        errors: list[str | None] = []
         for i, cid in enumerate(ids):
             if i in early:
                 responses.append(None)
@@ -141,7 +142,7 @@ class CarpoolMapper:
             errors.append(_dumps(doc["error"]) if doc.get("error") else None)
         dst.unlink(missing_ok=True)
         Path(f"{dst}.carpool.json").unlink(missing_ok=True)
-        out = {c: [r.get(c) for r in rows] for c in (rows[0] if rows else {})}
+        out: dict[str, list[Any]] = {c: [r.get(c) for r in rows] for c in (rows[0] if rows else {})}
         out.update(custom_id=ids, response=responses, error=errors)
         return out
 

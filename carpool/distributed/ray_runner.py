@@ -208,7 +208,7 @@ class RayShards:
         own_ray = not ray.is_initialized()
         if own_ray:
             address = None if self.ray_opts.address in (None, "", "local") else self.ray_opts.address
-            kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
             kwargs.update(self.ray_opts.init_kwargs)
             ray.init(address=address, **kwargs)
         try:
@@ -301,9 +301,9 @@ class RayShards:
         if dups:
             messages.append(f"{dups} tasks reused a custom_id of an earlier line: "
                             "refused as input errors (custom_ids must be unique in a file)")
-        merge_files([p[0] for p in parts], files.output)
+        merge_files([out for out, _err, _marker in parts], files.output)
         if files.errors is not None:
-            merge_files([p[1] for p in parts], files.errors)
+            merge_files([err for _out, err, _marker in parts if err is not None], files.errors)
         _write_state(files.output, files.input, opts, live)
         if not self.ray_opts.keep_workdir:
             shutil.rmtree(files.workdir, ignore_errors=True)

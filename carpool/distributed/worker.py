@@ -307,11 +307,11 @@ def fix_cross_shard_duplicates(shards: list[Shard], parts: list[tuple[Path, Path
             tmp = p.with_name(p.name + ".dedup")
             with open(p, "rb") as src, open(tmp, "wb") as dst:
                 for line in src:
-                    cid = line_id(line)
-                    if cid in dups:
-                        n = line_of.get(cid, 0)
+                    dup = line_id(line)
+                    if dup is not None and dup in dups:
+                        n = line_of.get(dup, 0)
                         # The same name and words as the runner's own refusal.
-                        bad = BadLine(n, repeat_id(cid, n, taken.add), "custom_id", repeat_reason(cid))
+                        bad = BadLine(n, repeat_id(dup, n, taken.add), "custom_id", repeat_reason(dup))
                         line = error_line(bad.custom_id, ErrorKind.INVALID_INPUT, bad.message, n, "custom_id")
                         fixed += 1
                         if p == out and err is not None:

@@ -98,7 +98,7 @@ class DynamicBatcher:
             texts = [texts]
         if not texts:
             return np.asarray(self._embed_fn([]), dtype=np.float32)
-        self._ensure_worker()
+        wakeup = self._ensure_worker()
         if len(self._queue) >= self.max_queue_size:
             self._stats["rejected"] += 1
             retry = max(1.0, round(self._last_batch_s * len(self._queue) / max(1, self._target), 1))
@@ -107,7 +107,7 @@ class DynamicBatcher:
         item = _Pending(list(texts), sum(self._count(list(texts))), asyncio.get_running_loop().create_future())
         self._queue.append(item)
         self._queued_texts += len(item.texts)
-        self._wakeup.set()
+        wakeup.set()
         try:
             if self.queue_timeout_s is None:
                 return await asyncio.shield(item.future)
@@ -165,10 +165,12 @@ class DynamicBatcher:
 
     # ------------------------------------------------------------------ worker
 
-    def _ensure_worker(self) -> None:
-        if self._worker is None or self._worker.done():
+    def _ensure_worker(self) -> asyncio.Event:
+        """The running worker's wake-up event, starting the worker (and its event) when none runs."""
+        if self._worker is None or self._worker.done() or self._wakeup is None:
             self._wakeup = asyncio.Event()
-            self._worker = asyncio.get_running_loop().create_task(self._run(), name="embed-batcher")
+            self._worker = asyncio.get_running_loop().create_task(self._run(self._wakeup), name="embed-batcher")
+        return self._wakeup
 
     def _remove(self, item: _Pending) -> bool:
         try:
@@ -178,11 +180,11 @@ class DynamicBatcher:
         self._queued_texts -= len(item.texts)
         return True
 
-    async def _run(self) -> None:
+    async def _run(self, wakeup: asyncio.Event) -> None:
         while True:
             if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                wakeup.clear()
+                await wakeup.wait()
                 continue
             # Wait for a full preferred batch or for the oldest request's delay to run out.
             deadline = self._queue[0].enqueued + self.max_queue_delay_s
@@ -190,9 +192,9 @@ class DynamicBatcher:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._wakeup.clear()
+                wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), left)
+                    await asyncio.wait_for(wakeup.wait(), left)
                 except (TimeoutError, asyncio.TimeoutError):
                     break
             batch = self._take(expired=time.monotonic() >= deadline)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,12 +64,14 @@ class Embedder:
         tok_cls = PreTrainedTokenizerFast if (folder / "tokenizer.json").exists() else AutoTokenizer
         self.tokenizer = tok_cls.from_pretrained(str(folder), local_files_only=True)
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-        self.model = None
+        # A transformers model: its stubs type the call and .to() too narrowly to help.
+        net: Any = None
         if model_type == "bert" and (folder / "model.safetensors").exists():
-            self.model = _load_bert_directly(folder, dtype)
-        if self.model is None:
-            self.model = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=dtype).eval()
-        self.dim = int(self.model.config.hidden_size)
+            net = _load_bert_directly(folder, dtype)
+        if net is None:
+            net = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=dtype).eval()
+        self.model = net
+        self.dim = int(net.config.hidden_size)
         # A fast tokenizer is not safe to call from two threads at once ("Already borrowed"):
         # the batcher counts tokens on the event loop while its worker thread embeds.
         self._tok_lock = threading.Lock()
@@ -134,9 +137,9 @@ def _load_bert_directly(folder: Path, dtype: torch.dtype):
     try:
         from transformers.initialization import no_init_weights
     except ImportError:
-        from contextlib import nullcontext as no_init_weights
+        from contextlib import nullcontext as no_init_weights  # type: ignore[assignment]
     with no_init_weights():
-        model = BertModel(BertConfig.from_json_file(str(folder / "config.json")), add_pooling_layer=False)
+        model: Any = BertModel(BertConfig.from_json_file(str(folder / "config.json")), add_pooling_layer=False)
     weights = load_file(str(folder / "model.safetensors"))
     weights = {k: v for k, v in weights.items() if not k.startswith("pooler.")}
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -117,9 +117,9 @@ class BatchServerSim:
     def next_arrival(self) -> float | None:
         return self.in_transit[0].arrives if self.in_transit else None
 
-    def step(self, now: float) -> tuple[float, list[SimRequest], list[Finished]]:
-        """One engine step starting at ``now``: returns its end time, the requests that got
-        their first token in it, and what finished."""
+    def step(self, now: float) -> tuple[float, list[float], list[Finished]]:
+        """One engine step starting at ``now``: returns its end time, the times to first token of
+        the requests that got theirs in it, and what finished."""
         while self.in_transit and self.in_transit[0].arrives <= now:
             req = self.in_transit.popleft()
             self._count += 1
@@ -129,7 +129,8 @@ class BatchServerSim:
         out = self.sched.schedule(now)
         end = now + self.slowdown * (self.step_s + self.decode_s * out.num_decode_tokens
                                      + self.prefill_s * out.num_prefill_tokens)
-        done, first = [], []
+        done: list[Finished] = []
+        first: list[float] = []
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens < seq.num_tokens:
@@ -138,7 +139,7 @@ class BatchServerSim:
             r = self._request[seq.request_id]
             if r.first_token is None:
                 r.first_token = end  # the prefill's last chunk yields the first token
-                first.append(r)
+                first.append(end - r.sent)
             r.decoded += 1
             if r.decoded >= r.output:
                 done.append(Finished(r, r.first_token - r.sent, end - r.sent))
@@ -220,8 +221,8 @@ def run(limiter, server: BatchServerSim, requests: list[SimRequest], clock: Fake
             continue
         clock.t, first, done = server.step(clock.t)
         if stream:
-            for r in first:
-                limiter.first_token(r.first_token - r.sent)
+            for ttft in first:
+                limiter.first_token(ttft)
         for f in done:
             r = f.request
             tokens += r.prompt + r.output

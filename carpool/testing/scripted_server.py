@@ -94,7 +94,7 @@ class ScriptedServer:
         self._queue_times: list[float] = []
         self._prefix_queries = 0
         self._prefix_hits = 0
-        self._seen_peers: set[tuple] = set()
+        self._seen_peers: set[object] = set()  # (host, port) of each connection seen, None when unknown
         self._bucket = self.script.rate_limit_burst
         self._bucket_t = time.perf_counter()
         self._slots: asyncio.Semaphore | None = None
@@ -136,7 +136,7 @@ class ScriptedServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop_async()
 
-    def start(self) -> ScriptedServer:
+    def start(self) -> Self:
         """Serve from a background thread with its own event loop."""
         ready = threading.Event()
         errors: list[BaseException] = []
@@ -309,7 +309,8 @@ class ScriptedServer:
                     | ({"delta": {"content": text}} if chat else {"text": text})
                 ]
             )
-        await send([{"index": 0, "finish_reason": "length"} | ({"delta": {}} if chat else {"text": ""})])
+        end: dict[str, object] = {"delta": {}} if chat else {"text": ""}
+        await send([{"index": 0, "finish_reason": "length", **end}])
         if (body.get("stream_options") or {}).get("include_usage"):
             await send([], {"usage": usage})
         await resp.write(b"data: [DONE]\n\n")
