@@ -18,7 +18,8 @@ ROUTE_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512_bf16", "av
 
 
 def _fields() -> dict[str, str]:
-    """The first processor's "name: value" lines ({} where /proc/cpuinfo cannot be read)."""
+    """The first processor's "name: value" lines ({} where /proc/cpuinfo cannot be read); the
+    blank line after its block ends the read (a many-core machine lists every core alike)."""
     try:
         text = CPUINFO.read_text()
     except OSError:
@@ -28,6 +29,8 @@ def _fields() -> dict[str, str]:
         name, sep, value = line.partition(":")
         if sep and name.strip() not in fields:
             fields[name.strip()] = value.strip()
+        elif not line.strip() and fields:
+            break
     return fields
 
 
@@ -64,7 +67,6 @@ def describe() -> dict:
     """The CPU as a benchmark result names it: model name, family and model numbers, the flags the
     routes depend on, the core count."""
     fields = _fields()
-    have = set(fields.get("flags", "").split())
     return {"model": model_name(), "family": fields.get("cpu family", "?"),
-            "model_number": fields.get("model", "?"), **{f: f in have for f in ROUTE_FLAGS},
+            "model_number": fields.get("model", "?"), **{f: has(f) for f in ROUTE_FLAGS},
             "cores": os.cpu_count()}

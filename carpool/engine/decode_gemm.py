@@ -30,14 +30,6 @@ MAX_ROWS = DEFAULT_CARPOOL_MAX_ROWS
 BLOCK = 32  # columns of a packed block
 
 
-def cpu_has_vnni() -> bool:
-    return cpu.has("avx512_vnni")
-
-
-def cpu_has_bf16() -> bool:
-    return cpu.has("avx512_bf16")
-
-
 def _pack(w: torch.Tensor, step: int) -> torch.Tensor:
     """[N, K] -> [N / 32, K / step, 32, step]: a k-step of a 32-column block is contiguous."""
     n, k = w.shape
@@ -57,7 +49,7 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 def packed_int8(qweight: torch.Tensor) -> torch.Tensor | None:
     """``pack_vnni(qweight)`` where the kernel runs it (VNNI CPU, tileable shape), else None."""
     n, k = qweight.shape
-    return pack_vnni(qweight) if n % BLOCK == 0 and k % 4 == 0 and k <= 65536 and cpu_has_vnni() else None
+    return pack_vnni(qweight) if n % BLOCK == 0 and k % 4 == 0 and k <= 65536 and cpu.has("avx512_vnni") else None
 
 
 def packed_bf16(weight: torch.Tensor) -> torch.Tensor | None:
@@ -65,4 +57,4 @@ def packed_bf16(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     n, k = weight.shape
-    return pack_bf16(weight) if n % BLOCK == 0 and k % 2 == 0 and cpu_has_bf16() else None
+    return pack_bf16(weight) if n % BLOCK == 0 and k % 2 == 0 and cpu.has("avx512_bf16") else None
