@@ -66,12 +66,8 @@ def test_cutting_the_blocks_rows_wins_only_where_it_was_timed_faster():
          "256": {"carpool": 10.0, "carpool_split": 7.5, "onednn": 12.0},  # an idle thread cost more
          "1024": {"carpool": 40.0, "carpool_split": 39.5, "onednn": 45.0}}  # within the margin
     assert choose_gemm({"o": t})["o"] == ((16, "carpool"), (256, "carpool_split"), (UNBOUNDED, "carpool"))
-    forced = apply_overrides(choose_gemm_plan(t), parse_overrides("int8_gemm=carpool_split"))
+    forced = apply_overrides(choose({"gemm": {"o": t}}), parse_overrides("int8_gemm=carpool_split"))
     assert forced.gemm_routes("o", int8=True) == ((UNBOUNDED, "carpool_split"),)
-
-
-def choose_gemm_plan(t):
-    return choose({"gemm": {"o": t}})
 
 
 def test_a_route_that_was_not_timed_never_wins():
