@@ -1,4 +1,5 @@
-"""How long one engine step takes: a roofline model and a profiled (fitted) model.
+"""How long one engine step takes: a roofline model, a profiled (fitted) model and a linear
+one set by hand (for tests that need a server, not a machine).
 
 A step is one forward pass over a batch that mixes prefill chunks and decode tokens.
 Its shape is what the scheduler decided: prefill tokens, decode tokens, the KV tokens
@@ -181,6 +182,28 @@ class ScaledCost:
         return {**self.base.describe(), "speed_factor": self.factor}
 
 
+@dataclass
+class LinearCost:
+    """step time = ``step_s`` + ``decode_s`` per decode token + ``prefill_s`` per prefill token.
+
+    Set by hand rather than fitted: the simulated server the limiter's tests run against
+    (``carpool.testing.batch_sim``) needs a step whose cost grows with the batch with
+    diminishing returns per request, and nothing more.  No KV limit."""
+
+    step_s: float
+    decode_s: float
+    prefill_s: float
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.step_s + self.decode_s * shape.num_decode_tokens + self.prefill_s * shape.num_prefill_tokens
+
+    def kv_capacity_tokens(self) -> int | None:
+        return None
+
+    def describe(self) -> dict:
+        return {"kind": "linear", "step_s": self.step_s, "decode_s": self.decode_s, "prefill_s": self.prefill_s}
+
+
 FEATURES = ("base", "prefill", "decode", "kv", "pairs", "seqs", "logits")
 
 
@@ -322,6 +345,7 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "CostModel",
+    "LinearCost",
     "ProfiledCost",
     "RooflineCost",
     "ScaledCost",

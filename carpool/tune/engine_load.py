@@ -31,12 +31,6 @@ def prompt_token_ids(r: SimRequest, vocab: int) -> list[int]:
     return ids
 
 
-def num_sampling_rows(scheduled: list) -> int:
-    """Scheduled (sequence, n) pairs whose chunk reaches the sequence's end: they sample a
-    token, so the lm_head runs on their last row (a middle prefill chunk samples nothing)."""
-    return sum(1 for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens)
-
-
 class StepRecorder:
     """Wraps one ``LLMEngine``'s scheduler to record (shape, duration, cycle) per step.
 
@@ -55,7 +49,7 @@ class StepRecorder:
             t = time.perf_counter()
             out = orig()
             shape = StepShape.of([(seq.num_computed_tokens, n) for seq, n in out.scheduled],
-                                 out.num_decode_tokens, num_sampling_rows(out.scheduled))
+                                 out.num_decode_tokens, len(out.sampling()))
             if self.samples and self.samples[-1]["busy_after"] and self.samples[-1]["cycle_s"] is None:
                 self.samples[-1]["cycle_s"] = t - self.samples[-1]["t"]
             self._pending = (t, shape)
