@@ -2,10 +2,10 @@
 
 The body becomes engine requests through ``carpool.openai`` (``Translator.prepare``), they
 run as one ``Generation`` (``run_request`` when not streamed) and the answer is shaped by
-``ResponseBuilder``; this module adds
-what only a server has: the waiting room (429 when full), the latency histograms, the SSE
-transport.  Whatever way a handler ends (finished, error, the client went away and aiohttp
-cancelled it), the ``finally`` aborts the engine requests that still run.
+``ResponseBuilder``; this module adds what only a server has: the waiting room (429 when
+full), the latency histograms, the SSE transport.  Whatever way a handler ends (finished,
+error, the client went away and aiohttp cancelled it), the ``finally`` aborts the engine
+requests that still run.
 """
 
 from __future__ import annotations

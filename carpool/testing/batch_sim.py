@@ -70,7 +70,7 @@ _PARAMS = SamplingParams()  # the server stops a request at its output length it
 
 
 class BatchServerSim:
-    """The engine's scheduler on a fake clock, with a cost model and no model.
+    """The engine's scheduler on a fake clock; a cost model times each step, no model runs.
 
     Requests reach the engine ``gap_s`` after they are sent; from then on carpool's own
     ``Scheduler`` decides every step (decodes first, chunked prefill within the token
