@@ -9,7 +9,7 @@ import time
 import pytest
 
 from carpool.server import ServerConfig, start_server
-from carpool.server.batches import RUNNER
+from carpool.server.batches import BATCHES
 
 openai = pytest.importorskip("openai")
 
@@ -206,7 +206,7 @@ def test_cancel_keeps_the_answers_so_far(client, batch_server):
     assert 3 <= b.request_counts.completed < 200
     out = output_lines(client, b.output_file_id)
     assert len(out) == b.request_counts.completed == len({x["custom_id"] for x in out})
-    assert batch_server.app[RUNNER].inflight == 0
+    assert batch_server.app[BATCHES].require().inflight == 0
     stats = batch_server.engine.stats()
     assert stats["num_requests_running"] + stats["num_requests_waiting"] == 0  # aborted, not left running
     with pytest.raises(openai.ConflictError):
@@ -226,7 +226,7 @@ def test_batch_waits_while_an_online_request_waits(client, batch_server):
         time.sleep(0.5)
         held = client.batches.retrieve(b.id)
         assert held.status == "in_progress" and held.request_counts.completed == 0
-        assert batch_server.app[RUNNER].inflight == 0
+        assert batch_server.app[BATCHES].require().inflight == 0
     finally:
         batch_server.call(_release(ticket))
     assert wait_final(client, b.id).request_counts.completed == 5

@@ -130,10 +130,10 @@ def test_past_its_window_a_batch_expires_with_an_error_line_per_unanswered_reque
     (tmp_path / "work" / batch_id / "output.jsonl").write_text(json.dumps(
         {"custom_id": "t0", "error": None, "id": "batch_req_x", "response": {"status_code": 200, "body": {}}}) + "\n")
     store = BatchStore(tmp_path)  # the window passed while the server was down
-    doc = store.get_batch(batch_id)
-    assert doc is not None
-    doc["expires_at"] = doc["created_at"] - 1
-    store.save_batch(doc)
+    batch = store.get_batch(batch_id)
+    assert batch is not None
+    batch.expires_at = batch.created_at - 1
+    store.save_batch(batch)
     store.close()
     with start_server(cfg, engine=tiny_engine) as srv:
         client = _client(srv)
