@@ -12,9 +12,21 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import BinaryIO
+from typing import Protocol
 
 from carpool.jobs.writer import Appender
+
+
+class NewFile(Protocol):
+    """What an upload writes through: a binary file open for writing."""
+
+    def write(self, data: bytes, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class BatchDisk:
@@ -23,9 +35,9 @@ class BatchDisk:
         killed server loses none (fsync'd at most every second)."""
         return Appender(path, flush_lines=1)
 
-    def create(self, path: Path) -> BinaryIO:
-        """A new file (an upload's bytes) open for writing."""
-        return open(path, "xb")  # the caller closes it
+    def create(self, path: Path) -> NewFile:
+        """A new file (an upload's bytes) open for writing; the caller closes it."""
+        return open(path, "xb")
 
     def copy(self, source: Path, target: Path) -> None:
         """``target`` with the bytes of ``source``, hard-linked where the file system allows

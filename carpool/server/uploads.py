@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import BodyPartReader, MultipartReader
+from aiohttp.http_exceptions import HttpProcessingError
 
 from carpool.openai.errors import OpenAIError
 from carpool.server.batch_disk import BatchDisk
@@ -67,7 +68,7 @@ async def read_form(reader: MultipartReader, disk: BatchDisk, staging: Path, mos
     """Read the whole form; ``staging``: where the file goes (removed on any refusal)."""
     up = Upload()
     try:
-        while (part := await reader.next()) is not None:
+        while (part := await _next_part(reader)) is not None:
             if not isinstance(part, BodyPartReader):
                 raise OpenAIError(400, "a nested multipart part is not a form field", param="file")
             if part.name == "purpose":
@@ -86,6 +87,16 @@ async def read_form(reader: MultipartReader, disk: BatchDisk, staging: Path, mos
     return up
 
 
+async def _next_part(reader: MultipartReader) -> object | None:
+    """The next part, or a 400 when its headers are malformed (a NUL, a line past the limit)."""
+    try:
+        return await reader.next()
+    except (HttpProcessingError, ValueError) as e:
+        reason = getattr(e, "message", None) or str(e)
+        raise OpenAIError(400, f"The multipart form is malformed: {reason}", param="file",
+                          code="invalid_multipart") from None
+
+
 async def _small_text(part: BodyPartReader) -> str:
     raw = b""
     while len(raw) <= _MAX_PURPOSE_BYTES and (chunk := await part.read_chunk(_MAX_PURPOSE_BYTES + 1 - len(raw))):
@@ -102,7 +113,8 @@ async def _receive(part: BodyPartReader, disk: BatchDisk, path: Path, most: int)
     """Stream one uploaded file to ``path`` (fsync'd), refusing it past ``most`` bytes."""
     size = 0
     try:
-        with disk.create(path) as f:
+        f = disk.create(path)
+        try:
             while chunk := await part.read_chunk(_CHUNK):
                 size += len(chunk)
                 if size > most:
@@ -111,5 +123,7 @@ async def _receive(part: BodyPartReader, disk: BatchDisk, path: Path, most: int)
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
+        finally:
+            f.close()
     except OSError as e:
         raise disk_error(e) from None

@@ -7,13 +7,12 @@ import json
 import time
 
 import pytest
+from batch_helpers import output_lines, request_line, upload, wait_final
 
 from carpool.server import ServerConfig, start_server
 from carpool.server.batches import BATCHES
 
 openai = pytest.importorskip("openai")
-
-FINAL = ("completed", "failed", "cancelled", "expired")
 
 
 @pytest.fixture(scope="module")
@@ -28,33 +27,6 @@ def batch_server(tiny_engine, tiny_config, tmp_path_factory):
 @pytest.fixture()
 def client(batch_server):
     return openai.OpenAI(base_url=batch_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def request_line(i: int, max_tokens: int = 3, **over) -> dict:
-    line = {"custom_id": f"task-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny-random", "messages": [{"role": "user", "content": f"Say {i}"}],
-                     "max_tokens": max_tokens}}
-    line.update(over)
-    return line
-
-
-def upload(client, lines: list, name: str = "in.jsonl"):
-    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n"
-    return client.files.create(file=(name, io.BytesIO(text.encode())), purpose="batch")
-
-
-def wait_final(client, batch_id: str, timeout_s: float = 240):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in FINAL:
-            return b
-        assert time.monotonic() < deadline, f"batch still {b.status} ({b.request_counts})"
-        time.sleep(0.1)
-
-
-def output_lines(client, file_id: str) -> list[dict]:
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
 
 
 def test_sdk_workflow_one_line_per_custom_id(client):
