@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # batch_helpers.py
 
 from carpool.engine.config import EngineConfig
 from carpool.server import ServerConfig, start_server

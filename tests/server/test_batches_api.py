@@ -7,10 +7,10 @@ import json
 import time
 
 import pytest
-from batch_helpers import output_lines, request_line, upload, wait_final
 
 from carpool.server import ServerConfig, start_server
 from carpool.server.batches import BATCHES
+from carpool.testing.batch_client import output_lines, request_line, upload, wait_final
 
 openai = pytest.importorskip("openai")
 

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from batch_helpers import output_lines, request_line, start_batch, wait_final
 
 from carpool.server import ServerConfig, start_server
+from carpool.testing.batch_client import output_lines, request_line, start_batch, wait_final
 
 openai = pytest.importorskip("openai")
 

@@ -1,4 +1,5 @@
-"""What the Batch API tests share: request lines, an upload, waiting for a batch to end."""
+"""Driving the Batch API of a server through the openai SDK, as its tests do: a request line,
+an upload, a batch started, waited for, and its output read back."""
 
 from __future__ import annotations
 
