@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Any
 
 from aiohttp import web
 
 from carpool.openai.errors import OpenAIError
 
-OWNER = "carpool_owner"  # the request's owner, set by the auth middleware
+# The request's owner, set by the auth middleware (a typed key where aiohttp has them, 3.12+).
+OWNER: Any = web.RequestKey("carpool_owner", str) if hasattr(web, "RequestKey") else "carpool_owner"
 _SALT = b"carpool serve: the owner of files and batches"
 
 
