@@ -45,8 +45,8 @@ class ServerConfig:
     body_timeout_s: float = 60.0
     max_connections: int | None = None  # None: from the file-descriptor limit
     # Files and Batches API (server/batches.py): the store's directory (None: <cache dir>/batches),
-    # OpenAI's limits per input file, and how many batch requests may be in the engine at once
-    # (all batches together; online requests always come first).
+    # OpenAI's limits per input file, and how many batch requests may be prepared or running at
+    # once (all batches together; online requests always come first).
     batch_dir: str | None = None
     max_batch_file_bytes: int = 200 * 1000 * 1000
     max_batch_requests: int = 50_000
