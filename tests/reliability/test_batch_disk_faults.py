@@ -28,18 +28,26 @@ def _client(srv):
     return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def _served(tiny_engine, tiny_config, tmp_path, disk: FaultyDisk):
+    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None, batch_dir=str(tmp_path),
+                       batch_max_inflight=2)
+    return start_server(cfg, engine=tiny_engine, batch_disk=disk)
+
+
+def _start_with_room(client, disk: FaultyDisk, room: int) -> str:
+    """A batch of ``LINES`` requests started on a disk with ``room`` bytes left (its input is linked)."""
+    f = upload(client, [request_line(i, max_tokens=2) for i in range(LINES)])
+    disk.fill(room)
+    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+
+
 @pytest.mark.parametrize("fault", ["full", "read_only"])
 def test_a_batch_on_a_failing_disk_says_why_keeps_its_counts_and_goes_on_once_it_is_fixed(
         tiny_engine, tiny_config, tmp_path, fault):
     disk = FaultyDisk()
-    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None, batch_dir=str(tmp_path),
-                       batch_max_inflight=2)
-    with start_server(cfg, engine=tiny_engine, batch_disk=disk) as srv:
+    with _served(tiny_engine, tiny_config, tmp_path, disk) as srv:
         client = _client(srv)
-        f = upload(client, [request_line(i, max_tokens=2) for i in range(LINES)])
-        disk.fill(3000)  # a few answer lines fit, then the disk is full
-        batch_id = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                         completion_window="24h").id
+        batch_id = _start_with_room(client, disk, 3000)  # a few answer lines fit, then the disk is full
         if fault == "read_only":
             wait_until(client, batch_id, lambda b: b.request_counts.completed >= 1)
             disk.read_only = True
@@ -65,14 +73,9 @@ def test_a_batch_on_a_failing_disk_says_why_keeps_its_counts_and_goes_on_once_it
 
 def test_cancelling_a_stalled_batch_ends_it(tiny_engine, tiny_config, tmp_path):
     disk = FaultyDisk()
-    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None, batch_dir=str(tmp_path),
-                       batch_max_inflight=2)
-    with start_server(cfg, engine=tiny_engine, batch_disk=disk) as srv:
+    with _served(tiny_engine, tiny_config, tmp_path, disk) as srv:
         client = _client(srv)
-        f = upload(client, [request_line(i, max_tokens=2) for i in range(LINES)])
-        disk.fill(2000)
-        batch_id = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                         completion_window="24h").id
+        batch_id = _start_with_room(client, disk, 2000)
         wait_until(client, batch_id, lambda b: b.errors is not None)
         assert client.batches.cancel(batch_id).status == "cancelling"
         done = wait_final(client, batch_id, timeout_s=120)

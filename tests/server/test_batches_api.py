@@ -15,20 +15,6 @@ from carpool.testing.batch_client import output_lines, request_line, upload, wai
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def batch_server(tiny_engine, tiny_config, tmp_path_factory):
-    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None,
-                       batch_dir=str(tmp_path_factory.mktemp("batches")), max_batch_requests=300,
-                       batch_max_inflight=4)
-    with start_server(cfg, engine=tiny_engine) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def client(batch_server):
-    return openai.OpenAI(base_url=batch_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def test_sdk_workflow_one_line_per_custom_id(client):
     f = upload(client, [request_line(i) for i in range(40)])
     assert f.object == "file" and f.purpose == "batch" and f.filename == "in.jsonl" and f.bytes > 0

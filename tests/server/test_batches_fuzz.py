@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from carpool.server import ServerConfig, start_server
 from carpool.server.batch_input import MAX_MESSAGE_CHARS, MAX_REPORTED_ERRORS, check_input, iter_requests
 from carpool.server.batch_journal import journal_id
 from carpool.testing.batch_client import output_lines, wait_final
@@ -73,18 +72,9 @@ def test_journal_ids_are_utf8_and_leave_unicode_ids_as_they_are(custom_id):
         assert name == custom_id
 
 
-@pytest.fixture(scope="module")
-def batch_server(tiny_engine, tiny_config, tmp_path_factory):
-    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None,
-                       batch_dir=str(tmp_path_factory.mktemp("batches")))
-    with start_server(cfg, engine=tiny_engine) as srv:
-        yield srv
-
-
 @given(raw=batch_lines())
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_every_batch_ends_and_answers_each_request_once(batch_server, raw):
-    client = openai.OpenAI(base_url=batch_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def test_every_batch_ends_and_answers_each_request_once(client, raw):
     f = client.files.create(file=("in.jsonl", io.BytesIO(raw)), purpose="batch")
     b = wait_final(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                  completion_window="24h").id, timeout_s=120)

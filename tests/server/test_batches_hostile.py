@@ -9,23 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from carpool.server import ServerConfig, start_server
 from carpool.testing.batch_client import output_lines, request_line, start_batch, wait_final
 
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def batch_server(tiny_engine, tiny_config, tmp_path_factory):
-    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None,
-                       batch_dir=str(tmp_path_factory.mktemp("batches")))
-    with start_server(cfg, engine=tiny_engine) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def client(batch_server):
-    return openai.OpenAI(base_url=batch_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_a_custom_id_with_a_lone_surrogate_is_its_lines_error_and_the_others_are_answered(client):
