@@ -108,7 +108,8 @@ def add_target_flags(g: argparse._ActionsContainer, *, many: bool = False, engin
         g.add_argument("--endpoint", type=endpoint_url,
                        help=f"OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 {where}")
     g.add_argument("--model", help="the model: the name sent to --endpoint (vLLM's served model name), or the "
-                                   "one the embedded engine loads (smollm2, tiny-random or a HF folder)")
+                                   "one the embedded engine loads (smollm2, also called HuggingFaceTB/SmolLM2-135M-"
+                                   "Instruct; tiny-random; a HF folder or a name in the local HF cache)")
     g.add_argument("--api-key", default=None, help="bearer token for the endpoint (default: $CARPOOL_API_KEY, "
                                                    "else $OPENAI_API_KEY)")
 
