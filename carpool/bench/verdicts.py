@@ -248,11 +248,16 @@ class Evidence:
         return view is not None and view.peak_waiting > 0 and view.peak_running <= self.conc.concurrency
 
     @cached_property
+    def big_refused(self) -> int:
+        """Requests that failed past C (a 429 is one of them)."""
+        return self.big.errors if self.big is not None else 0
+
+    @cached_property
     def client_bound(self) -> bool:
         """More in flight than C gained throughput the server could give: the client is the limit.
         A CPU engine slows every request as its batch grows, so C alone never scales
         perfectly; only the measurement past C tells the client's cap from the server's."""
-        if self.full_at_c:
+        if self.full_at_c or self.big_refused > 0.05 * max(self.big.num_requests if self.big else 0, 1):
             return False
         g = self.gain
         if g is None:  # not measured past C: the check measures the level advised
@@ -325,7 +330,9 @@ def _alone(ev: Evidence) -> None:
 
 
 def _rate_limited(ev: Evidence) -> Advice | None:
-    unpaced = [p for p in ev.all_phases if not p.name.startswith("paced")]
+    # The client's own concurrency and below: 429s only past it are the server's admission
+    # limit lying between, a finding of the phase past C (``_client_side``).
+    unpaced = [p for p in ev.phases if p.concurrency <= ev.conc.concurrency]
     total = sum(p.num_requests for p in unpaced)
     limited = sum(p.rate_limited for p in unpaced)
     if not limited:
@@ -384,6 +391,10 @@ def _client_side(ev: Evidence) -> None:
                 f"req/s, x{ev.gain:.2f} the {conc.throughput:.2f} at {conc.concurrency}; median E2EL "
                 f"{_Typical.of(ev.big).e2el:.0f} ms")
         ev.note(_server_line(ev.big, ev.source))
+        if ev.big_refused:
+            ev.note(f"past the client's concurrency the server refused or failed {ev.big_refused} of "
+                    f"{ev.big.num_requests} requests ({ev.big.rate_limited} with HTTP 429): it admits fewer than "
+                    f"{ev.big.concurrency} at once")
 
 
 def _client_bound(ev: Evidence) -> Advice | None:

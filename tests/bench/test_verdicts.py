@@ -62,3 +62,15 @@ def test_fewer_in_flight_on_a_full_server_is_said_only_when_it_keeps_the_through
     assert "only adds queueing" in same.checked
     lost = check(lower, _check_phases(at_c=20.0, at_n=12.0, n=2))
     assert "keep the client at 8" in lost.checked and "only adds queueing" not in lost.checked
+
+
+def test_429s_only_past_the_clients_concurrency_are_the_servers_admission_limit_not_a_rate_limit():
+    # At 4 in flight every request was served; at 16 the server refused 10 with HTTP 429 and
+    # served the rest faster per second only because it served fewer.
+    phases = _phases(32.0, ServerView(peak_running=6, peak_waiting=0))
+    big = phases[-1]
+    phases[-1] = Phase(big.name, big.concurrency, False, big.num_requests, big.duration, big.metrics, 10, 10,
+                       0.0, big.server, big.records)
+    findings, advice = explain(phases, server_metrics=True)
+    assert advice.name not in ("rate-limited", "client-bound"), advice
+    assert any("refused or failed 10 of 16" in f for f in findings), findings
