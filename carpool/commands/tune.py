@@ -259,10 +259,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"best: {label}: goodput {res.best.goodput_rps:.3f} req/s; {at} "
                   f"p99 E2E {m.e2e_s['p99'] * 1e3:.0f} ms, p99 TTFT {m.ttft_s['p99'] * 1e3:.0f} ms; "
                   f"client concurrency {res.recommended_concurrency}")
-            if steady is not None and warning_text(steady):
-                print(warning_text(steady))
             if run_it:
                 print(f"run it: {run_it}")
+        if steady is not None and warning_text(steady):  # "no setting meets it" may be the machine's doing too
+            print(warning_text(steady))
     if args.emit == "vllm":
         if args.endpoint:
             print("carpool tune: --emit vllm needs --engine, --serve or --simulate "

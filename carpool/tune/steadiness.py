@@ -67,8 +67,9 @@ def _fit(s: Steadiness, fit: dict) -> None:
         line = f"cost model fit: r2 {r2:.2f}, median step error {100 * err:.0f}%"
         s.evidence.append(line)
         if r2 < FIT_R2 or err > FIT_ERROR:
+            # A typical step predicted this far off moves every simulated rate about as far.
             s._doubt(f"{line} (steady machine: r2 >= {FIT_R2}, error <= {100 * FIT_ERROR:.0f}%): the step "
-                     "times were noisy, so the simulator's ranking of the settings is a guess")
+                     "times were noisy, so the simulator's ranking of the settings is a guess", 1.0 + err)
     spread = fit.get("repeat_spread")
     if spread is not None:
         line = f"the same calibration workload timed twice before the search: {100 * spread:.0f}% apart"

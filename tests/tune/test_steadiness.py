@@ -70,6 +70,7 @@ def test_a_cost_model_fitted_on_a_busy_machine_is_said(linear_cost, fit, doubted
     assert steady.trusted is not doubted, steady.warnings
     if "r2" in fit and doubted:
         assert any(f"r2 {fit['r2']:.2f}" in w for w in steady.warnings)
+        assert steady.off_by == pytest.approx(1.0 + fit["median_abs_rel_error"])
 
 
 def test_a_simulator_far_from_the_measurement_is_said(linear_cost):
