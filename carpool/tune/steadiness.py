@@ -122,7 +122,11 @@ def _simulated_vs_measured(s: Steadiness, result: TuneResult) -> None:
 
 
 def _span(values: list[float]) -> str:
-    return f"{min(values):.3g}-{max(values):.3g}" if max(values) != min(values) else f"{values[0]:.3g}"
+    def num(v: float) -> str:
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+    lo, hi = min(values), max(values)
+    return f"{num(lo)}-{num(hi)}" if hi != lo else num(lo)
 
 
 def warning_text(s: Steadiness) -> str:
