@@ -153,6 +153,11 @@ def _server_line(p: Phase, source: str) -> str | None:
     return f"{source} at concurrency {p.concurrency}: " + ", ".join(parts)
 
 
+# More in flight past the client's concurrency must give this much more throughput to call the
+# client the limit: well above what a busy machine's noise moves a phase by.
+GAIN = 1.2
+
+
 class Advice(NamedTuple):
     """The verdict and the one change to try first, with the measurement behind it."""
 
@@ -233,15 +238,10 @@ class Evidence:
         return self.big.throughput / max(self.conc.throughput, 1e-9) if self.big is not None else None
 
     @cached_property
-    def knee(self) -> int:
-        """Little's law: the in-flight count that reaches the big phase's throughput at unloaded latency."""
-        return round(self.big.throughput * self.alone.e2el / 1000.0) if self.big is not None else 0
-
-    @cached_property
     def full_at_c(self) -> bool:
         """The server runs no more than C at once: it says so (max_num_seqs <= C), or at the
         bigger concurrency requests waited in its queue while at most C ran.  Measured, so it
-        outranks the gain and the knee, which a busy client's timing noise can move."""
+        outranks the gain, which a busy client's timing noise can move."""
         if self.max_num_seqs is not None and self.max_num_seqs <= self.conc.concurrency:
             return True
         view = self.big.server if self.big is not None else None
@@ -262,7 +262,7 @@ class Evidence:
         g = self.gain
         if g is None:  # not measured past C: the check measures the level advised
             return self.headroom
-        return g >= 1.5 or (g >= 1.2 and self.knee > self.conc.concurrency)
+        return g >= GAIN
 
     @cached_property
     def loaded(self) -> Phase:
@@ -404,12 +404,10 @@ def _client_bound(ev: Evidence) -> Advice | None:
     c = conc.concurrency
     if big is None or gain is None:
         target, detail = c * 4, "not measured past it: checked below"
-    elif gain >= 1.5:
+    else:  # the level measured, not a guess between: a CPU engine's latency grows with its batch
         target = big.concurrency
-        detail = f"measured: {conc.throughput:.2f} req/s at {c}, {big.throughput:.2f} at {big.concurrency}"
-    else:
-        target = min(big.concurrency, ev.knee)
-        detail = f"the server levels off near {big.throughput:.2f} req/s, reached with ~{ev.knee} in flight"
+        detail = (f"measured: {conc.throughput:.2f} req/s at {c}, {big.throughput:.2f} at {target}, median "
+                  f"latency {_Typical.of(conc).e2el:.0f} -> {_Typical.of(big).e2el:.0f} ms")
     why = f"the limit is the client's concurrency of {c}, not the server"
     view = conc.server
     if ev.max_num_seqs is not None:
