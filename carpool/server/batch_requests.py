@@ -24,9 +24,8 @@ import logging
 
 from carpool.engine.protocol import BACKGROUND_PRIORITY
 from carpool.openai.errors import OpenAIError
-from carpool.openai.generation import Generation, engine_failure
+from carpool.openai.generation import EngineAborted, run_request
 from carpool.openai.requests import grammar_param
-from carpool.openai.responses import ResponseBuilder
 from carpool.server.embeddings import embeddings_body
 from carpool.server.state import ServerState
 
@@ -63,17 +62,7 @@ async def _generate(state: ServerState, kind: str, body: dict) -> dict:
         await state.grammars.check(state.engine, prepared.structured_outputs, grammar_param(body))
     for choice in prepared.choices:  # a line's own priority orders it among batch requests only
         choice.request.priority = max(choice.request.priority, 0) + BACKGROUND_PRIORITY
-    gen = Generation(state.engine, prepared.choices)
     try:
-        try:
-            async for _ in gen.deltas():
-                pass
-        except OpenAIError:
-            raise
-        except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
-            raise engine_failure(e, state.engine) from None
-    finally:
-        await gen.close()
-    if gen.aborted:
-        raise NotAnswered("the engine aborted the request")
-    return ResponseBuilder(kind, prepared.id, model).body(gen.choices)
+        return await run_request(state.engine, prepared, model)
+    except EngineAborted:
+        raise NotAnswered("the engine aborted the request") from None
