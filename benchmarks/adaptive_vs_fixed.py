@@ -46,7 +46,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from carpool.jobs.api import make_options, run_batch
+from carpool.jobs.python_api.run import make_options, run_batch
 from carpool.jobs.runner import Runner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -25,18 +25,18 @@ from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
 from carpool.client.pool import Timeouts
 from carpool.commands import flags
 from carpool.commands.batch_flags import add_batch_arguments, batch_options
-from carpool.jobs.readers import FORMATS
-from carpool.jobs.tasks import TaskDefaults, Template
+from carpool.jobs.input.readers import FORMATS
+from carpool.jobs.input.tasks import TaskDefaults, Template
 from carpool.redact import redact_doc, redact_text
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from carpool.distributed.ray_runner import RayOptions
-    from carpool.jobs.batch_api.runner import BatchRunner
+    from carpool.jobs.provider_batch.spread import BatchRunner
     from carpool.jobs.options import RunOptions
     from carpool.jobs.runner import Runner
-    from carpool.jobs.summary import JobStats
+    from carpool.jobs.summary.stats import JobStats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -219,7 +219,7 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
 def _headers(values: list[str]) -> dict[str, str]:
     """``--header 'Name: value'`` flags as a mapping; raises ``StartRefused`` on a bad one."""
     from carpool.client.endpoints import header_problem
-    from carpool.jobs.exit_codes import StartRefused
+    from carpool.jobs.summary.exit_codes import StartRefused
     from carpool.redact import redact_header
 
     out: dict[str, str] = {}
@@ -319,9 +319,9 @@ def _say_all(msgs: list[str]) -> None:
 
 
 def start_checks(opts: RunOptions, args: argparse.Namespace, probe: bool = True) -> list[str]:
-    """``carpool.jobs.preflight``: the whole configuration checked before anything is sent
+    """``carpool.jobs.start.checks``: the whole configuration checked before anything is sent
     (raises ``StartRefused``); its warnings."""
-    from carpool.jobs.preflight import preflight
+    from carpool.jobs.start.checks import preflight
 
     async def checks() -> list[str]:
         # The probe can wait on an endpoint for seconds (or --wait-for-endpoint): Ctrl-C and
@@ -359,9 +359,9 @@ def write_summary_json(doc: dict, target: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """The job, and its exit code (``carpool.jobs.exit_codes``: the table is in docs/run.md)."""
+    """The job, and its exit code (``carpool.jobs.summary.exit_codes``: the table is in docs/run.md)."""
     from carpool.extras import MissingExtra
-    from carpool.jobs.exit_codes import ExitCode
+    from carpool.jobs.summary.exit_codes import ExitCode
 
     try:
         return int(_main(args))
@@ -387,7 +387,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.dry_run and args.ray is None:
         return _main_dry_run(args)
     from carpool.errors import CarpoolError
-    from carpool.jobs.exit_codes import ExitCode
+    from carpool.jobs.summary.exit_codes import ExitCode
 
     command = "carpool run" if args.ray is None else "carpool run --ray"
     try:
@@ -410,7 +410,7 @@ def _runner(opts: RunOptions, args: argparse.Namespace) -> Runner | BatchRunner:
     from carpool.jobs.runner import Runner
 
     if opts.batch is not None and args.ray is None:  # refuses flags the batch path cannot honour
-        from carpool.jobs.batch_api.runner import BatchRunner
+        from carpool.jobs.provider_batch.spread import BatchRunner
 
         return BatchRunner(opts, notify=_say)
     return Runner(opts, notify=_say)
@@ -439,8 +439,8 @@ def _run(runner: Runner | BatchRunner, args: argparse.Namespace) -> JobStats:
 
 
 def _finish(args: argparse.Namespace, opts: RunOptions, runner: Runner | BatchRunner, stats: JobStats) -> int:
-    """Everything said after a job that ran, and its exit code (``carpool.jobs.exit_codes``)."""
-    from carpool.jobs.exit_codes import ExitCode, exit_code
+    """Everything said after a job that ran, and its exit code (``carpool.jobs.summary.exit_codes``)."""
+    from carpool.jobs.summary.exit_codes import ExitCode, exit_code
 
     if not args.quiet:
         render_summary(stats)
@@ -461,10 +461,10 @@ def _finish(args: argparse.Namespace, opts: RunOptions, runner: Runner | BatchRu
 
 def _ended_early(error: Exception, command: str = "carpool run") -> int:
     """Say why the job ended before it could run or finish, and return its exit code, read
-    from the error tree (``carpool.jobs.exit_codes.code_for_error``); what the tree calls a
+    from the error tree (``carpool.jobs.summary.exit_codes.code_for_error``); what the tree calls a
     crash (an engine failure, an unexpected error) is raised on to ``main``, which says so
     with the traceback."""
-    from carpool.jobs.exit_codes import ExitCode, code_for_error
+    from carpool.jobs.summary.exit_codes import ExitCode, code_for_error
     from carpool.jobs.pipeline import OutputError
 
     code = code_for_error(error)
@@ -499,8 +499,8 @@ def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Corout
 
 def _main_dry_run(args: argparse.Namespace) -> int:
     """``--dry-run``: validate, count and check; nothing sent, nothing written."""
-    from carpool.jobs.exit_codes import ExitCode
-    from carpool.jobs.plan import plan
+    from carpool.jobs.summary.exit_codes import ExitCode
+    from carpool.jobs.dry_run import plan
 
     doc = _look_ahead(args, plan)
     if doc is None:
@@ -526,8 +526,8 @@ def usd(value: float | None) -> str:
 
 def _main_estimate(args: argparse.Namespace) -> int:
     """``--estimate``: tokens and $ of what a run would send; nothing sent, nothing written."""
-    from carpool.jobs.estimate import estimate
-    from carpool.jobs.exit_codes import ExitCode
+    from carpool.jobs.cost.estimate import estimate
+    from carpool.jobs.summary.exit_codes import ExitCode
 
     doc = _look_ahead(args, estimate)
     if doc is None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
 from carpool.errors import StartRefused
 from carpool.extras import require
-from carpool.jobs.summary import JobStats, ShardsRun
+from carpool.jobs.summary.stats import JobStats, ShardsRun
 from carpool.redact import redact_url
 
 if TYPE_CHECKING:
@@ -142,8 +142,8 @@ class _Files:
 
     @classmethod
     def of(cls, opts: RunOptions, ray_opts: RayOptions) -> _Files:
-        from carpool.jobs.output_format import output_target
-        from carpool.jobs.readers import detect_format
+        from carpool.jobs.output.table import output_target
+        from carpool.jobs.input.readers import detect_format
 
         input_path = Path(opts.input).resolve()
         if not input_path.exists():
@@ -391,7 +391,7 @@ def _write_state(output: Path, input_path: Path, opts: RunOptions, live: LivePar
     # The runner's state file beside the output, so a later single-process ``carpool run``
     # into the same output resumes from it like from its own.
     from carpool.jobs.fingerprint import make_fingerprint
-    from carpool.jobs.journal import Journal
+    from carpool.journal.journal import Journal
 
     Journal(output, opts.errors, fingerprint=make_fingerprint(opts, live)).write_state(str(input_path), finished=True,
                                                                                 argv=opts.argv)
@@ -402,7 +402,7 @@ def run_batch_on_ray(input: str, output: str, *, address: str | None = None, wor
     """Python API: ``run_batch`` spread over Ray; ``options`` are those of ``carpool.run_batch``
     (RunOptions fields, plus the ``model``/``max_tokens``/``temperature`` shortcuts).  Returns
     the summary ``run_batch`` returns (``JobStats.to_dict`` and the messages)."""
-    from carpool.jobs.api import make_job
+    from carpool.jobs.python_api.run import make_job
     from carpool.jobs.runner import Runner
 
     ray_options = ray_options or RayOptions(address=address, workers=workers, redis=redis)

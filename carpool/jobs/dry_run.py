@@ -2,7 +2,7 @@
 
 It reads the whole input (every line validated as a run validates it), reads the output
 file if there is one (never cuts, writes or removes anything: ``Journal(read_only=True)``),
-asks the endpoints' ``/models`` (``carpool.jobs.target``) and checks the run fingerprint,
+asks the endpoints' ``/models`` (``carpool.jobs.start.model``) and checks the run fingerprint,
 and says: how many tasks, how many bad lines (the first ones with their messages), how
 many are done already, how many would be sent.  No task is sent and ``-o`` is not touched,
 so a dry run can never leave answers behind that a real run would take for done.
@@ -16,11 +16,11 @@ from typing import Any
 
 from carpool.jobs.fingerprint import job_identity
 from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.output_format import output_target
+from carpool.jobs.output.table import output_target
 from carpool.jobs.parts import job_defaults, make_journal
-from carpool.jobs.readers import Reader, TaskSource
-from carpool.jobs.target import resolve_target
-from carpool.jobs.tasks import BadLine, Task
+from carpool.jobs.input.readers import Reader, TaskSource
+from carpool.jobs.start.model import resolve_target
+from carpool.jobs.input.tasks import BadLine, Task
 
 SHOW_BAD = 5  # bad lines quoted in the plan
 

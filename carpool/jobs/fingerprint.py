@@ -23,7 +23,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from carpool.client.models import ModelIdentity
-from carpool.jobs.exit_codes import StartRefused
+from carpool.jobs.summary.exit_codes import StartRefused
 
 if TYPE_CHECKING:
     from carpool.engine.protocol import EngineClient
@@ -37,7 +37,7 @@ class FingerprintMismatch(StartRefused):
 
 
 def job_identity(opts: RunOptions, live: LiveParts | None = None) -> ModelIdentity:
-    """The identity the job's start settled (``carpool.jobs.target``, kept in ``live``), or the
+    """The identity the job's start settled (``carpool.jobs.start.model``, kept in ``live``), or the
     one that can be told without asking anything (a job composed without resolution: Ray Data
     batches, tests)."""
     if live is not None and live.identity is not None:

@@ -20,8 +20,8 @@ from carpool.client.start_limit import (
     tokens_per_request,
 )
 from carpool.jobs.options import RunOptions
-from carpool.jobs.readers import TaskSource
-from carpool.jobs.tasks import Task
+from carpool.jobs.input.readers import TaskSource
+from carpool.jobs.input.tasks import Task
 
 Hook = Callable[[], Awaitable[None]]
 SAMPLE = 64  # tasks whose size stands for the job's requests

@@ -2,7 +2,7 @@
 the objects a job is given or builds at its start, beside it.
 
 ``RunOptions`` is settings only, and frozen: ``carpool run`` fills it from its flags
-(``carpool.commands.run``), the Python API from keyword arguments (``carpool.jobs.api``),
+(``carpool.commands.run``), the Python API from keyword arguments (``carpool.jobs.python_api.run``),
 the Ray driver copies it per shard (``dataclasses.replace``, never an assignment), so
 what a job was told stays what it was told.  What is not a setting (an engine already
 running, a shared budget, the model identity the endpoints report at start) is a
@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from carpool.cache import DEFAULT_TTL_S
 from carpool.client.pool import Timeouts
-from carpool.jobs.tasks import TaskDefaults, Template
+from carpool.jobs.input.tasks import TaskDefaults, Template
 
 if TYPE_CHECKING:
     from carpool.client.budget import Budget
     from carpool.client.endpoints import EndpointSpec
     from carpool.client.models import ModelIdentity
     from carpool.engine.protocol import EngineClient
-    from carpool.jobs.batch_api.options import BatchOptions
+    from carpool.jobs.provider_batch.options import BatchOptions
 
 # Builds the embedding batcher on the first embedding task (loading MiniLM costs seconds);
 # what it returns is the in-process backend's business (``carpool.client.engine_backend``).
@@ -62,7 +62,7 @@ class RunOptions:
     # until then an outage pauses the job instead of failing its tasks.
     outage_timeout: float = 900.0
     ordered: bool = False
-    # None: prefix-aware order decided per job (carpool.jobs.prefix_plan); True: forced; False: off.
+    # None: prefix-aware order decided per job (carpool.jobs.input.prefix_order); True: forced; False: off.
     prefix_order: bool | None = None
     prefix_window: int = 1024
     # Several endpoints: a prefix group stays on the endpoint that had it while that one is
@@ -78,20 +78,20 @@ class RunOptions:
     progress: bool | None = None  # None: when stderr is a terminal
     report: str | None = None
     max_pending: int = 2048
-    dry_run: bool = False  # validate and count (carpool.jobs.plan): nothing is sent, the output is not touched
+    dry_run: bool = False  # validate and count (carpool.jobs.dry_run): nothing is sent, the output is not touched
     echo: bool = False  # answer every task with an empty reply, no model (overhead / memory runs, tests)
     force: bool = False  # resume even when the run fingerprint differs (carpool.jobs.fingerprint)
     retry_errors: bool = False  # on resume, run again the tasks whose final line is an error line
     cache_namespace: str | None = None  # a key component of its own: entries of one namespace serve only it
     latency_signal: str = "per_token"
-    # $ per million tokens for the summary's $ spent / saved (None: carpool.jobs.prices' table).
+    # $ per million tokens for the summary's $ spent / saved (None: carpool.jobs.cost.prices' table).
     price_in: float | None = None
     price_out: float | None = None
     prices: str | None = None  # --prices FILE: a JSON/YAML price table in LiteLLM's shape, before the built-in one
     argv: list[str] | None = None
     quiet: bool = False
     # --batch-api / an endpoints-file kind *-batch: the job goes through the provider's batch API
-    # (carpool.jobs.batch_api); None: online.
+    # (carpool.jobs.provider_batch); None: online.
     batch: BatchOptions | None = None
 
 
@@ -103,7 +103,7 @@ class LiveParts:
     engine: EngineClient | None = None  # an engine already running (API / tests); not shut down here
     embedder_factory: EmbedderFactory | None = None
     budget: Budget | None = None  # e.g. the shared Redis one; None: local buckets from rpm/tpm
-    # What the endpoint says the model is (carpool.jobs.target.resolve_target settles it before
+    # What the endpoint says the model is (carpool.jobs.start.model.resolve_target settles it before
     # the parts are built; None: told from the options alone, carpool.jobs.fingerprint.job_identity).
     identity: ModelIdentity | None = None
 

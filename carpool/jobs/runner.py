@@ -2,15 +2,15 @@
 
 Around the tasks it does the same for every job: it refuses what cannot start (an
 output suffix it cannot write, bad prices), holds the output's lock, settles the model
-with the endpoints (``carpool.jobs.target``: ``/models`` checked before the first
+with the endpoints (``carpool.jobs.start.model``: ``/models`` checked before the first
 request), and once the tasks ran writes a Parquet or CSV ``-o`` from the journal
-(``carpool.jobs.output_format``).  The tasks themselves run either in this process
+(``carpool.jobs.output.table``).  The tasks themselves run either in this process
 (``run``: the default parts, ``carpool.jobs.parts.build_parts``, through the pipeline,
 ``carpool.jobs.pipeline.Pipeline``, and the ``--report`` page) or somewhere else, given
 as a ``Spread`` (``run_spread``: ``carpool.distributed.ray_runner.RayShards`` runs them
 as shards on a Ray cluster and merges the journal).  Both return ``JobStats``, and the
-exit code is read from them the same way (``carpool.jobs.exit_codes``).  The CLI
-(``carpool.commands.run``), the Python API (``carpool.jobs.api``) and the Ray driver
+exit code is read from them the same way (``carpool.jobs.summary.exit_codes``).  The CLI
+(``carpool.commands.run``), the Python API (``carpool.jobs.python_api.run``) and the Ray driver
 use it; a caller that needs other parts composes ``Pipeline`` itself
 (``carpool.distributed.worker``).
 """
@@ -23,14 +23,14 @@ from typing import Protocol
 
 from carpool.extras import require
 from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.output_format import OutputTarget, output_target, write_table
-from carpool.jobs.output_lock import OutputLock
+from carpool.jobs.output.table import OutputTarget, output_target, write_table
+from carpool.jobs.output.lock import OutputLock
 from carpool.jobs.parts import build_parts
 from carpool.jobs.pipeline import Pipeline
-from carpool.jobs.prices import Prices, resolve_prices
-from carpool.jobs.readers import TaskSource
-from carpool.jobs.summary import JobStats
-from carpool.jobs.target import resolve_target, resolve_target_sync
+from carpool.jobs.cost.prices import Prices, resolve_prices
+from carpool.jobs.input.readers import TaskSource
+from carpool.jobs.summary.stats import JobStats
+from carpool.jobs.start.model import resolve_target, resolve_target_sync
 
 TERM_GRACE_S = 5.0  # how long SIGTERM lets requests in flight finish
 
@@ -173,7 +173,7 @@ class Runner:
         if target.is_table and finished(stats):
             self.messages.append(_wrote_table(target, await asyncio.to_thread(write_table, target)))
         if opts.report:
-            from carpool.jobs.report import write_report
+            from carpool.jobs.summary.html_report import write_report
 
             write_report(opts.report, stats, parts.limiter)
         return stats

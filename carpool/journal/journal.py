@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from carpool.jobs.writer import Appender, ResultWriter
+from carpool.journal.writer import Appender, ResultWriter
 from carpool.redact import redact_argv
 
 _DECODER = json.JSONDecoder()

@@ -4,7 +4,7 @@ Each line: ``{"custom_id", "error": {"code", "message", "line", "field"?} | null
 "response": {"status_code", "request_id", "body"} | null}`` and, when there are any, the
 task's ``metadata`` and ``supersedes`` (the ``id`` of the error line a ``--retry-errors``
 run answered again); a success line of a task that asked for JSON (``response_format``)
-also has ``parsed`` or ``parse_error`` (``carpool.jobs.structured``).  ``custom_id`` and
+also has ``parsed`` or ``parse_error`` (``carpool.jobs.output.structured``).  ``custom_id`` and
 ``error`` come first so the journal can tell a success line from an error line without
 decoding the response (key order does not matter to JSON readers).
 
@@ -40,7 +40,7 @@ def success_line(custom_id: str, status: int, request_id: str, body: dict | None
                  semantic: dict | None = None, structured: dict | None = None) -> bytes:
     """``semantic``: for an answer the semantic cache served, {"similarity", "matched_id"};
     ``structured``: for a task that asked for JSON, {"parsed"} or {"parse_error"}
-    (``carpool.jobs.structured.check_answer``)."""
+    (``carpool.jobs.output.structured.check_answer``)."""
     doc = {"custom_id": custom_id, "error": None, "id": _rid(),
            "response": {"status_code": status, "request_id": request_id, "body": body}}
     if semantic is not None:

@@ -15,9 +15,9 @@ from carpool.distributed.ray_runner import (
     run_on_ray,
 )
 from carpool.distributed.worker import ShardReader
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.jobs.options import RunOptions
-from carpool.jobs.tasks import Template
+from carpool.jobs.input.tasks import Template
 
 
 def parser() -> argparse.ArgumentParser:
@@ -75,8 +75,8 @@ def test_parquet_shards_are_row_group_ranges(tmp_path):
 
 def test_the_shards_add_up_to_one_job_stats_and_exit_through_the_one_table():
     from carpool.distributed.ray_runner import _combine
-    from carpool.jobs.exit_codes import ExitCode, exit_code
-    from carpool.jobs.summary import JobStats
+    from carpool.jobs.summary.exit_codes import ExitCode, exit_code
+    from carpool.jobs.summary.stats import JobStats
 
     def shard(i: int, **stats) -> dict:
         doc = {**JobStats().to_dict(), **stats}

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 import carpool
-from carpool.jobs.estimate import estimate
-from carpool.jobs.exit_codes import ExitCode
+from carpool.jobs.cost.estimate import estimate
+from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.prices import builtin_prices, resolve_prices
-from carpool.jobs.tasks import TaskDefaults
-from carpool.jobs.tokens import openai_encoding_name
+from carpool.jobs.cost.prices import builtin_prices, resolve_prices
+from carpool.jobs.input.tasks import TaskDefaults
+from carpool.jobs.cost.tokens import openai_encoding_name
 from carpool.testing.fault_server import FaultConfig
 
 
@@ -93,7 +93,7 @@ def test_estimate_with_the_engine_tokenizer_equals_what_the_engine_counts(engine
                 "max_tokens": 3, "temperature": 0},
                {"custom_id": "b", "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}]
     opts = RunOptions(input="", output="")
-    from carpool.jobs.readers import RecordSource
+    from carpool.jobs.input.readers import RecordSource
 
     doc = asyncio.run(estimate(opts, RecordSource(list(enumerate(records, 1))), LiveParts(engine=engine)))
     assert "own tokenizer" in doc["tokenizer"]

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from carpool.jobs.journal import DoneSet, Journal, id_hash, recover_file
-from carpool.jobs.writer import Appender, ResultWriter, error_line, success_line
+from carpool.journal.journal import DoneSet, Journal, id_hash, recover_file
+from carpool.journal.writer import Appender, ResultWriter, error_line, success_line
 
 
 def test_recover_cuts_partial_line_and_reads_escaped_ids(tmp_path):

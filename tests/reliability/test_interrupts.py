@@ -22,7 +22,7 @@ import pytest
 from reliability_helpers import chat_task, complete_ids, read_jsonl, write_jsonl
 
 from carpool.client.limiter import FixedLimiter
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig
 
 N = 40
@@ -112,7 +112,7 @@ def test_run_batch_in_process_still_resumes_after_a_cancelled_call(logging_fault
     out = tmp_path / "out.jsonl"
 
     async def cancelled_call() -> None:
-        from carpool.jobs.api import arun_batch
+        from carpool.jobs.python_api.run import arun_batch
 
         job = asyncio.ensure_future(arun_batch(rows, out, endpoints=[srv.url], model="m", cache="off",
                                                concurrency=2, progress=False))

@@ -2,7 +2,7 @@
 
 It reads and validates the input as a run does, leaves out the tasks the output already
 holds (read only, never written), and counts every task's prompt with the model's real
-tokenizer (``carpool.jobs.tokens``).  Nothing goes over the network, not even ``/models``:
+tokenizer (``carpool.jobs.cost.tokens``).  Nothing goes over the network, not even ``/models``:
 the model is the one the options name.
 
 What is exact and what is not:
@@ -10,7 +10,7 @@ What is exact and what is not:
   engine's own tokenizer in-process); images in messages and tool schemas are not counted.
 - output tokens: an upper bound, each task's ``max_tokens`` (or ``max_completion_tokens``)
   times ``n``; tasks that set no bound are counted apart and left out of the bound.
-- $: those counts at ``carpool.jobs.prices``' prices; the cache is not consulted, so a
+- $: those counts at ``carpool.jobs.cost.prices``' prices; the cache is not consulted, so a
   run that hits it costs less.
 """
 
@@ -22,10 +22,10 @@ from typing import Any
 
 from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.parts import job_defaults, make_journal
-from carpool.jobs.prices import resolve_prices
-from carpool.jobs.readers import Reader, TaskSource
-from carpool.jobs.tasks import BadLine, Task
-from carpool.jobs.tokens import counter_for, output_bound
+from carpool.jobs.cost.prices import resolve_prices
+from carpool.jobs.input.readers import Reader, TaskSource
+from carpool.jobs.input.tasks import BadLine, Task
+from carpool.jobs.cost.tokens import counter_for, output_bound
 
 
 def job_model(opts: RunOptions, live: LiveParts | None = None) -> tuple[str | None, str | None]:

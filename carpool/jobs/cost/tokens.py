@@ -149,7 +149,7 @@ def output_bound(req: Request) -> int | None:
 class CountedSource:
     """A ``TaskSource`` whose tasks carry a real token estimate for the TPM budget: the
     prompt counted by ``counter`` plus the output bound (16 when a task sets none, as
-    ``carpool.jobs.tasks`` assumes); the budget corrects it by the answer's usage."""
+    ``carpool.jobs.input.tasks`` assumes); the budget corrects it by the answer's usage."""
 
     def __init__(self, source: Any, counter: TokenCounter):
         self.source, self.counter = source, counter

@@ -26,7 +26,7 @@ from typing import BinaryIO, Protocol
 
 from carpool.errors import StartRefused
 from carpool.extras import require
-from carpool.jobs.tasks import (
+from carpool.jobs.input.tasks import (
     BadLine,
     Task,
     TaskDefaults,

@@ -105,7 +105,7 @@ def _bad(line_no: int, cid: str | None, fld: str, reason: str) -> BadLine:
 def _estimate_tokens(body: dict, kind: str) -> int:
     """A first guess for the TPM budget, without a tokenizer: about 4 characters a token
     plus the output bound (16 when unset).  With a TPM budget for an OpenAI model the job
-    replaces it with the real count (``carpool.jobs.tokens.CountedSource``); the budget
+    replaces it with the real count (``carpool.jobs.cost.tokens.CountedSource``); the budget
     is corrected by each answer's usage either way."""
     if kind == "chat":
         chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 200

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from carpool.extras import require
-from carpool.jobs.exit_codes import StartRefused
+from carpool.jobs.summary.exit_codes import StartRefused
 
 JSONL = ".jsonl"
 PARQUET = ".parquet"
@@ -42,7 +42,7 @@ CSV = ".csv"
 SUFFIXES = (JSONL, PARQUET, CSV)
 FIXED_COLUMNS = ("custom_id", "content", "finish_reason", "prompt_tokens", "completion_tokens", "error",
                  "error_message")
-STRUCTURED = ("parsed", "parse_error")  # on lines of tasks that asked for JSON (carpool.jobs.structured)
+STRUCTURED = ("parsed", "parse_error")  # on lines of tasks that asked for JSON (carpool.jobs.output.structured)
 _BATCH_ROWS = 4096
 
 

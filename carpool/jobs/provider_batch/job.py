@@ -23,22 +23,22 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from carpool.jobs.batch_api.anthropic_shapes import Untranslatable
-from carpool.jobs.batch_api.http import BatchApiError, MaybeCreated
-from carpool.jobs.batch_api.ids import anthropic_id
-from carpool.jobs.batch_api.limits import Chunk
-from carpool.jobs.batch_api.options import BatchOptions
-from carpool.jobs.batch_api.provider import Outcome, Provider, Status
-from carpool.jobs.batch_api.state import COLLECTED, RUNNING, BatchState, Entry
-from carpool.jobs.exit_codes import StartRefused
-from carpool.jobs.journal import DoneSet, Journal, SeenIds, id_hash
+from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable
+from carpool.jobs.provider_batch.http import BatchApiError, MaybeCreated
+from carpool.jobs.provider_batch.ids import anthropic_id
+from carpool.jobs.provider_batch.limits import Chunk
+from carpool.jobs.provider_batch.options import BatchOptions
+from carpool.jobs.provider_batch.provider import Outcome, Provider, Status
+from carpool.jobs.provider_batch.state import COLLECTED, RUNNING, BatchState, Entry
+from carpool.jobs.summary.exit_codes import StartRefused
+from carpool.journal.journal import DoneSet, Journal, SeenIds, id_hash
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import job_defaults, make_journal
 from carpool.jobs.pipeline import OutputError
-from carpool.jobs.readers import Reader, TaskSource
-from carpool.jobs.summary import JobStats
-from carpool.jobs.tasks import BadLine, Task
-from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
+from carpool.jobs.input.readers import Reader, TaskSource
+from carpool.jobs.summary.stats import JobStats
+from carpool.jobs.input.tasks import BadLine, Task
+from carpool.journal.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
 REPORT_EVERY_S = 30.0
 

@@ -7,7 +7,7 @@ OpenAI (and Azure OpenAI): an input file of at most 50,000 requests and 200 MB, 
 
 from __future__ import annotations
 
-from carpool.jobs.batch_api.provider import Limits
+from carpool.jobs.provider_batch.provider import Limits
 
 OPENAI = Limits(max_requests=50_000, max_bytes=200 * 1024 * 1024)
 ANTHROPIC = Limits(max_requests=100_000, max_bytes=256 * 1024 * 1024)

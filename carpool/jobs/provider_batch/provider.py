@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from carpool.jobs.tasks import Task
+from carpool.jobs.input.tasks import Task
 
 
 @dataclass(frozen=True)

@@ -13,20 +13,20 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from carpool.jobs.batch_api.anthropic_client import AnthropicBatches
-from carpool.jobs.batch_api.job import BatchJob
-from carpool.jobs.batch_api.limits import ANTHROPIC, OPENAI, effective
-from carpool.jobs.batch_api.openai_client import OpenAIBatches
-from carpool.jobs.batch_api.options import BatchOptions
-from carpool.jobs.batch_api.provider import Provider
-from carpool.jobs.exit_codes import StartRefused
+from carpool.jobs.provider_batch.anthropic_client import AnthropicBatches
+from carpool.jobs.provider_batch.job import BatchJob
+from carpool.jobs.provider_batch.limits import ANTHROPIC, OPENAI, effective
+from carpool.jobs.provider_batch.openai_client import OpenAIBatches
+from carpool.jobs.provider_batch.options import BatchOptions
+from carpool.jobs.provider_batch.provider import Provider
+from carpool.jobs.summary.exit_codes import StartRefused
 from carpool.jobs.options import RunOptions
-from carpool.jobs.output_format import output_target, write_table
-from carpool.jobs.output_lock import OutputLock
-from carpool.jobs.prices import Prices
-from carpool.jobs.readers import TaskSource
+from carpool.jobs.output.table import output_target, write_table
+from carpool.jobs.output.lock import OutputLock
+from carpool.jobs.cost.prices import Prices
+from carpool.jobs.input.readers import TaskSource
 from carpool.jobs.runner import Runner, job_prices
-from carpool.jobs.summary import JobStats
+from carpool.jobs.summary.stats import JobStats
 
 
 def make_provider(batch: BatchOptions, say: Callable[[str], None] | None = None) -> Provider:

@@ -25,8 +25,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from carpool.jobs.readers import RecordSource
-from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_record, repeat_id
+from carpool.jobs.input.readers import RecordSource
+from carpool.jobs.input.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_record, repeat_id
 
 # The columns a DataFrame or Dataset gains: the answer's text (or embedding), why it stopped,
 # its tokens, and the error message of a task that failed (None when it succeeded).

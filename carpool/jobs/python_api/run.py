@@ -8,7 +8,7 @@ knows::
     results[0].text
 
 ``tasks`` is a path, a list of task dicts or prompt strings, a pandas DataFrame or a
-``datasets.Dataset`` (``carpool.jobs.inputs``).  The keyword arguments of ``run_batch``
+``datasets.Dataset`` (``carpool.jobs.python_api.in_memory``).  The keyword arguments of ``run_batch``
 are the common ones; any other field of ``carpool.jobs.options.RunOptions`` (``rpm``,
 ``tpm``, ``semantic_cache``, ``stream``...) is accepted by name as well, and a misspelt
 one is refused with the closest name.
@@ -23,7 +23,7 @@ What comes back:
 ``with_summary=True`` returns ``(results, summary)`` instead.
 
 Without an endpoint the job runs on carpool's own engine, in this process.  That engine
-stays warm between calls (``carpool.jobs.warm``: one per model and settings, stopped at
+stays warm between calls (``carpool.jobs.python_api.warm``: one per model and settings, stopped at
 interpreter exit), so the second call in a notebook does not load the model again.
 
 ``run_batch`` blocks; inside a running event loop (Jupyter) it runs the job on a thread of
@@ -44,12 +44,12 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from carpool.jobs.inputs import MemorySource, check_columns, in_order, input_kind, read_lines, results_as, rows_of
+from carpool.jobs.python_api.in_memory import MemorySource, check_columns, in_order, input_kind, read_lines, results_as, rows_of
 from carpool.jobs.options import LIVE_NAMES, LiveParts, RunOptions
-from carpool.jobs.output_format import output_target
+from carpool.jobs.output.table import output_target
 from carpool.jobs.parts import job_defaults
 from carpool.jobs.runner import Runner
-from carpool.jobs.tasks import TaskDefaults, Template
+from carpool.jobs.input.tasks import TaskDefaults, Template
 
 _OPTION_NAMES = ({f.name for f in dataclasses.fields(RunOptions)} | set(LIVE_NAMES)) - {"input", "output"}
 _SHORTCUTS = ("model", "max_tokens", "temperature", "idempotent")
@@ -177,7 +177,7 @@ def _with_warm_engine(options: dict) -> dict:
         return options
     if options.get("endpoint_specs"):
         return options
-    from carpool.jobs.warm import warm_embedder_factory, warm_engine
+    from carpool.jobs.python_api.warm import warm_embedder_factory, warm_engine
 
     model = options.get("model") or options.get("engine_model") or "smollm2"
     engine = warm_engine(str(model), dict(options.get("engine_config") or {}))
@@ -196,10 +196,10 @@ async def _run_file(job: tuple[RunOptions, LiveParts]) -> dict:
 
 async def _look(tasks: Any, kind: str, output: str | os.PathLike | None, want_estimate: bool,
                 options: dict) -> dict:
-    """``estimate=True``: tokens and $ (``carpool.jobs.estimate``); ``dry_run=True``: the plan.
+    """``estimate=True``: tokens and $ (``carpool.jobs.cost.estimate``); ``dry_run=True``: the plan.
     Nothing is sent and ``output`` is only read."""
-    from carpool.jobs.estimate import estimate
-    from carpool.jobs.plan import plan
+    from carpool.jobs.cost.estimate import estimate
+    from carpool.jobs.dry_run import plan
 
     path = str(tasks) if kind == "path" else ""
     with tempfile.TemporaryDirectory(prefix="carpool-") as tmp:

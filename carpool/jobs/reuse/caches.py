@@ -1,6 +1,6 @@
 """The result caches as one job sees them: keys, the exact store, the semantic cache.
 
-``JobCaches`` wraps what ``carpool.cache`` provides so that ``carpool.jobs.task_cache``
+``JobCaches`` wraps what ``carpool.cache`` provides so that ``carpool.jobs.reuse.task_cache``
 asks three questions only: which key does this task share (``key``), is its answer
 stored (``get``/``put``), and may a near-identical earlier task answer it (``semantic_probe``).
 A cache is an optimisation, so none of its failures fails a task: a bad store URL or an

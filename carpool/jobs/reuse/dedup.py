@@ -4,7 +4,7 @@ The first task with a key becomes the leader (``lead``); a task with the same ke
 arrives while the leader is in flight waits for the leader's answer (``find`` gives its
 future), one that arrives shortly after gets the remembered answer (the last
 ``keep_recent`` successes).  Only successes are shared: a failed leader's followers are
-sent on their own (``carpool.jobs.task_cache``), since the failure may be the leader's
+sent on their own (``carpool.jobs.reuse.task_cache``), since the failure may be the leader's
 alone (its custom_id, its connection) and must never become another task's error line.
 """
 

@@ -30,9 +30,9 @@ from typing import Literal
 from carpool.cache.audit import AuditItem
 from carpool.client.base import CallResult, Outcome, Request
 from carpool.client.executor import ReuseHook, Stopped
-from carpool.jobs.caching import EXACT_HIT_ID, JobCaches, SemanticProbe
-from carpool.jobs.dedup import Dedup, Lead
-from carpool.jobs.summary import JobStats
+from carpool.jobs.reuse.caches import EXACT_HIT_ID, JobCaches, SemanticProbe
+from carpool.jobs.reuse.dedup import Dedup, Lead
+from carpool.jobs.summary.stats import JobStats
 
 Reuse = Literal["exact", "dedup", "semantic"]
 

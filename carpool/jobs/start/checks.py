@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from carpool.jobs.endpoint_probe import probe_endpoints
-from carpool.jobs.exit_codes import StartRefused
+from carpool.jobs.start.probe import probe_endpoints
+from carpool.jobs.summary.exit_codes import StartRefused
 from carpool.jobs.options import RunOptions
-from carpool.jobs.readers import Reader
-from carpool.jobs.tasks import Task
+from carpool.jobs.input.readers import Reader
+from carpool.jobs.input.tasks import Task
 
 LOOK = 256  # records read for the key and max_tokens checks
 
@@ -139,7 +139,7 @@ def check_tasks(opts: RunOptions, reader: Reader) -> list[str]:
 def _resumes_batches(opts: RunOptions) -> bool:
     if opts.batch is None or opts.fresh:
         return False
-    from carpool.jobs.batch_api.state import BatchState
+    from carpool.jobs.provider_batch.state import BatchState
 
     state = BatchState(opts.output)
     state.load()
@@ -149,7 +149,7 @@ def _resumes_batches(opts: RunOptions) -> bool:
 async def preflight(opts: RunOptions, wait_s: float = 0.0, probe: bool = True,
                     say: Callable[[str], None] | None = None) -> list[str]:
     """Everything checked before the first task; raises ``StartRefused``; returns warnings.
-    ``probe``: ask the endpoints too (``carpool.jobs.endpoint_probe``)."""
+    ``probe``: ask the endpoints too (``carpool.jobs.start.probe``)."""
     from carpool.jobs.endpoints_file import job_endpoints
 
     for url in opts.endpoints:

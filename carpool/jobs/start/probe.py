@@ -12,7 +12,7 @@ starting) and raises ``StartRefused`` naming the URL and the fix when
   lacks ``/v1``.
 
 What else it learns (a 404 with no ``/v1`` alternative, an error status) is returned as
-warnings; ``carpool.jobs.target`` then asks ``/models`` for the model names as before.
+warnings; ``carpool.jobs.start.model`` then asks ``/models`` for the model names as before.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from carpool.client.endpoints import EndpointSpec
-from carpool.jobs.exit_codes import StartRefused
+from carpool.jobs.summary.exit_codes import StartRefused
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from carpool.errors import ModelUnavailable, StartRefused
 
 if TYPE_CHECKING:
-    from carpool.jobs.summary import JobStats
+    from carpool.jobs.summary.stats import JobStats
 
 
 class ExitCode(IntEnum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from carpool import report
-from carpool.jobs.summary import JobStats
+from carpool.jobs.summary.stats import JobStats
 
 if TYPE_CHECKING:
     from carpool.client.limiter import FixedLimiter

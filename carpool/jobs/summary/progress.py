@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from carpool.jobs.summary import JobStats
+from carpool.jobs.summary.stats import JobStats
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgress

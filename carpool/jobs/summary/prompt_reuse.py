@@ -2,7 +2,7 @@
 
 Every OpenAI-style answer may carry ``usage.prompt_tokens_details.cached_tokens``: the
 prompt tokens the server did not compute again.  It is the one figure that tells a user
-whether the order of the job (``carpool.jobs.prefix_plan``) and the routing of its
+whether the order of the job (``carpool.jobs.input.prefix_order``) and the routing of its
 groups (``carpool.client.affinity``) paid, so the progress line and the summary show it,
 with the share of all prompt tokens, for each endpoint.  A server that does not report it
 (vLLM before ``--enable-prompt-tokens-details``) is told apart from one that cached nothing.

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from carpool.jobs.prices import Prices, cost_doc
-from carpool.jobs.prompt_cache import PromptReuse
+from carpool.jobs.cost.prices import Prices, cost_doc
+from carpool.jobs.summary.prompt_reuse import PromptReuse
 from carpool.redact import redact_text
 
 
@@ -78,7 +78,7 @@ class JobStats:
     semantic_similarities: list = field(default_factory=list)  # (custom_id, similarity), first 1000
     semantic_audit: dict | None = None  # --semantic-audit N: carpool.cache.audit.SemanticAudit.report()
     concurrency: dict | None = None  # the limiter's summary(): the limit the job ran at, and why
-    prefix_order: dict | None = None  # carpool.jobs.prefix_plan.PlanInfo of a planned input file
+    prefix_order: dict | None = None  # carpool.jobs.input.prefix_order.PlanInfo of a planned input file
     routing: dict | None = None  # several endpoints: carpool.client.affinity.Affinity.summary()
     dedup_fanouts: int = 0
     saved_tokens: int = 0  # tokens of answers that cost nothing: cache hits and dedup fan-outs
@@ -98,14 +98,14 @@ class JobStats:
     finished: float | None = None
     interrupted: bool = False
     # Set by the outage handling when the endpoints stayed down past
-    # --outage-timeout and the job stopped: exit code 4 (carpool.jobs.exit_codes).
+    # --outage-timeout and the job stopped: exit code 4 (carpool.jobs.summary.exit_codes).
     stopped_by_outage: bool = False
     outage_stop: str = ""  # the pause it stopped in ("paused: endpoint down since ...")
     outages: dict | None = None  # carpool.client.breaker.OutageGate.summary() (HTTP jobs)
     backend: str = ""
     cache_backend: str = "off"  # the store, its TTL and namespace, as the summary shows them
     cache_ttl_s: float | None = None  # how long this run's answers are served from the store (None: for ever)
-    prices: Prices | None = None  # None: the $ figures are unknown (carpool.jobs.prices)
+    prices: Prices | None = None  # None: the $ figures are unknown (carpool.jobs.cost.prices)
     # In-process jobs: the seconds spent building the engine (model load, KV cache) inside
     # elapsed, which LLM.generate pays before its clock starts (benchmarks/main_job.py).
     engine_start_s: float | None = None

@@ -1,0 +1,5 @@
+"""The Python API: ``carpool.run_batch`` and ``carpool.arun_batch`` (``run``).
+
+``in_memory``: tasks given as a list, a DataFrame or a Dataset, and results given back as
+the same kind; ``warm``: the in-process engines kept warm between calls.
+"""
