@@ -17,8 +17,8 @@ _LAZY = ("run_batch", "arun_batch", "Result")
 __all__ = ["Result", "__version__", "arun_batch", "run_batch"]
 
 if TYPE_CHECKING:
-    from carpool.jobs.python_api.run import arun_batch, run_batch
     from carpool.jobs.python_api.in_memory import Result
+    from carpool.jobs.python_api.run import arun_batch, run_batch
 
 
 def __getattr__(name: str):

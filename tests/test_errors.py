@@ -12,10 +12,10 @@ from carpool.engine.loader import ModelLoadError
 from carpool.engine.protocol import EngineError, EngineSettingsError, GrammarError
 from carpool.errors import CarpoolError, EngineFailure, ModelUnavailable, StartRefused
 from carpool.jobs.endpoints_file import EndpointsFileError
-from carpool.jobs.summary.exit_codes import ExitCode, code_for_error
-from carpool.jobs.fingerprint import FingerprintMismatch
 from carpool.jobs.output.lock import OutputLocked
 from carpool.jobs.pipeline import OutputError
+from carpool.jobs.summary.exit_codes import ExitCode, code_for_error
+from carpool.journal.journal import FingerprintMismatch
 
 
 @pytest.mark.parametrize(("error", "code"), [

@@ -54,7 +54,7 @@ MODULES = _modules()
 
 
 def _resolve(name: str) -> str | None:
-    """The carpool module an imported name lives in (``carpool.jobs.input.tasks.Task`` -> ``carpool.jobs.input.tasks``)."""
+    """The carpool module an imported name lives in (``carpool.jobs.input.tasks.Task`` -> its module)."""
     while name and name not in MODULES:
         name = name.rpartition(".")[0]
     return name or None

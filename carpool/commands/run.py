@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from carpool.distributed.ray_runner import RayOptions
-    from carpool.jobs.provider_batch.spread import BatchRunner
     from carpool.jobs.options import RunOptions
+    from carpool.jobs.provider_batch.spread import BatchRunner
     from carpool.jobs.runner import Runner
     from carpool.jobs.summary.stats import JobStats
 
@@ -464,8 +464,8 @@ def _ended_early(error: Exception, command: str = "carpool run") -> int:
     from the error tree (``carpool.jobs.summary.exit_codes.code_for_error``); what the tree calls a
     crash (an engine failure, an unexpected error) is raised on to ``main``, which says so
     with the traceback."""
-    from carpool.jobs.summary.exit_codes import ExitCode, code_for_error
     from carpool.jobs.pipeline import OutputError
+    from carpool.jobs.summary.exit_codes import ExitCode, code_for_error
 
     code = code_for_error(error)
     if code == ExitCode.CRASHED:
@@ -499,8 +499,8 @@ def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Corout
 
 def _main_dry_run(args: argparse.Namespace) -> int:
     """``--dry-run``: validate, count and check; nothing sent, nothing written."""
-    from carpool.jobs.summary.exit_codes import ExitCode
     from carpool.jobs.dry_run import plan
+    from carpool.jobs.summary.exit_codes import ExitCode
 
     doc = _look_ahead(args, plan)
     if doc is None:

@@ -142,8 +142,8 @@ class _Files:
 
     @classmethod
     def of(cls, opts: RunOptions, ray_opts: RayOptions) -> _Files:
-        from carpool.jobs.output.table import output_target
         from carpool.jobs.input.readers import detect_format
+        from carpool.jobs.output.table import output_target
 
         input_path = Path(opts.input).resolve()
         if not input_path.exists():

@@ -15,12 +15,12 @@ from collections import Counter
 from typing import Any
 
 from carpool.jobs.fingerprint import job_identity
+from carpool.jobs.input.readers import Reader, TaskSource
+from carpool.jobs.input.tasks import BadLine, Task
 from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.output.table import output_target
 from carpool.jobs.parts import job_defaults, make_journal
-from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.start.model import resolve_target
-from carpool.jobs.input.tasks import BadLine, Task
 
 SHOW_BAD = 5  # bad lines quoted in the plan
 

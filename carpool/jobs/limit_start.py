@@ -19,9 +19,9 @@ from carpool.client.start_limit import (
     stored_limit,
     tokens_per_request,
 )
-from carpool.jobs.options import RunOptions
 from carpool.jobs.input.readers import TaskSource
 from carpool.jobs.input.tasks import Task
+from carpool.jobs.options import RunOptions
 
 Hook = Callable[[], Awaitable[None]]
 SAMPLE = 64  # tasks whose size stands for the job's requests

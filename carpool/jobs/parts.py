@@ -26,15 +26,15 @@ from carpool.client.base import Backend, CallResult, Request
 from carpool.client.budget import Budget, make_budget
 from carpool.client.limiter import FixedLimiter
 from carpool.jobs import limit_start
-from carpool.jobs.reuse.caches import JobCaches, open_job_caches
+from carpool.jobs.cost.tokens import CountedSource, openai_counter, openai_encoding_name
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
-from carpool.journal.journal import Journal
-from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.output.table import output_target
 from carpool.jobs.input.prefix_order import PlannedSource, wants_plan
 from carpool.jobs.input.readers import Reader, RecordSource, TaskSource
 from carpool.jobs.input.tasks import Task, TaskDefaults
-from carpool.jobs.cost.tokens import CountedSource, openai_counter, openai_encoding_name
+from carpool.jobs.options import LiveParts, RunOptions
+from carpool.jobs.output.table import output_target
+from carpool.jobs.reuse.caches import JobCaches, open_job_caches
+from carpool.journal.journal import Journal
 
 if TYPE_CHECKING:
     from carpool.client.balancer import Balancer

@@ -34,18 +34,18 @@ from carpool.client.base import CallResult, Refused
 from carpool.client.breaker import OutageTimeout
 from carpool.client.executor import Executor, Stopped
 from carpool.client.retry import ErrorKind, RetryPolicy
-from carpool.jobs.reuse.dedup import Dedup
-from carpool.journal.journal import DoneSet, SeenIds
-from carpool.jobs.options import RunOptions
-from carpool.jobs.parts import JobParts
 from carpool.jobs.input.prefix_order import PlannedSource, WindowOrder
-from carpool.jobs.summary.progress import Progress
 from carpool.jobs.input.readers import TaskSource
-from carpool.jobs.output.structured import check_answer
-from carpool.jobs.summary.stats import JobStats
-from carpool.jobs.reuse.task_cache import Answer, TaskCache
-from carpool.jobs.task_slots import TaskSlot, TaskSlots
 from carpool.jobs.input.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
+from carpool.jobs.options import RunOptions
+from carpool.jobs.output.structured import check_answer
+from carpool.jobs.parts import JobParts
+from carpool.jobs.reuse.dedup import Dedup
+from carpool.jobs.reuse.task_cache import Answer, TaskCache
+from carpool.jobs.summary.progress import Progress
+from carpool.jobs.summary.stats import JobStats
+from carpool.jobs.task_slots import TaskSlot, TaskSlots
+from carpool.journal.done import DoneSet, SeenIds
 from carpool.journal.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
 

@@ -22,15 +22,15 @@ from collections.abc import Callable
 from typing import Protocol
 
 from carpool.extras import require
-from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.output.table import OutputTarget, output_target, write_table
-from carpool.jobs.output.lock import OutputLock
-from carpool.jobs.parts import build_parts
-from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.cost.prices import Prices, resolve_prices
 from carpool.jobs.input.readers import TaskSource
-from carpool.jobs.summary.stats import JobStats
+from carpool.jobs.options import LiveParts, RunOptions
+from carpool.jobs.output.lock import OutputLock
+from carpool.jobs.output.table import OutputTarget, output_target, write_table
+from carpool.jobs.parts import build_parts
+from carpool.jobs.pipeline import Pipeline
 from carpool.jobs.start.model import resolve_target, resolve_target_sync
+from carpool.jobs.summary.stats import JobStats
 
 TERM_GRACE_S = 5.0  # how long SIGTERM lets requests in flight finish
 

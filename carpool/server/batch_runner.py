@@ -3,7 +3,7 @@
 Each batch runs as one task on the server's loop.  Its answers are appended to two journal
 files in its work directory (``output.jsonl`` for 200s, ``errors.jsonl`` for the rest), in
 the OpenAI batch output line shape, with carpool's crash-safe journal rules
-(``carpool.journal.journal``): a request is answered exactly when its line is complete in one
+(``carpool.journal``): a request is answered exactly when its line is complete in one
 of them.  Every line is handed to the OS as it is written (a kill -9 of the server loses
 none) and fsync'd at most every second (a power cut loses at most that, to be redone).
 
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from carpool.journal.journal import DoneSet, recover_file
+from carpool.journal.done import DoneSet
+from carpool.journal.recovery import recover_file
 from carpool.journal.writer import Appender, error_line, success_line
 from carpool.server.batch_input import ENDPOINTS, BatchLine, check_input, iter_requests
 from carpool.server.batch_requests import NotAnswered, answer

@@ -15,9 +15,9 @@ from carpool.distributed.ray_runner import (
     run_on_ray,
 )
 from carpool.distributed.worker import ShardReader
-from carpool.jobs.python_api.run import run_batch
-from carpool.jobs.options import RunOptions
 from carpool.jobs.input.tasks import Template
+from carpool.jobs.options import RunOptions
+from carpool.jobs.python_api.run import run_batch
 
 
 def parser() -> argparse.ArgumentParser:

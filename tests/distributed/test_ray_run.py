@@ -10,9 +10,9 @@ import pytest
 
 from carpool.commands import run as run_command
 from carpool.distributed.ray_runner import RayOptions, run_batch_on_ray, run_on_ray
-from carpool.jobs.python_api.run import run_batch
-from carpool.jobs.options import RunOptions
 from carpool.jobs.input.tasks import TaskDefaults
+from carpool.jobs.options import RunOptions
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 
 pytestmark = pytest.mark.timeout(300)

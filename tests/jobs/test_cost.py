@@ -11,11 +11,11 @@ import pytest
 
 import carpool
 from carpool.jobs.cost.estimate import estimate
-from carpool.jobs.summary.exit_codes import ExitCode
-from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.cost.prices import builtin_prices, resolve_prices
-from carpool.jobs.input.tasks import TaskDefaults
 from carpool.jobs.cost.tokens import openai_encoding_name
+from carpool.jobs.input.tasks import TaskDefaults
+from carpool.jobs.options import LiveParts, RunOptions
+from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.testing.fault_server import FaultConfig
 
 

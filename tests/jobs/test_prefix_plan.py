@@ -5,10 +5,10 @@ import json
 import random
 import tracemalloc
 
-from carpool.jobs.python_api.run import run_batch
 from carpool.jobs.input.prefix_order import PlannedSource
 from carpool.jobs.input.readers import Reader
 from carpool.jobs.input.tasks import Task
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig
 
 
@@ -214,8 +214,8 @@ def test_bad_and_blank_lines_keep_their_line_numbers_when_planned(tmp_path):
 
 
 def test_who_plans_by_default():
-    from carpool.jobs.options import RunOptions
     from carpool.jobs.input.prefix_order import wants_plan
+    from carpool.jobs.options import RunOptions
 
     assert wants_plan(RunOptions("in", "out", endpoints=["http://x/v1"]))
     assert wants_plan(RunOptions("in", "out"))  # the in-process engine: its prefix cache thrashes alike

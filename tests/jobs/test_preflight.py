@@ -11,8 +11,8 @@ import time
 
 from job_helpers import cli, lines, write_tasks
 
-from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.jobs.start.checks import endpoint_url_problem
+from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.testing.fault_server import FaultConfig, FaultServer, ThreadedFaultServer
 from carpool.testing.fixtures import free_port
 

@@ -2,7 +2,9 @@
 
 import numpy as np
 
-from carpool.journal.journal import DoneSet, Journal, id_hash, recover_file
+from carpool.journal.done import DoneSet, id_hash
+from carpool.journal.journal import Journal
+from carpool.journal.recovery import recover_file
 from carpool.journal.writer import Appender, ResultWriter, error_line, success_line
 
 

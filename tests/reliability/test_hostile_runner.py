@@ -24,8 +24,8 @@ import pytest
 from reliability_helpers import chat_task, read_jsonl, run_cli, run_cmd, write_jsonl
 
 from carpool.client.http_backend import MAX_ID_HEADER, custom_id_header
-from carpool.jobs.python_api.run import run_batch
 from carpool.jobs.input.readers import MAX_LINE_BYTES, TooLong, numbered_lines
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import Fault, FaultConfig
 
 ODD_IDS = ["new\nline", "carriage\rreturn", "nul\0byte", "x" * 10_000, "é ü 日本 \U0001F600", " ",

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 from carpool.client.pool import Timeouts
+from carpool.jobs.input.tasks import TaskDefaults
 from carpool.jobs.options import RunOptions
 from carpool.jobs.runner import Runner
-from carpool.jobs.input.tasks import TaskDefaults
 from carpool.testing.fault_server import Fault, FaultConfig, FaultServer
 
 

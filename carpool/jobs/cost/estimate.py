@@ -20,12 +20,12 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.parts import job_defaults, make_journal
 from carpool.jobs.cost.prices import resolve_prices
+from carpool.jobs.cost.tokens import counter_for, output_bound
 from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.input.tasks import BadLine, Task
-from carpool.jobs.cost.tokens import counter_for, output_bound
+from carpool.jobs.options import LiveParts, RunOptions
+from carpool.jobs.parts import job_defaults, make_journal
 
 
 def job_model(opts: RunOptions, live: LiveParts | None = None) -> tuple[str | None, str | None]:

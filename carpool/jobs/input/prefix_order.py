@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from carpool.client.affinity import h64, prompt_text
-from carpool.jobs.options import RunOptions
 from carpool.jobs.input.readers import Reader, TooLong, cr_only, file_lines, numbered_lines, parse_jsonl_lines
 from carpool.jobs.input.tasks import BadLine, Task
+from carpool.jobs.options import RunOptions
 
 # Prompt starts hashed per line, coarse to fine, in characters (about 4 to a token): tasks
 # sharing fewer than the first level's characters are not worth moving (a short shared

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
+from carpool.jobs.input.tasks import Task
 from carpool.jobs.provider_batch import limits
 from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable, chat_to_params, message_to_chat
 from carpool.jobs.provider_batch.http import Http
 from carpool.jobs.provider_batch.provider import Outcome, Status, read_jsonl
-from carpool.jobs.input.tasks import Task
 
 VERSION = "2023-06-01"
 _FINAL_ERRORS = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",

@@ -23,6 +23,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from carpool.jobs.input.readers import Reader, TaskSource
+from carpool.jobs.input.tasks import BadLine, Task
+from carpool.jobs.options import RunOptions
+from carpool.jobs.parts import job_defaults, make_journal
+from carpool.jobs.pipeline import OutputError
 from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable
 from carpool.jobs.provider_batch.http import BatchApiError, MaybeCreated
 from carpool.jobs.provider_batch.ids import anthropic_id
@@ -31,13 +36,9 @@ from carpool.jobs.provider_batch.options import BatchOptions
 from carpool.jobs.provider_batch.provider import Outcome, Provider, Status
 from carpool.jobs.provider_batch.state import COLLECTED, RUNNING, BatchState, Entry
 from carpool.jobs.summary.exit_codes import StartRefused
-from carpool.journal.journal import DoneSet, Journal, SeenIds, id_hash
-from carpool.jobs.options import RunOptions
-from carpool.jobs.parts import job_defaults, make_journal
-from carpool.jobs.pipeline import OutputError
-from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.summary.stats import JobStats
-from carpool.jobs.input.tasks import BadLine, Task
+from carpool.journal.done import DoneSet, SeenIds, id_hash
+from carpool.journal.journal import Journal
 from carpool.journal.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
 REPORT_EVERY_S = 30.0

@@ -17,10 +17,10 @@ from pathlib import Path
 import aiohttp
 
 from carpool.client.endpoints import AZURE_API_VERSION, is_reasoning_model
+from carpool.jobs.input.tasks import Task
 from carpool.jobs.provider_batch import limits
 from carpool.jobs.provider_batch.http import Http
 from carpool.jobs.provider_batch.provider import Outcome, Status, read_jsonl
-from carpool.jobs.input.tasks import Task
 
 METADATA_KEY = "carpool_batch"
 _ENDED = {"completed", "failed", "expired", "cancelled"}

@@ -13,19 +13,19 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
+from carpool.jobs.cost.prices import Prices
+from carpool.jobs.input.readers import TaskSource
+from carpool.jobs.options import RunOptions
+from carpool.jobs.output.lock import OutputLock
+from carpool.jobs.output.table import output_target, write_table
 from carpool.jobs.provider_batch.anthropic_client import AnthropicBatches
 from carpool.jobs.provider_batch.job import BatchJob
 from carpool.jobs.provider_batch.limits import ANTHROPIC, OPENAI, effective
 from carpool.jobs.provider_batch.openai_client import OpenAIBatches
 from carpool.jobs.provider_batch.options import BatchOptions
 from carpool.jobs.provider_batch.provider import Provider
-from carpool.jobs.summary.exit_codes import StartRefused
-from carpool.jobs.options import RunOptions
-from carpool.jobs.output.table import output_target, write_table
-from carpool.jobs.output.lock import OutputLock
-from carpool.jobs.cost.prices import Prices
-from carpool.jobs.input.readers import TaskSource
 from carpool.jobs.runner import Runner, job_prices
+from carpool.jobs.summary.exit_codes import StartRefused
 from carpool.jobs.summary.stats import JobStats
 
 

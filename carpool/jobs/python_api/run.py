@@ -44,12 +44,20 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from carpool.jobs.python_api.in_memory import MemorySource, check_columns, in_order, input_kind, read_lines, results_as, rows_of
+from carpool.jobs.input.tasks import TaskDefaults, Template
 from carpool.jobs.options import LIVE_NAMES, LiveParts, RunOptions
 from carpool.jobs.output.table import output_target
 from carpool.jobs.parts import job_defaults
+from carpool.jobs.python_api.in_memory import (
+    MemorySource,
+    check_columns,
+    in_order,
+    input_kind,
+    read_lines,
+    results_as,
+    rows_of,
+)
 from carpool.jobs.runner import Runner
-from carpool.jobs.input.tasks import TaskDefaults, Template
 
 _OPTION_NAMES = ({f.name for f in dataclasses.fields(RunOptions)} | set(LIVE_NAMES)) - {"input", "output"}
 _SHORTCUTS = ("model", "max_tokens", "temperature", "idempotent")

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from carpool.jobs.start.probe import probe_endpoints
-from carpool.jobs.summary.exit_codes import StartRefused
-from carpool.jobs.options import RunOptions
 from carpool.jobs.input.readers import Reader
 from carpool.jobs.input.tasks import Task
+from carpool.jobs.options import RunOptions
+from carpool.jobs.start.probe import probe_endpoints
+from carpool.jobs.summary.exit_codes import StartRefused
 
 LOOK = 256  # records read for the key and max_tokens checks
 
