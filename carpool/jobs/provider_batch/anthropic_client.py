@@ -18,7 +18,7 @@ from carpool.jobs.input.tasks import Task
 from carpool.jobs.provider_batch import limits
 from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable, chat_to_params, message_to_chat
 from carpool.jobs.provider_batch.http import Http
-from carpool.jobs.provider_batch.provider import Outcome, Status, read_jsonl
+from carpool.jobs.provider_batch.provider import RequestResult, Status, read_jsonl
 
 VERSION = "2023-06-01"
 _FINAL_ERRORS = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
@@ -81,24 +81,25 @@ class AnthropicBatches:
         state = str(b.get("processing_status"))
         return Status(batch_id, state, state == "ended", counts, raw=b)
 
-    async def results(self, status: Status, workdir: Path) -> Iterator[Outcome]:
+    async def results(self, status: Status, workdir: Path) -> Iterator[RequestResult]:
         url = status.raw.get("results_url") or f"{self.base}/messages/batches/{status.batch_id}/results"
         path = await self.http.call("GET", url, into=workdir / f"{status.batch_id}.results.jsonl")
         return (self._outcome(str(doc.get("custom_id")), doc.get("result") or {}) for doc in read_jsonl(path))
 
-    def _outcome(self, pid: str, result: dict) -> Outcome:
+    def _outcome(self, pid: str, result: dict) -> RequestResult:
         kind = result.get("type")
         if kind == "succeeded":
             msg = result.get("message") or {}
-            return Outcome(pid, "ok", 200, message_to_chat(msg), str(msg.get("id", "")))
+            return RequestResult(pid, "ok", 200, message_to_chat(msg), str(msg.get("id", "")))
         if kind in ("expired", "canceled"):
-            return Outcome(pid, "retry", 0, None, code=f"batch_{kind}", message=f"the provider {kind} the request")
+            return RequestResult(pid, "retry", 0, None, code=f"batch_{kind}",
+                                 message=f"the provider {kind} the request")
         err = (result.get("error") or {}).get("error") or result.get("error") or {}
         etype = str(err.get("type") or "api_error")
         status = _STATUS.get(etype, 500)
         body = {"error": {"type": etype, "message": err.get("message", "")}}
         final = etype in _FINAL_ERRORS
-        return Outcome(pid, "error" if final else "retry", status, body, code=etype,
+        return RequestResult(pid, "error" if final else "retry", status, body, code=etype,
                        message=str(err.get("message") or etype))
 
     async def close(self) -> None:

@@ -33,7 +33,7 @@ from carpool.jobs.provider_batch.http import BatchApiError, MaybeCreated
 from carpool.jobs.provider_batch.ids import anthropic_id
 from carpool.jobs.provider_batch.limits import Chunk
 from carpool.jobs.provider_batch.options import BatchOptions
-from carpool.jobs.provider_batch.provider import Outcome, Provider, Status
+from carpool.jobs.provider_batch.provider import Provider, RequestResult, Status
 from carpool.jobs.provider_batch.state import COLLECTED, RUNNING, BatchState, Entry
 from carpool.jobs.summary.exit_codes import StartRefused
 from carpool.jobs.summary.stats import JobStats
@@ -299,7 +299,7 @@ class BatchJob:
 
     async def _collect(self, writer: ResultWriter, e: Entry, st: Status) -> None:
         held = {row[0]: _Held(row[1], int(row[2]), row[3]) for row in self.state.read_ids(e.local_id)}
-        outcomes: Iterable[Outcome] = []
+        outcomes: Iterable[RequestResult] = []
         if st.state != "failed":
             outcomes = await self.provider.results(st, self.state.dir)
         if e.adopted:  # found after a lost create: checked whole before any line is written
@@ -321,7 +321,7 @@ class BatchJob:
             if pid not in answered:
                 failed = st.state == "failed"
                 why = f"the batch failed: {st.detail}" if failed else "the batch ended without its result"
-                self._write_outcome(writer, h, Outcome(pid, "error" if failed else "retry", 0, None, "",
+                self._write_outcome(writer, h, RequestResult(pid, "error" if failed else "retry", 0, None, "",
                                                        "batch_failed" if failed else "batch_missing", why))
         self._sync(writer)
         e.status = COLLECTED
@@ -339,7 +339,7 @@ class BatchJob:
         if writer.error is not None:
             raise OutputError(writer.error.errno, f"cannot write {writer.error_path}: {writer.error.strerror}")
 
-    def _write_outcome(self, writer: ResultWriter, h: _Held, o: Outcome) -> None:
+    def _write_outcome(self, writer: ResultWriter, h: _Held, o: RequestResult) -> None:
         if self._is_done(h.custom_id):
             return
         if o.kind == "ok":

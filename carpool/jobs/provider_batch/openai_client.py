@@ -20,7 +20,7 @@ from carpool.client.endpoints import AZURE_API_VERSION, is_reasoning_model
 from carpool.jobs.input.tasks import Task
 from carpool.jobs.provider_batch import limits
 from carpool.jobs.provider_batch.http import Http
-from carpool.jobs.provider_batch.provider import Outcome, Status, read_jsonl
+from carpool.jobs.provider_batch.provider import RequestResult, Status, read_jsonl
 
 METADATA_KEY = "carpool_batch"
 _ENDED = {"completed", "failed", "expired", "cancelled"}
@@ -100,7 +100,7 @@ class OpenAIBatches:
                            for e in errors[:3])
         return Status(batch_id, state, state in _ENDED, counts, detail, raw=b)
 
-    async def results(self, status: Status, workdir: Path) -> Iterator[Outcome]:
+    async def results(self, status: Status, workdir: Path) -> Iterator[RequestResult]:
         paths: list[Path] = []
         for key in ("output_file_id", "error_file_id"):
             file_id = status.raw.get(key)
@@ -109,7 +109,7 @@ class OpenAIBatches:
                                                   into=workdir / f"{status.batch_id}.{key}.jsonl"))
         return (self._outcome(doc) for path in paths for doc in read_jsonl(path))
 
-    def _outcome(self, doc: dict) -> Outcome:
+    def _outcome(self, doc: dict) -> RequestResult:
         pid = str(doc.get("custom_id"))
         resp = doc.get("response") or {}
         err = doc.get("error") or {}
@@ -117,12 +117,12 @@ class OpenAIBatches:
         body = resp.get("body") if isinstance(resp.get("body"), dict) else None
         rid = str(resp.get("request_id") or "")
         if not err and status == 200:
-            return Outcome(pid, "ok", 200, body, rid)
+            return RequestResult(pid, "ok", 200, body, rid)
         berr = (body or {}).get("error") if isinstance(body, dict) else None
         code = str(err.get("code") or (berr or {}).get("code") or (berr or {}).get("type") or f"http_{status}")
         message = str(err.get("message") or (berr or {}).get("message") or code)
         retry = code in _RETRY_CODES or status == 429 or status >= 500
-        return Outcome(pid, "retry" if retry else "error", status, body, rid, code, message)
+        return RequestResult(pid, "retry" if retry else "error", status, body, rid, code, message)
 
     async def close(self) -> None:
         await self.http.close()

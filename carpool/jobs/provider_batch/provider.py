@@ -34,7 +34,7 @@ class Status:
 
 
 @dataclass
-class Outcome:
+class RequestResult:
     """One request's result.  ``ok``: the answer (an OpenAI body); ``error``: final, written as an
     error line; ``retry``: the request did not run (expired, canceled, a transient error): it
     is submitted again."""
@@ -67,7 +67,7 @@ class Provider(Protocol):
 
     async def status(self, batch_id: str) -> Status: ...
 
-    async def results(self, status: Status, workdir: Path) -> Iterator[Outcome]:
+    async def results(self, status: Status, workdir: Path) -> Iterator[RequestResult]:
         """Download an ended batch's results into ``workdir``; its outcomes, read from there."""
 
     async def close(self) -> None: ...
