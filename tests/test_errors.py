@@ -60,7 +60,6 @@ def _run_main(monkeypatch, tmp_path, error: Exception) -> int:
         raise error
 
     monkeypatch.setattr(Runner, "run", fail)
-    monkeypatch.setattr(run_command, "start_checks", lambda opts, args, probe=True: [])
     parser = argparse.ArgumentParser()
     run_command.add_arguments(parser)
     return run_command.main(parser.parse_args([str(src), "-o", str(tmp_path / "o.jsonl"), "--echo-backend",

@@ -181,6 +181,33 @@ def test_no_import_cycles():
     assert gone == [], f"these cycles are gone: remove them from KNOWN_CYCLES: {gone}"
 
 
+# Class names two modules still share, and who removes them (the test fails once one is
+# gone: delete it here).
+KNOWN_SHARED_CLASS_NAMES: dict[str, str] = {
+    "SimRequest": "tune/workload.py and testing/batch_sim.py: one simulated request, to be one class",
+    "Verdict": "cache/verify.py and bench/verdicts.py",
+}
+
+
+def _class_names() -> dict[str, list[str]]:
+    """Every class defined in carpool (at any depth), by name: the modules defining it."""
+    found: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(module)
+    return found
+
+
+def test_no_two_classes_share_a_name():
+    # A reader who meets a class name in a traceback or a docstring finds one class by it.
+    shared = {name: sorted(where) for name, where in _class_names().items() if len(where) > 1}
+    new = {name: where for name, where in shared.items() if name not in KNOWN_SHARED_CLASS_NAMES}
+    assert new == {}, f"classes of the same name in several modules: {new}"
+    gone = sorted(set(KNOWN_SHARED_CLASS_NAMES) - set(shared))
+    assert gone == [], f"these names are no longer shared: remove them from KNOWN_SHARED_CLASS_NAMES: {gone}"
+
+
 @pytest.mark.parametrize("source, expected", [
     ("import carpool.jobs.input.tasks", ["carpool.jobs.input.tasks"]),
     ("from carpool.jobs.input.tasks import Task", ["carpool.jobs.input.tasks"]),

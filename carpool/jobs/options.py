@@ -61,6 +61,9 @@ class RunOptions:
     # Seconds every endpoint may stay down before the job stops (exit code 4, resumable);
     # until then an outage pauses the job instead of failing its tasks.
     outage_timeout: float = 900.0
+    # Seconds the start waits for an endpoint that does not answer yet (a server that is still
+    # starting) before it refuses the job (carpool.jobs.start.probe); 0: refuse at once.
+    wait_for_endpoint: float = 0.0
     ordered: bool = False
     # None: prefix-aware order decided per job (carpool.jobs.input.prefix_order); True: forced; False: off.
     prefix_order: bool | None = None

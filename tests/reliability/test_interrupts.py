@@ -83,6 +83,41 @@ def test_ctrl_c_in_run_batch_writes_only_what_ran(logging_fault_server, tmp_path
     assert set(srv.server.seen) == {f"t{i}" for i in range(N)} - written
 
 
+def test_ctrl_c_in_run_batch_inside_a_running_loop_stops_the_job(logging_fault_server, tmp_path):
+    # A notebook runs each cell inside its event loop, so run_batch runs the job on a thread of
+    # its own.  Before, Ctrl-C reached only the caller waiting for that thread, and the call
+    # returned once the job had run every task; now it stops the job, keeping what finished.
+    srv = logging_fault_server(FaultConfig(latency_s=0.3))
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_task(f"t{i}", f"task {i}") for i in range(N)])
+    out = tmp_path / "out.jsonl"
+    call = _api_call(src, out, srv.url, as_list=False).replace("import json, carpool\n", "")
+    # As a notebook does: a loop runs, with no handler of its own for SIGINT.
+    code = ("import asyncio, json, carpool\n"
+            "async def cell():\n"
+            f"    {call}"
+            "asyncio.new_event_loop().run_until_complete(cell())\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for_lines(out, 4, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and b"KeyboardInterrupt" in err, err.decode()[-2000:]
+    first = read_jsonl(out)
+    assert [d for d in first if d["error"] is not None] == [], "a task that never ran was written"
+    assert len(first) < N and srv.server.total_requests < N, "the job ran on after Ctrl-C"
+    written = {d["custom_id"] for d in first}
+    srv.quiesce()
+    srv.server.reset_counts()
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stderr.decode()[-2000:]
+    assert sorted(d["custom_id"] for d in read_jsonl(out)) == sorted(f"t{i}" for i in range(N))
+    assert written.isdisjoint(srv.server.seen), "an answered task was sent again"
+
+
 def test_a_waiter_cancelled_after_the_queue_dropped_it_leaves_quietly():
     # The cancellation and a release in the same loop turn: the release's wake-up drops the
     # cancelled waiter from the queue before the waiter runs its own clean-up.

@@ -1,31 +1,29 @@
-"""``BatchRunner``: what ``carpool run`` runs when the job goes through a batch API.
+"""``ProviderBatches``: a job's tasks sent through a provider's batch API, the ``Spread``
+a ``Runner`` runs for ``--batch-api`` (or an endpoints file of kind ``*-batch``).
 
-The same surface as ``carpool.jobs.runner.Runner`` (``run``, ``request_stop``,
-``messages``), so the command treats both alike.  It prices the job at the provider's
-batch rates, runs the ``BatchJob``, and with ``--batch-online-fallback`` sends the
-requests the batches gave back unanswered through the online path afterwards (the same
-output: the online run resumes it and sends only what is missing).
+The ``Runner`` settled the start as for any job (the checks, the output's lock, the prices
+at the batch rate); this runs the ``BatchJob`` against the provider's client, and with
+``--batch-online-fallback`` sends the requests the batches gave back unanswered through the
+online path afterwards: a second spread (``carpool.jobs.in_process.InProcess``) under the
+same start and lock, into the same output, which it resumes (only what is missing is sent).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from carpool.jobs.cost.prices import Prices
-from carpool.jobs.input.readers import TaskSource
-from carpool.jobs.options import RunOptions
-from carpool.jobs.output.lock import OutputLock
-from carpool.jobs.output.table import output_target, write_table
+from carpool.errors import StartRefused
+from carpool.jobs.in_process import InProcess
+from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.provider_batch.anthropic_client import AnthropicBatches
 from carpool.jobs.provider_batch.job import BatchJob
 from carpool.jobs.provider_batch.limits import ANTHROPIC, OPENAI, effective
 from carpool.jobs.provider_batch.openai_client import OpenAIBatches
-from carpool.jobs.provider_batch.options import BatchOptions
+from carpool.jobs.provider_batch.options import PROVIDERS, BatchOptions
 from carpool.jobs.provider_batch.provider import Provider
-from carpool.jobs.runner import Runner, job_prices
-from carpool.jobs.summary.exit_codes import StartRefused
+from carpool.jobs.provider_batch.state import BatchState
+from carpool.jobs.spread import StartedJob
 from carpool.jobs.summary.stats import JobStats
 
 
@@ -39,7 +37,7 @@ def make_provider(batch: BatchOptions, say: Callable[[str], None] | None = None)
                              api_version=batch.api_version, completion_window=batch.completion_window,
                              lim=effective(OPENAI, batch.max_requests, batch.max_bytes), say=say,
                              attempts=batch.http_attempts)
-    raise StartRefused(f"--batch-api {batch.provider!r}: the batch APIs are openai, azure and anthropic")
+    raise StartRefused(f"--batch-api {batch.provider!r}: the batch APIs are {', '.join(PROVIDERS)}")
 
 
 def online_options(opts: RunOptions) -> RunOptions:
@@ -49,81 +47,80 @@ def online_options(opts: RunOptions) -> RunOptions:
     return dataclasses.replace(opts, batch=None, endpoint_specs=specs, force=True, fresh=False)
 
 
-class BatchRunner:
-    def __init__(self, opts: RunOptions, notify: Callable[[str], None] | None = None,
-                 source: TaskSource | None = None):
-        if opts.batch is None:
-            raise ValueError("BatchRunner needs RunOptions.batch")
-        if opts.batch.online_fallback and opts.batch.provider == "anthropic":
+def _batches_submitted(opts: RunOptions) -> bool:
+    """Whether an earlier run into this output submitted batches that are not collected yet."""
+    if opts.fresh:
+        return False
+    state = BatchState(opts.output)
+    state.load()
+    return bool(state.active())
+
+
+def _add_online(stats: JobStats, online: JobStats) -> None:
+    """The online part's counts added to the batches' (one job, one summary)."""
+    for name in ("done", "ok", "sent", "prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
+        setattr(stats, name, getattr(stats, name) + getattr(online, name))
+    stats.errors.update(online.errors)
+    stats.interrupted, stats.stopped_by_outage = online.interrupted, online.stopped_by_outage
+
+
+class ProviderBatches:
+    def __init__(self) -> None:
+        self.job: BatchJob | None = None
+        self.online: InProcess | None = None
+        self._stopped = False
+
+    def check(self, opts: RunOptions, live: LiveParts) -> list[str]:
+        batch = opts.batch
+        if batch is None:
+            raise StartRefused("a job through a batch API needs its batch options (RunOptions.batch)")
+        if batch.provider not in PROVIDERS:
+            raise StartRefused(f"--batch-api {batch.provider!r}: the batch APIs are {', '.join(PROVIDERS)}")
+        if batch.online_fallback and batch.provider == "anthropic":
             raise StartRefused("--batch-online-fallback: the online path speaks the OpenAI API; Anthropic "
                                "requests that come back unanswered are submitted again in a new batch instead "
                                "(leave out the flag)")
-        self.opts, self.batch, self.notify, self.source = opts, opts.batch, notify, source
-        self.messages: list[str] = []
-        self.job: BatchJob | None = None
-        self.online: Runner | None = None
-        self._stopped = False
+        return ["--ordered has no effect through a batch API: lines are written as batches end"] if opts.ordered \
+            else []
 
-    def request_stop(self) -> None:
-        self._stopped = True
-        for part in (self.job, self.online):
-            if part is not None:
-                part.request_stop()
+    def probes(self, opts: RunOptions) -> bool:
+        # A run that already submitted batches is not refused when the provider does not answer:
+        # resumed while the provider is away, it waits out --outage-timeout on them (exit 4,
+        # resumable), as a run that has sent something does.
+        return not _batches_submitted(opts)
 
-    def terminate(self) -> None:
-        """SIGTERM: as Ctrl-C for the batches (polling stops at once; what was submitted is
-        picked up by the same command), and the online runner's own SIGTERM for the requests
-        sent online, so a process manager's stop ends the run within seconds in either part."""
+    async def run(self, job: StartedJob) -> tuple[JobStats, list[str]]:
+        assert job.opts.batch is not None  # check() refused a start without it
+        provider = make_provider(job.opts.batch, job.notify)
+        self.job = BatchJob(job.opts, job.opts.batch, provider, job.notify, job.source)
+        if self._stopped:
+            self.job.request_stop()
+        stats = await self.job.run()
+        messages = self.job.messages
+        if not (stats.interrupted or stats.stopped_by_outage) and self.job.state.online:
+            messages += await self._online(job, stats)
+        return stats, messages
+
+    async def _online(self, job: StartedJob, stats: JobStats) -> list[str]:
+        """The requests the batches left unanswered, sent online; their counts join ``stats``."""
+        assert self.job is not None
+        if job.notify is not None and not job.opts.quiet:
+            job.notify(f"{len(self.job.state.online):,} requests came back unanswered from the batches: "
+                       "sending them online")
+        self.online = InProcess()
+        online, messages = await self.online.run(dataclasses.replace(job, opts=online_options(job.opts)))
+        _add_online(stats, online)
+        messages.append(f"{online.done:,} requests were sent online at the online price; the $ figure "
+                        "prices every request at the batch rate")
+        if not (online.interrupted or online.stopped_by_outage):
+            self.job.state.remove()
+        return messages
+
+    def request_stop(self, grace_s: float | None = None) -> None:
+        """The batches stop being polled at once (what was submitted is picked up by the same
+        command); requests sent online stop as an online job's do."""
         self._stopped = True
         if self.job is not None:
             self.job.request_stop()
         if self.online is not None:
-            self.online.terminate()
-
-    async def run(self) -> JobStats:
-        target = output_target(self.opts.output)
-        prices = job_prices(self.opts)
-        lock = OutputLock(target.journal)
-        lock.acquire()  # another run writing this output: refused before anything is submitted
-        try:
-            stats = await self._batches(prices)
-        finally:
-            lock.release()
-        finished = not (stats.interrupted or stats.stopped_by_outage)
-        assert self.job is not None
-        if finished and self.job.state.online:
-            stats = await self._online(stats)  # a Runner of its own, which takes the lock again
-        if target.is_table and finished:
-            rows = await asyncio.to_thread(write_table, target)
-            self.messages.append(f"wrote {target.path} ({rows:,} rows) from its journal {target.journal}")
-        return stats
-
-    async def _batches(self, prices: Prices | None) -> JobStats:
-        provider = make_provider(self.batch, self.notify)
-        self.job = BatchJob(self.opts, self.batch, provider, self.notify, self.source)
-        if self._stopped:
-            self.job.request_stop()
-        stats = await self.job.run()
-        stats.prices = prices.at_batch_rate() if prices is not None else None
-        self.messages = self.job.messages
-        if self.opts.ordered:
-            self.messages.append("--ordered has no effect through a batch API: lines are written as batches end")
-        return stats
-
-    async def _online(self, stats: JobStats) -> JobStats:
-        assert self.job is not None
-        n = len(self.job.state.online)
-        if self.notify is not None and not self.opts.quiet:
-            self.notify(f"{n:,} requests came back unanswered from the batches: sending them online")
-        self.online = Runner(online_options(self.opts), self.notify)
-        online = await self.online.run()
-        self.messages += self.online.messages
-        for name in ("done", "ok", "sent", "prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
-            setattr(stats, name, getattr(stats, name) + getattr(online, name))
-        stats.errors.update(online.errors)
-        stats.interrupted, stats.stopped_by_outage = online.interrupted, online.stopped_by_outage
-        self.messages.append(f"{online.done:,} requests were sent online at the online price; the $ figure "
-                             "prices every request at the batch rate")
-        if not (online.interrupted or online.stopped_by_outage):
-            self.job.state.remove()
-        return stats
+            self.online.request_stop(grace_s)

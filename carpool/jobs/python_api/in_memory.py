@@ -25,6 +25,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from carpool.errors import StartRefused
 from carpool.jobs.input.readers import RecordSource
 from carpool.jobs.input.tasks import BadLine, Task, TaskDefaults, Template, build_from_row, build_record, repeat_id
 
@@ -276,8 +277,8 @@ def check_columns(names: Sequence[str], structured: bool = False) -> None:
     result = RESULT_COLUMNS + (STRUCTURED_COLUMNS if structured else ())
     clash = [c for c in result if c in names]
     if clash:
-        raise ValueError(f"run_batch input: column {clash[0]!r} is also a result column ({', '.join(result)}); "
-                         "rename it before the run")
+        raise StartRefused(f"run_batch input: column {clash[0]!r} is also a result column ({', '.join(result)}); "
+                           "rename it before the run")
 
 
 def results_as(data: Any, kind: str, lines: list[dict | None], parse: Any = None) -> Any:

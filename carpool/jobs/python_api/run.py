@@ -26,8 +26,14 @@ Without an endpoint the job runs on carpool's own engine, in this process.  That
 stays warm between calls (``carpool.jobs.python_api.warm``: one per model and settings, stopped at
 interpreter exit), so the second call in a notebook does not load the model again.
 
+Every call makes the start-up check ``carpool run`` makes (``carpool.jobs.start.checks``)
+before anything is sent: a template naming a column that is not there, an endpoint URL
+without ``/v1`` or where nothing listens, ``max_tokens=-5`` raise ``StartRefused`` (a
+``ValueError`` too) naming the fix, instead of an error in every row.
+
 ``run_batch`` blocks; inside a running event loop (Jupyter) it runs the job on a thread of
-its own with its own loop, never nesting one loop in another.  ``progress`` (default: on)
+its own with its own loop, never nesting one loop in another, and Ctrl-C there stops the
+job as it does anywhere else: what finished is kept, nothing unrun is written.  ``progress`` (default: on)
 draws a bar: tqdm's widget in Jupyter, rich on a terminal, status lines on stderr otherwise.
 """
 
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -208,6 +215,8 @@ async def _look(tasks: Any, kind: str, output: str | os.PathLike | None, want_es
     Nothing is sent and ``output`` is only read."""
     from carpool.jobs.cost.estimate import estimate
     from carpool.jobs.dry_run import plan
+    from carpool.jobs.runner import default_spread
+    from carpool.jobs.start.checks import check_start
 
     path = str(tasks) if kind == "path" else ""
     with tempfile.TemporaryDirectory(prefix="carpool-") as tmp:
@@ -218,9 +227,11 @@ async def _look(tasks: Any, kind: str, output: str | os.PathLike | None, want_es
         if kind != "path":
             source = MemorySource(rows_of(tasks, kind, keep_empty=opts.template is not None), opts.template,
                                   job_defaults(opts))
-        if want_estimate:
-            return await estimate(opts, source, live)
-        return await plan(opts, source, live)
+        # The start-up check of a run; an estimate sends nothing, not even a probe.
+        warnings = await check_start(opts, live, default_spread(opts), source, probe=not want_estimate)
+        doc = await (estimate(opts, source, live) if want_estimate else plan(opts, source, live))
+        doc["messages"] = [*warnings, *doc.get("messages", [])]
+        return doc
 
 
 async def _run_records(tasks: Any, kind: str, journal: str, options: dict, parse: Any) -> tuple[Any, dict]:
@@ -261,6 +272,52 @@ async def _arun(tasks: Any, output: str | os.PathLike | None, with_summary: bool
         else:
             results, summary = await _run_records(tasks, kind, journal, options, parse)
     return (results, summary) if with_summary else results
+
+
+class _JobThread:
+    """A job run on a thread of its own, with its own loop, for a caller whose thread runs a
+    loop already (a notebook).  Ctrl-C reaches that caller as ``KeyboardInterrupt`` while it
+    waits here; the job is then cancelled as ``asyncio.run`` cancels one (what finished stays
+    in the journal, nothing unrun is written) and waited for before the interrupt goes on, so
+    the call ends as promptly as it would outside a loop."""
+
+    def __init__(self, job: Coroutine[Any, Any, Any]):
+        self._job = job
+        self._done: concurrent.futures.Future = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._cancelled = False
+
+    def result(self) -> Any:
+        threading.Thread(target=self._main, name="carpool-run-batch", daemon=True).start()
+        try:
+            return self._done.result()
+        except KeyboardInterrupt:
+            self._cancel()
+            with contextlib.suppress(BaseException):  # its own end is the cancellation's doing
+                self._done.result()
+            raise
+
+    def _main(self) -> None:
+        try:
+            self._done.set_result(asyncio.run(self._run()))
+        except BaseException as e:  # noqa: BLE001  (handed to the waiting caller)
+            self._done.set_exception(e)
+
+    async def _run(self) -> Any:
+        with self._lock:
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+            if self._cancelled:  # Ctrl-C came before the job began
+                self._job.close()
+                raise asyncio.CancelledError
+        return await self._job
+
+    def _cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._loop is not None and self._task is not None:
+                self._loop.call_soon_threadsafe(self._task.cancel)
 
 
 class _Terminated(Exception):
@@ -379,15 +436,10 @@ def run_batch(
     Inside a running event loop (Jupyter) the job runs on a thread with a loop of its own.
     """
     named = _named(locals())
-
-    def job() -> Any:
-        return asyncio.run(_arun(tasks, output, with_summary, estimate, named))
-
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return _run_stopped_by_sigterm(_arun(tasks, output, with_summary, estimate, named))
     # A loop runs in this thread (Jupyter): asyncio.run cannot nest, so the job gets a thread
     # and a loop of its own while this call waits for it.
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="carpool-run-batch") as pool:
-        return pool.submit(job).result()
+    return _JobThread(_arun(tasks, output, with_summary, estimate, named)).result()

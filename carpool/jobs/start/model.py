@@ -128,7 +128,9 @@ async def resolve_target(opts: RunOptions, source: TaskSource | None = None, liv
     live = live if live is not None else LiveParts()
     if live.identity is not None:
         return opts, live, []
-    if opts.echo or not opts.endpoints:
+    # A provider's batch API is not asked: the provider checks the model as it takes a batch,
+    # and its /models may speak another dialect (Anthropic's) than the one listed here.
+    if opts.echo or not opts.endpoints or opts.batch is not None:
         return opts, dataclasses.replace(live, identity=job_identity(opts, live)), []
     # Azure's /openai/models lists base models, not the deployments requests go to: not asked.
     asked = [s for s in job_endpoints(opts) if s.kind != "azure"]
@@ -145,7 +147,3 @@ async def resolve_target(opts: RunOptions, source: TaskSource | None = None, liv
     defaults = dataclasses.replace(opts.defaults, model=model)
     return dataclasses.replace(opts, defaults=defaults), dataclasses.replace(live, identity=identity), notes
 
-
-def resolve_target_sync(opts: RunOptions, live: LiveParts | None = None) -> tuple[RunOptions, LiveParts, list[str]]:
-    """``resolve_target`` from code that has no event loop running (the Ray driver)."""
-    return asyncio.run(resolve_target(opts, live=live))
