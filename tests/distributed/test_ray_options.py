@@ -12,9 +12,11 @@ from carpool.distributed.ray_runner import (
     RayOptions,
     RayRunError,
     _parquet_plan,
+    run_batch_on_ray,
     run_on_ray,
 )
 from carpool.distributed.worker import ShardReader
+from carpool.errors import StartRefused
 from carpool.jobs.input.tasks import Template
 from carpool.jobs.options import RunOptions
 from carpool.jobs.python_api.run import run_batch
@@ -55,6 +57,18 @@ def test_a_finished_output_is_not_run_again(tmp_path):
     run_batch(str(tasks), str(out), echo=True, cache="off")
     result = run_on_ray(RunOptions(input=str(tasks), output=str(out), echo=True), RayOptions()).to_dict()
     assert result["complete"] and result["already_done"] and result["skipped_done_before"] == 2
+
+
+def test_a_ray_run_makes_the_one_start_up_check_before_any_shard_runs(tmp_path):
+    # Before, a --ray run from Python skipped it: every row of every shard failed on the typo.
+    src = tmp_path / "reviews.csv"
+    src.write_text("id,review\nr1,great\nr2,awful\n")
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(StartRefused, match=r"did you mean \{review\}"):
+        run_batch_on_ray(str(src), str(out), echo=True, template="Review: {reviw}", cache="off")
+    with pytest.raises(RayRunError, match="--retry-errors runs in one process"):
+        run_on_ray(RunOptions(input=str(src), output=str(out), echo=True, retry_errors=True))
+    assert not out.exists()
 
 
 def test_parquet_shards_are_row_group_ranges(tmp_path):
