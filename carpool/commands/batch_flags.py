@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from carpool.errors import StartRefused
 from carpool.jobs.provider_batch.options import KINDS, PROVIDERS, BatchOptions
-from carpool.jobs.summary.exit_codes import StartRefused
 
 # Where each provider is when --endpoint does not say, and the variables its key is read from.
 DEFAULT_URLS = {"openai": "https://api.openai.com/v1", "anthropic": "https://api.anthropic.com"}

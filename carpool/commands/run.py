@@ -219,7 +219,7 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
 def _headers(values: list[str]) -> dict[str, str]:
     """``--header 'Name: value'`` flags as a mapping; raises ``StartRefused`` on a bad one."""
     from carpool.client.endpoints import header_problem
-    from carpool.jobs.summary.exit_codes import StartRefused
+    from carpool.errors import StartRefused
     from carpool.redact import redact_header
 
     out: dict[str, str] = {}

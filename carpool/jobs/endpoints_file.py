@@ -39,8 +39,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from carpool.client.endpoints import EndpointSpec, auth_headers, header_problem, is_azure_url, plain_specs
+from carpool.errors import StartRefused
 from carpool.jobs.provider_batch.options import KINDS
-from carpool.jobs.summary.exit_codes import StartRefused
 
 if TYPE_CHECKING:
     from carpool.jobs.options import RunOptions

@@ -92,7 +92,7 @@ def test_exact_cache_across_runs(fault_server, tmp_path):
 def test_endpoint_tasks_need_a_model(fault_server, tmp_path):
     """No --model and an endpoint that cannot say what it serves: refused before anything is
     sent or written (it used to write an invalid_input line for every task, all "done")."""
-    from carpool.jobs.summary.exit_codes import StartRefused
+    from carpool.errors import StartRefused
 
     srv = fault_server(FaultConfig())
     src = tmp_path / "in.jsonl"

@@ -21,7 +21,7 @@ import socket
 import time
 from pathlib import Path
 
-from carpool.jobs.summary.exit_codes import StartRefused
+from carpool.errors import StartRefused
 
 LOCK_SUFFIX = ".carpool.lock"
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from carpool.errors import StartRefused
 from carpool.extras import require
-from carpool.jobs.summary.exit_codes import StartRefused
 
 JSONL = ".jsonl"
 PARQUET = ".parquet"

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from carpool.errors import StartRefused
 from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.input.tasks import BadLine, Task
 from carpool.jobs.options import RunOptions
@@ -35,7 +36,6 @@ from carpool.jobs.provider_batch.limits import Chunk
 from carpool.jobs.provider_batch.options import BatchOptions
 from carpool.jobs.provider_batch.provider import Provider, RequestResult, Status
 from carpool.jobs.provider_batch.state import COLLECTED, RUNNING, BatchState, Entry
-from carpool.jobs.summary.exit_codes import StartRefused
 from carpool.jobs.summary.stats import JobStats
 from carpool.journal.done import DoneSet, SeenIds, id_hash
 from carpool.journal.journal import Journal

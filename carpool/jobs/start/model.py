@@ -26,12 +26,12 @@ import dataclasses
 
 from carpool.client.endpoints import EndpointSpec
 from carpool.client.models import ModelIdentity, ModelList, identity_from_card, list_models
+from carpool.errors import StartRefused
 from carpool.jobs.endpoints_file import EndpointsFileError, job_endpoints
 from carpool.jobs.fingerprint import job_identity
 from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.input.tasks import Task
 from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.summary.exit_codes import StartRefused
 
 
 def _first_task_model(opts: RunOptions, source: TaskSource | None, look: int = 64) -> str | None:

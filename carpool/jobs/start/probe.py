@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from carpool.client.endpoints import EndpointSpec
-from carpool.jobs.summary.exit_codes import StartRefused
+from carpool.errors import StartRefused
 
 
 @dataclass

@@ -65,6 +65,3 @@ def code_for_error(error: BaseException) -> ExitCode:
     if isinstance(error, OSError):
         return ExitCode.OUTPUT_FAILED
     return ExitCode.CRASHED
-
-
-__all__ = ["ExitCode", "StartRefused", "code_for_error", "exit_code"]
