@@ -287,7 +287,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
         max_pending=args.max_pending, dry_run=args.dry_run, echo=args.echo_backend, force=args.force,
         retry_errors=args.retry_errors, argv=["run", *_original_argv()], quiet=args.quiet,
-        price_in=args.price_in, price_out=args.price_out, prices=args.prices, batch=batch,
+        price_in=args.price_in, price_out=args.price_out, prices=args.prices, batch_api=batch,
     )
 
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from carpool.client.endpoints import EndpointSpec
     from carpool.client.models import ModelIdentity
     from carpool.engine.protocol import EngineClient
-    from carpool.jobs.provider_batch.options import BatchOptions
+    from carpool.jobs.provider_batch.options import BatchApiOptions
 
 # Builds the embedding batcher on the first embedding task (loading MiniLM costs seconds);
 # what it returns is the in-process backend's business (``carpool.client.engine_backend``).
@@ -95,7 +95,7 @@ class RunOptions:
     quiet: bool = False
     # --batch-api / an endpoints-file kind *-batch: the job goes through the provider's batch API
     # (carpool.jobs.provider_batch); None: online.
-    batch: BatchOptions | None = None
+    batch_api: BatchApiOptions | None = None
 
 
 @dataclass(frozen=True)

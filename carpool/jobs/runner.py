@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from carpool.jobs.cost.prices import Prices, resolve_prices
+from carpool.jobs.cost.prices import job_prices
 from carpool.jobs.in_process import InProcess
 from carpool.jobs.input.readers import TaskSource
 from carpool.jobs.options import LiveParts, RunOptions
@@ -37,19 +37,10 @@ from carpool.jobs.summary.stats import JobStats
 TERM_GRACE_S = 5.0  # how long SIGTERM lets requests in flight finish
 
 
-def job_prices(opts: RunOptions) -> Prices | None:
-    """The prices of the job's model: the flags, else the ``--prices`` file, else the built-in
-    table (an endpoint's model name; the embedded engine is in no table), else None (unknown);
-    through a provider's batch API, at its batch rate."""
-    prices = resolve_prices(opts.defaults.model if opts.endpoints else None, opts.price_in, opts.price_out,
-                            opts.prices)
-    return prices.at_batch_rate() if prices is not None and opts.batch is not None else prices
-
-
 def default_spread(opts: RunOptions) -> Spread:
     """Where a job's tasks run unless the caller says: through the provider's batch API the
     options name, else in this process."""
-    if opts.batch is not None:
+    if opts.batch_api is not None:
         from carpool.jobs.provider_batch.spread import ProviderBatches
 
         return ProviderBatches()

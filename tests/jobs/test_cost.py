@@ -176,7 +176,7 @@ def test_the_summary_table_prints_dollars(fault_server, tmp_path):
 
 def test_defaults_model_is_the_priced_one():
     opts = RunOptions(input="x", output="y", endpoints=["http://h/v1"], defaults=TaskDefaults(model="gpt-4o"))
-    from carpool.jobs.runner import job_prices
+    from carpool.jobs.cost.prices import job_prices
 
     assert job_prices(opts).input_per_m == 2.50
     assert job_prices(RunOptions(input="x", output="y")) is None  # the embedded engine: no list price

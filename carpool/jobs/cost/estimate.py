@@ -20,7 +20,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from carpool.jobs.cost.prices import resolve_prices
+from carpool.jobs.cost.prices import job_prices
 from carpool.jobs.cost.tokens import counter_for, output_bound
 from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.input.tasks import BadLine, Task
@@ -40,9 +40,7 @@ def job_model(opts: RunOptions, live: LiveParts | None = None) -> tuple[str | No
 async def estimate(opts: RunOptions, source: TaskSource | None = None, live: LiveParts | None = None
                    ) -> dict[str, Any]:
     model, engine_model = job_model(opts, live)
-    prices = resolve_prices(model, opts.price_in, opts.price_out, opts.prices)
-    if prices is not None and opts.batch is not None:  # --batch-api: the provider's batch rates
-        prices = prices.at_batch_rate()
+    prices = job_prices(opts)
     messages: list[str] = []
     done: set[str] | Any = set()
     if opts.output:

@@ -27,8 +27,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from carpool.errors import StartRefused
+
+if TYPE_CHECKING:
+    from carpool.jobs.options import RunOptions
 
 # $ per million tokens (input, output): OpenAI's standard (not Batch API) list prices as
 # published on openai.com/api/pricing, August 2025.  Dated snapshots ("gpt-4o-2024-08-06")
@@ -197,6 +201,15 @@ def resolve_prices(model: str | None, price_in: float | None, price_out: float |
                   price_out if price_out is not None else table.output_per_m,
                   f"--price-in/--price-out, the rest from the {table.source}",
                   table.cached_per_m if price_in is None else None)
+
+
+def job_prices(opts: RunOptions) -> Prices | None:
+    """The prices of a job's model: the flags, else the ``--prices`` file, else the built-in
+    table (an endpoint's model name; the embedded engine is in no table), else None (unknown);
+    through a provider's batch API, at its batch rate."""
+    prices = resolve_prices(opts.defaults.model if opts.endpoints else None, opts.price_in, opts.price_out,
+                            opts.prices)
+    return prices.at_batch_rate() if prices is not None and opts.batch_api is not None else prices
 
 
 def cost_doc(prices: Prices | None, prompt: int, completion: int, saved_prompt: int, saved_completion: int,

@@ -33,7 +33,7 @@ from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable
 from carpool.jobs.provider_batch.http import BatchApiError, MaybeCreated
 from carpool.jobs.provider_batch.ids import anthropic_id
 from carpool.jobs.provider_batch.limits import Chunk
-from carpool.jobs.provider_batch.options import BatchOptions
+from carpool.jobs.provider_batch.options import BatchApiOptions
 from carpool.jobs.provider_batch.provider import Provider, RequestResult, Status
 from carpool.jobs.provider_batch.state import COLLECTED, RUNNING, BatchState, Entry
 from carpool.jobs.summary.stats import JobStats
@@ -54,7 +54,7 @@ class _Held:
 
 
 class BatchJob:
-    def __init__(self, opts: RunOptions, batch: BatchOptions, provider: Provider,
+    def __init__(self, opts: RunOptions, batch: BatchApiOptions, provider: Provider,
                  say: Callable[[str], None] | None = None, source: TaskSource | None = None):
         self.opts, self.batch, self.provider = opts, batch, provider
         self.say_to = say

@@ -1,4 +1,4 @@
-"""``BatchOptions``: how a job goes through a provider's batch API (``--batch-api``)."""
+"""``BatchApiOptions``: how a job goes through a provider's batch API (``--batch-api``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ KINDS = {"openai-batch": "openai", "azure-batch": "azure", "anthropic-batch": "a
 
 
 @dataclass
-class BatchOptions:
+class BatchApiOptions:
     provider: str  # openai | azure | anthropic
     url: str  # the provider's base URL (https://api.openai.com/v1, https://api.anthropic.com, ...)
     headers: dict[str, str]  # authentication included

@@ -20,14 +20,14 @@ from carpool.jobs.provider_batch.anthropic_client import AnthropicBatches
 from carpool.jobs.provider_batch.job import BatchJob
 from carpool.jobs.provider_batch.limits import ANTHROPIC, OPENAI, effective
 from carpool.jobs.provider_batch.openai_client import OpenAIBatches
-from carpool.jobs.provider_batch.options import PROVIDERS, BatchOptions
+from carpool.jobs.provider_batch.options import PROVIDERS, BatchApiOptions
 from carpool.jobs.provider_batch.provider import Provider
 from carpool.jobs.provider_batch.state import BatchState
 from carpool.jobs.spread import StartedJob
 from carpool.jobs.summary.stats import JobStats
 
 
-def make_provider(batch: BatchOptions, say: Callable[[str], None] | None = None) -> Provider:
+def make_provider(batch: BatchApiOptions, say: Callable[[str], None] | None = None) -> Provider:
     if batch.provider == "anthropic":
         return AnthropicBatches(batch.url, batch.headers, batch.model, batch.default_max_tokens,
                                 effective(ANTHROPIC, batch.max_requests, batch.max_bytes), say,
@@ -44,7 +44,7 @@ def online_options(opts: RunOptions) -> RunOptions:
     """The same job sent online: the endpoints without their batch kinds; the output is resumed
     whatever the endpoint reports as its model (it is the one the batches were sent to)."""
     specs = [dataclasses.replace(s, kind=s.kind.removesuffix("-batch")) for s in opts.endpoint_specs]
-    return dataclasses.replace(opts, batch=None, endpoint_specs=specs, force=True, fresh=False)
+    return dataclasses.replace(opts, batch_api=None, endpoint_specs=specs, force=True, fresh=False)
 
 
 def _batches_submitted(opts: RunOptions) -> bool:
@@ -71,9 +71,9 @@ class ProviderBatches:
         self._stopped = False
 
     def check(self, opts: RunOptions, live: LiveParts) -> list[str]:
-        batch = opts.batch
+        batch = opts.batch_api
         if batch is None:
-            raise StartRefused("a job through a batch API needs its batch options (RunOptions.batch)")
+            raise StartRefused("a job through a batch API needs its batch options (RunOptions.batch_api)")
         if batch.provider not in PROVIDERS:
             raise StartRefused(f"--batch-api {batch.provider!r}: the batch APIs are {', '.join(PROVIDERS)}")
         if batch.online_fallback and batch.provider == "anthropic":
@@ -90,9 +90,9 @@ class ProviderBatches:
         return not _batches_submitted(opts)
 
     async def run(self, job: StartedJob) -> tuple[JobStats, list[str]]:
-        assert job.opts.batch is not None  # check() refused a start without it
-        provider = make_provider(job.opts.batch, job.notify)
-        self.job = BatchJob(job.opts, job.opts.batch, provider, job.notify, job.source)
+        assert job.opts.batch_api is not None  # check() refused a start without it
+        provider = make_provider(job.opts.batch_api, job.notify)
+        self.job = BatchJob(job.opts, job.opts.batch_api, provider, job.notify, job.source)
         if self._stopped:
             self.job.request_stop()
         stats = await self.job.run()

@@ -130,7 +130,7 @@ async def resolve_target(opts: RunOptions, source: TaskSource | None = None, liv
         return opts, live, []
     # A provider's batch API is not asked: the provider checks the model as it takes a batch,
     # and its /models may speak another dialect (Anthropic's) than the one listed here.
-    if opts.echo or not opts.endpoints or opts.batch is not None:
+    if opts.echo or not opts.endpoints or opts.batch_api is not None:
         return opts, dataclasses.replace(live, identity=job_identity(opts, live)), []
     # Azure's /openai/models lists base models, not the deployments requests go to: not asked.
     asked = [s for s in job_endpoints(opts) if s.kind != "azure"]
