@@ -449,7 +449,7 @@ def run_batch_on_ray(input: str, output: str, *, address: str | None = None, wor
     """Python API: ``run_batch`` spread over Ray; ``options`` are those of ``carpool.run_batch``
     (RunOptions fields, plus the ``model``/``max_tokens``/``temperature`` shortcuts).  Returns
     the summary ``run_batch`` returns (``JobStats.to_dict`` and the messages)."""
-    from carpool.jobs.python_api.run import make_job
+    from carpool.jobs.python_api.arguments import make_job
     from carpool.jobs.runner import Runner
 
     ray_options = ray_options or RayOptions(address=address, workers=workers, redis=redis)

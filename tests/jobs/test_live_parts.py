@@ -11,7 +11,7 @@ import pytest
 from carpool.client.models import ModelIdentity
 from carpool.jobs.fingerprint import job_identity, make_fingerprint
 from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.python_api.run import make_job, make_options
+from carpool.jobs.python_api.arguments import make_job, make_options
 from carpool.jobs.start.model import resolve_target
 
 
