@@ -34,6 +34,7 @@ from carpool.client.base import CallResult, Refused
 from carpool.client.breaker import OutageTimeout
 from carpool.client.executor import Executor, Stopped
 from carpool.client.retry import ErrorKind, RetryPolicy
+from carpool.errors import CarpoolError
 from carpool.jobs.input.prefix_order import PlannedSource, WindowOrder
 from carpool.jobs.input.readers import TaskSource
 from carpool.jobs.input.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
@@ -49,7 +50,7 @@ from carpool.journal.done import DoneSet, SeenIds
 from carpool.journal.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
 
-class OutputError(OSError):
+class OutputError(CarpoolError, OSError):
     """The output could not be written; the message says which file, why, and how to resume."""
 
     def __str__(self) -> str:

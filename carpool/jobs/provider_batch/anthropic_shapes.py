@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import time
 
+from carpool.errors import CarpoolError
+
 # Fields sent on as they are, and fields that change nothing Anthropic would answer.
 _SAME = ("temperature", "top_p", "top_k")
 _IGNORED = {"stream", "stream_options", "seed", "store", "metadata", "parallel_tool_calls", "service_tier"}
@@ -21,7 +23,7 @@ _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", 
            "refusal": "content_filter", "pause_turn": "stop"}
 
 
-class Untranslatable(ValueError):
+class Untranslatable(CarpoolError, ValueError):
     """A chat body with no Anthropic form; ``field`` names the body field at fault."""
 
     def __init__(self, field: str, reason: str):

@@ -17,9 +17,10 @@ from typing import Any
 import aiohttp
 
 from carpool.client.retry import parse_retry_after
+from carpool.errors import CarpoolError
 
 
-class BatchApiError(RuntimeError):
+class BatchApiError(CarpoolError, RuntimeError):
     """The provider refused a call for good (4xx other than 429) or never answered it."""
 
     def __init__(self, message: str, status: int = 0):
