@@ -7,7 +7,7 @@ import argparse
 import os
 
 from carpool.errors import StartRefused
-from carpool.jobs.provider_batch.options import KINDS, PROVIDERS, BatchApiOptions
+from carpool.jobs.options import KINDS, PROVIDERS, BatchApiOptions
 
 # Where each provider is when --endpoint does not say, and the variables its key is read from.
 DEFAULT_URLS = {"openai": "https://api.openai.com/v1", "anthropic": "https://api.anthropic.com"}

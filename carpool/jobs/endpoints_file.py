@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from carpool.client.endpoints import EndpointSpec, auth_headers, header_problem, is_azure_url, plain_specs
 from carpool.errors import StartRefused
-from carpool.jobs.provider_batch.options import KINDS
+from carpool.jobs.options import KINDS
 
 if TYPE_CHECKING:
     from carpool.jobs.options import RunOptions

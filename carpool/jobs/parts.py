@@ -36,7 +36,7 @@ from carpool.client.start_limit import (
 )
 from carpool.jobs.cost.tokens import CountedSource, openai_counter, openai_encoding_name
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
-from carpool.jobs.input.prefix_order import PlannedSource, wants_plan
+from carpool.jobs.input.prefix_order import PlannedSource
 from carpool.jobs.input.readers import Reader, RecordSource, TaskSource
 from carpool.jobs.input.tasks import Task, TaskDefaults
 from carpool.jobs.options import LiveParts, RunOptions
@@ -244,6 +244,16 @@ def endpoint_identity(opts: RunOptions, live: LiveParts | None = None) -> str:
 def make_journal(opts: RunOptions, live: LiveParts | None = None) -> Journal:
     return Journal(output_target(opts.output).journal, opts.errors, fingerprint=make_fingerprint(opts, live),
                    force=opts.force, retry_errors=opts.retry_errors, read_only=opts.dry_run)
+
+
+def wants_plan(opts: RunOptions) -> bool:
+    """Whether the job's input file is to be planned: by default (``None``) for endpoints and
+    the in-process engine alike (its prefix cache thrashes the same way: docs/run.md), forced
+    by ``--prefix-order``, never with ``--no-prefix-order`` nor ``--ordered``, nor for the echo
+    backend (no cache to feed)."""
+    if opts.prefix_order is False or opts.ordered:
+        return False
+    return opts.prefix_order is True or not opts.echo
 
 
 def build_parts(opts: RunOptions, live: LiveParts | None = None, *, source: TaskSource | None = None,

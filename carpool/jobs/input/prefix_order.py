@@ -29,14 +29,16 @@ import json
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from carpool.client.affinity import h64, prompt_text
 from carpool.jobs.input.readers import Reader, TooLong, cr_only, file_lines, numbered_lines, parse_jsonl_lines
 from carpool.jobs.input.tasks import BadLine, Task
-from carpool.jobs.options import RunOptions
+
+if TYPE_CHECKING:
+    from carpool.jobs.options import RunOptions
 
 # Prompt starts hashed per line, coarse to fine, in characters (about 4 to a token): tasks
 # sharing fewer than the first level's characters are not worth moving (a short shared
@@ -236,16 +238,6 @@ class PlannedSource:
                     self.max_held = max(self.max_held, self.held)
                     yield item
                     self.held -= 1
-
-
-def wants_plan(opts: RunOptions) -> bool:
-    """Whether the job's input file is to be planned: by default (``None``) for endpoints and
-    the in-process engine alike (its prefix cache thrashes the same way: docs/run.md), forced
-    by ``--prefix-order``, never with ``--no-prefix-order`` nor ``--ordered``, nor for the echo
-    backend (no cache to feed)."""
-    if opts.prefix_order is False or opts.ordered:
-        return False
-    return opts.prefix_order is True or not opts.echo
 
 
 class WindowOrder:

@@ -1,5 +1,8 @@
 """``carpool run`` through a provider's batch API (OpenAI, Azure OpenAI, Anthropic).
 
+``spread.ProviderBatches`` is the ``Spread`` the job's ``Runner`` runs; its settings are
+``carpool.jobs.options.BatchApiOptions``.
+
 The job is cut at the provider's limits (``limits``), each piece is submitted as one
 provider batch (``openai_client``, ``anthropic_client``), polled with backoff, and its
 results are written into the same output file an online run writes (the journal,

@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from carpool.errors import StartRefused
 from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.input.tasks import BadLine, Task
-from carpool.jobs.options import RunOptions
+from carpool.jobs.options import BatchApiOptions, RunOptions
 from carpool.jobs.parts import job_defaults, make_journal
 from carpool.jobs.pipeline import OutputError
 from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable
 from carpool.jobs.provider_batch.http import BatchApiError, MaybeCreated
 from carpool.jobs.provider_batch.ids import anthropic_id
 from carpool.jobs.provider_batch.limits import Chunk
-from carpool.jobs.provider_batch.options import BatchApiOptions
 from carpool.jobs.provider_batch.provider import Provider, RequestResult, Status
 from carpool.jobs.provider_batch.state import COLLECTED, RUNNING, BatchState, Entry
 from carpool.jobs.summary.stats import JobStats

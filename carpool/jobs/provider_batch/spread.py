@@ -15,12 +15,11 @@ from collections.abc import Callable
 
 from carpool.errors import StartRefused
 from carpool.jobs.in_process import InProcess
-from carpool.jobs.options import LiveParts, RunOptions
+from carpool.jobs.options import PROVIDERS, BatchApiOptions, LiveParts, RunOptions
 from carpool.jobs.provider_batch.anthropic_client import AnthropicBatches
 from carpool.jobs.provider_batch.job import BatchJob
 from carpool.jobs.provider_batch.limits import ANTHROPIC, OPENAI, effective
 from carpool.jobs.provider_batch.openai_client import OpenAIBatches
-from carpool.jobs.provider_batch.options import PROVIDERS, BatchApiOptions
 from carpool.jobs.provider_batch.provider import Provider
 from carpool.jobs.provider_batch.state import BatchState
 from carpool.jobs.spread import StartedJob
