@@ -40,7 +40,7 @@ TERM_GRACE_S = 5.0  # how long SIGTERM lets requests in flight finish
 def default_spread(opts: RunOptions) -> Spread:
     """Where a job's tasks run unless the caller says: through the provider's batch API the
     options name, else in this process."""
-    if opts.batch_api is not None:
+    if opts.batch_api is not None:  # the providers' clients are loaded for such a job only
         from carpool.jobs.provider_batch.spread import ProviderBatches
 
         return ProviderBatches()
@@ -90,8 +90,8 @@ class Runner:
         self.request_stop(TERM_GRACE_S)
 
     async def run(self) -> JobStats:
-        """The job to its end; ``StartRefused`` (exit 2) before anything is read or sent when
-        it cannot start as asked."""
+        """The job to its end; ``StartRefused`` (exit 2) before anything is sent or written
+        when it cannot start as asked."""
         self._task = asyncio.current_task()
         try:
             job, target, lock = await self._start()
