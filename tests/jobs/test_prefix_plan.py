@@ -214,8 +214,8 @@ def test_bad_and_blank_lines_keep_their_line_numbers_when_planned(tmp_path):
 
 
 def test_who_plans_by_default():
-    from carpool.jobs.parts import wants_plan
     from carpool.jobs.options import RunOptions
+    from carpool.jobs.parts import wants_plan
 
     assert wants_plan(RunOptions("in", "out", endpoints=["http://x/v1"]))
     assert wants_plan(RunOptions("in", "out"))  # the in-process engine: its prefix cache thrashes alike
