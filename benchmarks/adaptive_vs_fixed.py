@@ -46,7 +46,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from carpool.jobs.api import make_options, run_batch
+from carpool.jobs.python_api.arguments import make_options
+from carpool.jobs.python_api.run import run_batch
 from carpool.jobs.runner import Runner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -191,9 +192,9 @@ def tagged_copy(tasks: list[dict], tag: str, path: str) -> None:
 
 
 def limiter_trace(runner: Runner) -> dict:
-    assert runner.pipeline is not None
-    lim = runner.pipeline.parts.limiter
-    stats = runner.pipeline.stats
+    assert runner.spread.pipeline is not None
+    lim = runner.spread.pipeline.parts.limiter
+    stats = runner.spread.pipeline.stats
     started = stats.started
     hist = getattr(lim, "history", None) or []
     points = [(round(t - started, 2), round(v, 1)) for t, v in hist]
@@ -222,7 +223,7 @@ def request_trace(path: str | None):
 
     async def call(self, req, **attempt):  # the attempt's own arguments (first-token hook) pass through
         t0 = time.monotonic()
-        pipeline = holder["runner"].pipeline
+        pipeline = holder["runner"].spread.pipeline
         lim = pipeline.parts.limiter
         limit, in_flight = lim.limit, lim.in_flight
         res = await original(self, req, **attempt)

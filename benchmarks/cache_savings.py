@@ -235,8 +235,8 @@ def run_pass(job, model: str, chunk: int, store=None, sem=None) -> tuple[dict, d
 
 
 def runner_pass(job, model: str, folder: Path, cache: str, semantic: float | None, dedup: bool, chunk: int):
-    """One pass through the real batch pipeline (carpool.jobs.api.run_batch) on the embedded engine."""
-    from carpool.jobs.api import run_batch
+    """One pass through the real batch pipeline (carpool.jobs.python_api.run.run_batch) on the embedded engine."""
+    from carpool.jobs.python_api.run import run_batch
 
     folder.mkdir(parents=True, exist_ok=True)
     tasks = folder / "tasks.jsonl"
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workload", default=None)
     ap.add_argument("--driver", choices=["runner", "engine"], default=None,
-                    help="runner: the real pipeline (carpool.jobs.api.run_batch, the default when present); "
+                    help="runner: the real pipeline (carpool.jobs.python_api.run.run_batch, the default when present); "
                     "engine: carpool.engine.LLM in waves with the caches in front, driven here")
     args = ap.parse_args(argv)
 
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     driver = args.driver
     if driver is None:
         try:
-            import carpool.jobs.api  # noqa: F401
+            import carpool.jobs.python_api.run  # noqa: F401
 
             driver = "runner"
         except ImportError:

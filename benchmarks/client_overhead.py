@@ -93,7 +93,7 @@ async def carpool_executor(url: str, n: int, c: int, stream: bool) -> float:
 
 
 def carpool_run(url: str, n: int, c: int, tmp: str) -> float:
-    from carpool.jobs.api import run_batch
+    from carpool.jobs.python_api.run import run_batch
 
     src = os.path.join(tmp, "tasks.jsonl")
     if not os.path.exists(src):

@@ -90,9 +90,9 @@ def main() -> None:
     a = p.parse_args()
 
     from carpool.distributed.ray_runner import RayOptions, run_on_ray
-    from carpool.jobs.api import run_batch
+    from carpool.jobs.input.tasks import TaskDefaults
     from carpool.jobs.options import RunOptions
-    from carpool.jobs.tasks import TaskDefaults
+    from carpool.jobs.python_api.run import run_batch
     from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 
     redis_proc, url = start_redis()

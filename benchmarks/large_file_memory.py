@@ -24,7 +24,7 @@ import time
 
 CHILD = """
 import json, resource, sys, time
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 kw = json.loads(sys.argv[3])
 t = time.perf_counter()
 s = run_batch(sys.argv[1], sys.argv[2], cache="off", **kw)

@@ -48,7 +48,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from carpool.jobs.api import make_options
+from carpool.jobs.python_api.arguments import make_options
 from carpool.jobs.runner import Runner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -25,8 +25,8 @@ from carpool.engine.cpu import describe as cpu
 
 CHILD = """
 import json, sys, time
-from carpool.jobs.prefix_plan import PlannedSource
-from carpool.jobs.readers import Reader
+from carpool.jobs.input.prefix_order import PlannedSource
+from carpool.jobs.input.readers import Reader
 
 def rss(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))

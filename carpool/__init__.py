@@ -17,20 +17,20 @@ _LAZY = ("run_batch", "arun_batch", "Result")
 __all__ = ["Result", "__version__", "arun_batch", "run_batch"]
 
 if TYPE_CHECKING:
-    from carpool.jobs.api import arun_batch, run_batch
-    from carpool.jobs.inputs import Result
+    from carpool.jobs.python_api.in_memory import Result
+    from carpool.jobs.python_api.run import arun_batch, run_batch
 
 
 def __getattr__(name: str):
     # Plain imports (not importlib by name), so tests/test_layering.py sees these arrows too.
     if name in ("run_batch", "arun_batch"):
-        from carpool.jobs import api
+        from carpool.jobs.python_api import run
 
-        return getattr(api, name)
+        return getattr(run, name)
     if name == "Result":
-        from carpool.jobs import inputs
+        from carpool.jobs.python_api import in_memory
 
-        return inputs.Result
+        return in_memory.Result
     raise AttributeError(f"module 'carpool' has no attribute {name!r}")
 
 

@@ -1,5 +1,5 @@
 """The errors carpool raises at its edges, as one tree; the exit code of ``carpool run``
-is read from where an error sits in it (``carpool.jobs.exit_codes.code_for_error``).
+is read from where an error sits in it (``carpool.jobs.summary.exit_codes.code_for_error``).
 
 ::
 

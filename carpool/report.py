@@ -1,6 +1,6 @@
 """Self-contained HTML report pages: tables and matplotlib plots as base64 PNGs.
 
-Each ``--report`` says what to show (``carpool.jobs.report`` for ``carpool run``,
+Each ``--report`` says what to show (``carpool.jobs.summary.html_report`` for ``carpool run``,
 ``carpool.bench.report`` for ``carpool bench``, ``carpool.tune.report`` for ``carpool
 simulate``); this module draws headless (matplotlib's Agg backend, no display on servers
 and CI), encodes, and lays out one page, which can be mailed or attached to a ticket as

@@ -12,10 +12,10 @@ from carpool.engine.loader import ModelLoadError
 from carpool.engine.protocol import EngineError, EngineSettingsError, GrammarError
 from carpool.errors import CarpoolError, EngineFailure, ModelUnavailable, StartRefused
 from carpool.jobs.endpoints_file import EndpointsFileError
-from carpool.jobs.exit_codes import ExitCode, code_for_error
-from carpool.jobs.fingerprint import FingerprintMismatch
-from carpool.jobs.output_lock import OutputLocked
+from carpool.jobs.output.lock import OutputLocked
 from carpool.jobs.pipeline import OutputError
+from carpool.jobs.summary.exit_codes import ExitCode, code_for_error
+from carpool.journal.journal import FingerprintMismatch
 
 
 @pytest.mark.parametrize(("error", "code"), [
@@ -60,7 +60,6 @@ def _run_main(monkeypatch, tmp_path, error: Exception) -> int:
         raise error
 
     monkeypatch.setattr(Runner, "run", fail)
-    monkeypatch.setattr(run_command, "start_checks", lambda opts, args, probe=True: [])
     parser = argparse.ArgumentParser()
     run_command.add_arguments(parser)
     return run_command.main(parser.parse_args([str(src), "-o", str(tmp_path / "o.jsonl"), "--echo-backend",

@@ -1,4 +1,4 @@
-"""The ``--batch-*`` flags of ``carpool run`` and the ``BatchOptions`` they (or an
+"""The ``--batch-*`` flags of ``carpool run`` and the ``BatchApiOptions`` they (or an
 endpoints file with a ``*-batch`` kind) make."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from carpool.jobs.batch_api.options import KINDS, PROVIDERS, BatchOptions
-from carpool.jobs.exit_codes import StartRefused
+from carpool.errors import StartRefused
+from carpool.jobs.options import KINDS, PROVIDERS, BatchApiOptions
 
 # Where each provider is when --endpoint does not say, and the variables its key is read from.
 DEFAULT_URLS = {"openai": "https://api.openai.com/v1", "anthropic": "https://api.anthropic.com"}
@@ -39,7 +39,7 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
                         "in a new batch (OpenAI and Azure)")
 
 
-def batch_options(args: argparse.Namespace, specs: list) -> BatchOptions | None:
+def batch_options(args: argparse.Namespace, specs: list) -> BatchApiOptions | None:
     """The batch options asked for, None for an online job; ``StartRefused`` for a bad mix."""
     batch_specs = [s for s in specs if s.kind in KINDS]
     if batch_specs and len(specs) > 1:
@@ -62,7 +62,7 @@ def batch_options(args: argparse.Namespace, specs: list) -> BatchOptions | None:
     if batch_specs:
         s = batch_specs[0]
         model = s.deployment or s.model if s.kind == "azure-batch" else s.model
-        return BatchOptions(KINDS[s.kind], s.url, dict(s.headers), model, s.api_version, **tuning)
+        return BatchApiOptions(KINDS[s.kind], s.url, dict(s.headers), model, s.api_version, **tuning)
     provider = args.batch_api
     if len(args.endpoint) > 1:
         raise StartRefused("--batch-api: give one --endpoint (a batch goes to one provider)")
@@ -73,7 +73,7 @@ def batch_options(args: argparse.Namespace, specs: list) -> BatchOptions | None:
     auth = {} if not key else {"x-api-key": key} if provider == "anthropic" else \
         {"api-key": key} if provider == "azure" else {"Authorization": f"Bearer {key}"}
     headers = {**auth, **_plain_headers(args.header)}
-    return BatchOptions(provider, url, headers, args.model, args.api_version, **tuning)
+    return BatchApiOptions(provider, url, headers, args.model, args.api_version, **tuning)
 
 
 def _plain_headers(values: list[str]) -> dict[str, str]:

@@ -67,7 +67,7 @@ non_negative_float = _number(float, 0.0, False, "a number >= 0")
 
 def endpoint_url(value: str) -> str:
     """An endpoint base URL of a usable shape (``http://host:port/v1``), refused at parse otherwise."""
-    from carpool.jobs.preflight import endpoint_url_problem
+    from carpool.jobs.start.checks import endpoint_url_problem
 
     problem = endpoint_url_problem(value)
     if problem is not None:

@@ -3,9 +3,10 @@
 The flags (the Ray ones included), the translation of flags into ``RunOptions`` /
 ``RayOptions``, and everything the command prints: the summary table, the messages the
 job collected, ``--summary-json``, and the per-shard lines of a ``--ray`` run.  The job
-itself is ``carpool.jobs.runner``'s ``Runner``, in one process or with its tasks spread
-over Ray (``carpool.distributed.ray_runner.RayShards``); either way it ends in
-``JobStats``, rendered and turned into an exit code the same way.
+itself is ``carpool.jobs.runner``'s ``Runner``, which makes the start-up checks and runs
+the tasks in one process, over Ray (``carpool.distributed.ray_runner.RayShards``) or
+through a provider's batch API; either way it ends in ``JobStats``, rendered and turned
+into an exit code the same way.
 """
 
 from __future__ import annotations
@@ -25,18 +26,17 @@ from carpool.cache.keys import SEMANTIC_THRESHOLD as SEMANTIC_DEFAULT
 from carpool.client.pool import Timeouts
 from carpool.commands import flags
 from carpool.commands.batch_flags import add_batch_arguments, batch_options
-from carpool.jobs.readers import FORMATS
-from carpool.jobs.tasks import TaskDefaults, Template
+from carpool.jobs.input.readers import FORMATS
+from carpool.jobs.input.tasks import TaskDefaults, Template
 from carpool.redact import redact_doc, redact_text
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from carpool.distributed.ray_runner import RayOptions
-    from carpool.jobs.batch_api.runner import BatchRunner
+    from carpool.distributed.ray_runner import RayOptions, RayShards
     from carpool.jobs.options import RunOptions
     from carpool.jobs.runner import Runner
-    from carpool.jobs.summary import JobStats
+    from carpool.jobs.summary.stats import JobStats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -219,7 +219,7 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
 def _headers(values: list[str]) -> dict[str, str]:
     """``--header 'Name: value'`` flags as a mapping; raises ``StartRefused`` on a bad one."""
     from carpool.client.endpoints import header_problem
-    from carpool.jobs.exit_codes import StartRefused
+    from carpool.errors import StartRefused
     from carpool.redact import redact_header
 
     out: dict[str, str] = {}
@@ -278,7 +278,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         concurrency=args.concurrency, max_concurrency=args.max_concurrency, rpm=args.rpm, tpm=args.tpm,
         stream=not args.no_stream,
         timeouts=Timeouts(args.connect_timeout, args.read_timeout, args.total_timeout),
-        max_attempts=args.max_attempts, outage_timeout=args.outage_timeout, ordered=args.ordered,
+        max_attempts=args.max_attempts, outage_timeout=args.outage_timeout,
+        wait_for_endpoint=args.wait_for_endpoint, ordered=args.ordered,
         prefix_order=args.prefix_order, prefix_routing=args.prefix_routing,
         prefix_window=args.prefix_window, cache=args.cache, cache_ttl=args.cache_ttl,
         cache_namespace=args.cache_namespace or None,
@@ -286,7 +287,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         dedup=not args.no_dedup, fresh=args.fresh, progress=args.progress, report=args.report,
         max_pending=args.max_pending, dry_run=args.dry_run, echo=args.echo_backend, force=args.force,
         retry_errors=args.retry_errors, argv=["run", *_original_argv()], quiet=args.quiet,
-        price_in=args.price_in, price_out=args.price_out, prices=args.prices, batch=batch,
+        price_in=args.price_in, price_out=args.price_out, prices=args.prices, batch_api=batch,
     )
 
 
@@ -318,36 +319,6 @@ def _say_all(msgs: list[str]) -> None:
         _say(f"carpool run: {msg}")
 
 
-def start_checks(opts: RunOptions, args: argparse.Namespace, probe: bool = True) -> list[str]:
-    """``carpool.jobs.preflight``: the whole configuration checked before anything is sent
-    (raises ``StartRefused``); its warnings."""
-    from carpool.jobs.preflight import preflight
-
-    async def checks() -> list[str]:
-        # The probe can wait on an endpoint for seconds (or --wait-for-endpoint): Ctrl-C and
-        # SIGTERM end it there as they end a job, before anything is sent.
-        loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(preflight(opts, wait_s=args.wait_for_endpoint, probe=probe, say=_say))
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        for sig in sigs:
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, task.cancel)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            raise StartInterrupted from None
-        finally:
-            for sig in sigs:
-                with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.remove_signal_handler(sig)
-
-    return asyncio.run(checks())
-
-
-class StartInterrupted(Exception):
-    """Ctrl-C or SIGTERM during the start-up checks: nothing was sent."""
-
-
 def write_summary_json(doc: dict, target: str) -> None:
     """``--summary-json PATH`` (indented) or ``-`` (one line on stdout)."""
     text = json.dumps(redact_doc(doc), indent=None if target == "-" else 2)
@@ -359,15 +330,14 @@ def write_summary_json(doc: dict, target: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """The job, and its exit code (``carpool.jobs.exit_codes``: the table is in docs/run.md)."""
+    """The job, and its exit code (``carpool.jobs.summary.exit_codes``: the table is in docs/run.md)."""
     from carpool.extras import MissingExtra
-    from carpool.jobs.exit_codes import ExitCode
+    from carpool.jobs.summary.exit_codes import ExitCode
 
     try:
         return int(_main(args))
-    except StartInterrupted:
-        _tell("carpool run: interrupted during the start-up checks: nothing was sent or written; "
-              "the same command starts the job")
+    except KeyboardInterrupt:  # a --dry-run or --estimate stopped while it read or checked
+        _tell("carpool run: interrupted; nothing was sent or written")
         return int(ExitCode.INTERRUPTED)
     except MissingExtra as e:  # e.g. the engine asked for on a slim install: a refused start
         _tell(f"carpool run: {e}")
@@ -387,44 +357,35 @@ def _main(args: argparse.Namespace) -> int:
     if args.dry_run and args.ray is None:
         return _main_dry_run(args)
     from carpool.errors import CarpoolError
-    from carpool.jobs.exit_codes import ExitCode
+    from carpool.jobs.runner import Runner
+    from carpool.jobs.summary.exit_codes import ExitCode
 
     command = "carpool run" if args.ray is None else "carpool run --ray"
     try:
         opts = options_from_args(args)
-        runner = _runner(opts, args)
-        # A --ray run's endpoints are not probed: its shards pause through an outage on their own.
-        _say_all(start_checks(opts, args, probe=args.ray is None))
-        stats = _run(runner, args)
+        runner = Runner(opts, _ray_shards(args), notify=_say)
+        stats = run_with_signals(runner)
     except (CarpoolError, OSError) as e:
         return _ended_early(e, command)
     except KeyboardInterrupt:
-        # Only a --ray run gets here (one process stops gracefully on its signal handlers):
-        # finished shards and the partial shard outputs (their journals) stay in the workdir.
+        # Only a --ray run gets here (its driver waits on the cluster, where a stop can only
+        # come as KeyboardInterrupt): finished shards and the partial shard outputs (their
+        # journals) stay in the workdir.
         print(f"\n{command}: interrupted; finished work is kept. Resume with the same command.", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    if not runner.started:  # stopped during the start: nothing ran, there is nothing to sum up
+        for msg in runner.messages:
+            _tell(f"carpool run: {msg}")
         return ExitCode.INTERRUPTED
     return _finish(args, opts, runner, stats)
 
 
-def _runner(opts: RunOptions, args: argparse.Namespace) -> Runner | BatchRunner:
-    from carpool.jobs.runner import Runner
-
-    if opts.batch is not None and args.ray is None:  # refuses flags the batch path cannot honour
-        from carpool.jobs.batch_api.runner import BatchRunner
-
-        return BatchRunner(opts, notify=_say)
-    return Runner(opts, notify=_say)
-
-
-def _run(runner: Runner | BatchRunner, args: argparse.Namespace) -> JobStats:
-    """The job: in this process, or with ``--ray`` its tasks spread over a cluster by the same
-    ``Runner`` (``carpool.distributed.ray_runner.RayShards``)."""
+def _ray_shards(args: argparse.Namespace) -> RayShards | None:
+    """With ``--ray``, the job's tasks spread over a cluster (``carpool.distributed.ray_runner``);
+    without it, None: the ``Runner``'s own choice (this process, or the batch API asked for)."""
     if args.ray is None:
-        return run_with_signals(runner)
+        return None
     from carpool.distributed.ray_runner import RayShards
-    from carpool.jobs.runner import Runner
-
-    assert isinstance(runner, Runner)
 
     def shard_done(s: dict) -> None:
         for msg in s.get("messages", []):
@@ -435,12 +396,12 @@ def _run(runner: Runner | BatchRunner, args: argparse.Namespace) -> JobStats:
             _say(f"carpool run --ray: shard {s['shard']} done on {s['host']}:{s['pid']} "
                  f"({st['done']} written, {st['skipped_done_before']} resumed)")
 
-    return runner.run_spread(RayShards(ray_options_from_args(args), on_shard=shard_done))
+    return RayShards(ray_options_from_args(args), on_shard=shard_done)
 
 
-def _finish(args: argparse.Namespace, opts: RunOptions, runner: Runner | BatchRunner, stats: JobStats) -> int:
-    """Everything said after a job that ran, and its exit code (``carpool.jobs.exit_codes``)."""
-    from carpool.jobs.exit_codes import ExitCode, exit_code
+def _finish(args: argparse.Namespace, opts: RunOptions, runner: Runner, stats: JobStats) -> int:
+    """Everything said after a job that ran, and its exit code (``carpool.jobs.summary.exit_codes``)."""
+    from carpool.jobs.summary.exit_codes import ExitCode, exit_code
 
     if not args.quiet:
         render_summary(stats)
@@ -461,11 +422,11 @@ def _finish(args: argparse.Namespace, opts: RunOptions, runner: Runner | BatchRu
 
 def _ended_early(error: Exception, command: str = "carpool run") -> int:
     """Say why the job ended before it could run or finish, and return its exit code, read
-    from the error tree (``carpool.jobs.exit_codes.code_for_error``); what the tree calls a
+    from the error tree (``carpool.jobs.summary.exit_codes.code_for_error``); what the tree calls a
     crash (an engine failure, an unexpected error) is raised on to ``main``, which says so
     with the traceback."""
-    from carpool.jobs.exit_codes import ExitCode, code_for_error
     from carpool.jobs.pipeline import OutputError
+    from carpool.jobs.summary.exit_codes import ExitCode, code_for_error
 
     code = code_for_error(error)
     if code == ExitCode.CRASHED:
@@ -482,11 +443,18 @@ def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Corout
     """``--dry-run`` and ``--estimate``: the document ``produce`` makes of the options, its messages
     printed and ``--summary-json`` written; None (after saying why) when the start is refused."""
     from carpool.errors import CarpoolError
+    from carpool.jobs.options import LiveParts
+    from carpool.jobs.runner import default_spread
+    from carpool.jobs.start.checks import check_start
+
+    async def look(opts: RunOptions) -> dict:
+        # The same start-up check as a run's; an estimate sends nothing, not even a probe.
+        checked = await check_start(opts, LiveParts(), default_spread(opts), probe=not args.estimate, say=_say)
+        _say_all(checked)
+        return await produce(opts)
 
     try:
-        opts = options_from_args(args)
-        _say_all(start_checks(opts, args, probe=not args.estimate))
-        doc = asyncio.run(produce(opts))
+        doc = asyncio.run(look(options_from_args(args)))
     except (CarpoolError, FileNotFoundError) as e:
         _ended_early(e)
         return None
@@ -499,8 +467,8 @@ def _look_ahead(args: argparse.Namespace, produce: Callable[[RunOptions], Corout
 
 def _main_dry_run(args: argparse.Namespace) -> int:
     """``--dry-run``: validate, count and check; nothing sent, nothing written."""
-    from carpool.jobs.exit_codes import ExitCode
-    from carpool.jobs.plan import plan
+    from carpool.jobs.dry_run import plan
+    from carpool.jobs.summary.exit_codes import ExitCode
 
     doc = _look_ahead(args, plan)
     if doc is None:
@@ -526,8 +494,8 @@ def usd(value: float | None) -> str:
 
 def _main_estimate(args: argparse.Namespace) -> int:
     """``--estimate``: tokens and $ of what a run would send; nothing sent, nothing written."""
-    from carpool.jobs.estimate import estimate
-    from carpool.jobs.exit_codes import ExitCode
+    from carpool.jobs.cost.estimate import estimate
+    from carpool.jobs.summary.exit_codes import ExitCode
 
     doc = _look_ahead(args, estimate)
     if doc is None:
@@ -549,7 +517,7 @@ def _main_estimate(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def run_with_signals(runner: Runner | BatchRunner) -> JobStats:
+def run_with_signals(runner: Runner) -> JobStats:
     """Run the job on a fresh event loop; Ctrl-C (SIGINT) and SIGTERM stop it gracefully."""
 
     async def main() -> JobStats:

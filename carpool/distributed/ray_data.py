@@ -65,8 +65,8 @@ class CarpoolMapper:
 
     def __init__(self, template: str | None = None, system: str | None = None, kind: str = "chat",
                  id_column: str | None = None, **options: Any):
+        from carpool.jobs.input.tasks import Template
         from carpool.jobs.options import LIVE_NAMES, LiveParts, RunOptions
-        from carpool.jobs.tasks import Template
 
         self.template = Template(template, system=system, id_column=id_column, kind=kind) if template else None
         self.id_column = id_column
@@ -98,9 +98,9 @@ class CarpoolMapper:
         return rec
 
     def __call__(self, batch: Any) -> dict:
+        from carpool.jobs.input.readers import RecordSource
         from carpool.jobs.parts import build_parts, job_defaults
         from carpool.jobs.pipeline import Pipeline
-        from carpool.jobs.readers import RecordSource
 
         rows = _rows(batch)
         self.batches += 1

@@ -1,9 +1,9 @@
 """``carpool run --ray [ADDRESS]``: one job spread over a Ray cluster.
 
-The driver (this module, on the machine where the command runs) is the part of a job
-``carpool.jobs.runner.Runner.run_spread`` is given (``RayShards``): the Runner settles the
-start as for any job (prices, the model, the output's lock) and writes a Parquet or CSV
-``-o`` at the end; in between, the driver:
+The driver (this module, on the machine where the command runs) is the ``Spread`` of a
+job's ``carpool.jobs.runner.Runner`` (``RayShards``): the Runner settles the start as for
+any job (the start-up checks, with this spread's own refusals, the prices, the model, the
+output's lock) and writes a Parquet or CSV ``-o`` at the end; in between, the driver:
 1. cuts the input into shards of whole lines without loading it (``shards.py``) and saves
    the plan in the work directory (default ``<output>.ray/``);
 2. hands the shards that are not finished yet to a Ray Data actor pool
@@ -26,11 +26,15 @@ system every node sees (NFS, a mounted bucket); see docs/distributed.md.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import shutil
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,11 +42,12 @@ from typing import TYPE_CHECKING, Any
 from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
 from carpool.errors import StartRefused
 from carpool.extras import require
-from carpool.jobs.summary import JobStats, ShardsRun
+from carpool.jobs.summary.stats import JobStats, ShardsRun
 from carpool.redact import redact_url
 
 if TYPE_CHECKING:
     from carpool.jobs.options import LiveParts, RunOptions
+    from carpool.jobs.spread import StartedJob
 
 
 @dataclass
@@ -142,8 +147,8 @@ class _Files:
 
     @classmethod
     def of(cls, opts: RunOptions, ray_opts: RayOptions) -> _Files:
-        from carpool.jobs.output_format import output_target
-        from carpool.jobs.readers import detect_format
+        from carpool.jobs.input.readers import detect_format
+        from carpool.jobs.output.table import output_target
 
         input_path = Path(opts.input).resolve()
         if not input_path.exists():
@@ -170,9 +175,33 @@ def _backend_label(opts: RunOptions, workers: int) -> str:
                                   else "echo" if opts.echo else f"engine {opts.engine_model}")
 
 
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """For as long as the block runs, Ctrl-C and SIGTERM raise ``KeyboardInterrupt`` in this
+    thread.  The driver waits on the cluster in the thread of the job's event loop, so a
+    handler the loop would run (``carpool run``'s graceful stop, asyncio's own) could not run
+    until the whole job ended; raised there, they end the wait at once, Ray is shut down and
+    the finished shards are kept for a resume."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in before:
+        signal.signal(sig, interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 class RayShards:
-    """The tasks of a job run as shards on a Ray cluster: the ``Spread`` that
-    ``carpool.jobs.runner.Runner.run_spread`` is given for ``carpool run --ray``.
+    """The tasks of a job run as shards on a Ray cluster: the ``Spread`` of ``carpool run
+    --ray`` (``carpool.jobs.runner.Runner`` runs it).
 
     ``on_shard`` is called with each shard's summary as it finishes (``carpool run
     --ray`` prints a line).  Starts a local Ray if none is running, and stops it again.
@@ -182,10 +211,8 @@ class RayShards:
         self.ray_opts = ray_opts or RayOptions()
         self.on_shard = on_shard
 
-    def run(self, opts: RunOptions, live: LiveParts) -> tuple[JobStats, list[str]]:
+    def check(self, opts: RunOptions, live: LiveParts) -> list[str]:
         require("ray", "carpool run --ray")
-        import ray
-
         if opts.retry_errors:
             raise RayRunError("--retry-errors runs in one process: resume without --ray")
         if live.engine is not None:
@@ -194,6 +221,26 @@ class RayShards:
         if live.budget is not None:  # dropping it would let the workers spend past the limit
             raise RayRunError("a budget object cannot be shipped to Ray workers; give rpm/tpm, and a Redis URL "
                               "(--redis) for one budget shared by every worker")
+        return []
+
+    def probes(self, opts: RunOptions) -> bool:
+        # The workers, not this driver, talk to the endpoints (on a cluster they may reach
+        # what the driver cannot), and each shard pauses through an outage on its own.
+        return False
+
+    async def run(self, job: StartedJob) -> tuple[JobStats, list[str]]:
+        """The shards to their end.  The driver blocks this thread (and the loop on it) while
+        the cluster works: Ray's waits are not awaitable, and the loop has nothing else to do
+        meanwhile; Ctrl-C reaches it as ``KeyboardInterrupt`` (``_signals_raise``)."""
+        with _signals_raise():
+            return self._drive(job.opts, job.live)
+
+    def request_stop(self, grace_s: float | None = None) -> None:
+        """Nothing to do: while the shards run, a stop comes as ``KeyboardInterrupt``."""
+
+    def _drive(self, opts: RunOptions, live: LiveParts) -> tuple[JobStats, list[str]]:
+        import ray
+
         started = time.monotonic()
         files = _Files.of(opts, self.ray_opts)
         if opts.fresh:
@@ -335,7 +382,7 @@ def run_on_ray(opts: RunOptions, ray_opts: RayOptions | None = None,
     finished and the output was merged."""
     from carpool.jobs.runner import Runner
 
-    return Runner(opts).run_spread(RayShards(ray_opts, on_shard))
+    return asyncio.run(Runner(opts, RayShards(ray_opts, on_shard)).run())
 
 
 def _run_pending(ray: Any, pending: list[Shard], job: dict, workers: int, ray_opts: RayOptions,
@@ -391,7 +438,7 @@ def _write_state(output: Path, input_path: Path, opts: RunOptions, live: LivePar
     # The runner's state file beside the output, so a later single-process ``carpool run``
     # into the same output resumes from it like from its own.
     from carpool.jobs.fingerprint import make_fingerprint
-    from carpool.jobs.journal import Journal
+    from carpool.journal.journal import Journal
 
     Journal(output, opts.errors, fingerprint=make_fingerprint(opts, live)).write_state(str(input_path), finished=True,
                                                                                 argv=opts.argv)
@@ -402,11 +449,11 @@ def run_batch_on_ray(input: str, output: str, *, address: str | None = None, wor
     """Python API: ``run_batch`` spread over Ray; ``options`` are those of ``carpool.run_batch``
     (RunOptions fields, plus the ``model``/``max_tokens``/``temperature`` shortcuts).  Returns
     the summary ``run_batch`` returns (``JobStats.to_dict`` and the messages)."""
-    from carpool.jobs.api import make_job
+    from carpool.jobs.python_api.arguments import make_job
     from carpool.jobs.runner import Runner
 
     ray_options = ray_options or RayOptions(address=address, workers=workers, redis=redis)
     opts, live = make_job(input, output, **options)
-    runner = Runner(opts, live=live)
-    stats = runner.run_spread(RayShards(ray_options))
+    runner = Runner(opts, RayShards(ray_options), live=live)
+    stats = asyncio.run(runner.run())
     return {**stats.to_dict(), "messages": runner.messages}

@@ -85,12 +85,12 @@ return {1, '0'}
 
 
 @dataclass(frozen=True)
-class _Bucket:
+class _RedisBucket:
     capacity: float  # 0 = this limit is off
     rate: float  # refill per second
 
     @classmethod
-    def for_limit(cls, limit: float | None, window_s: float, burst_s: float, floor: float) -> _Bucket:
+    def for_limit(cls, limit: float | None, window_s: float, burst_s: float, floor: float) -> _RedisBucket:
         if not limit or limit <= 0:
             return cls(0.0, 0.0)
         capacity = max(floor, limit * burst_s / window_s)
@@ -151,8 +151,8 @@ class RedisBudget(RedisUser):
         # The burst is capped at half the window: past that the refill rate would be tiny.
         burst_s = min(burst_s, window_s / 2)
         per_window = window_s / 60.0
-        self._requests = _Bucket.for_limit(_per(rpm, per_window), window_s, burst_s, floor=1.0)
-        self._tokens = _Bucket.for_limit(_per(tpm, per_window), window_s, burst_s, floor=1.0)
+        self._requests = _RedisBucket.for_limit(_per(rpm, per_window), window_s, burst_s, floor=1.0)
+        self._tokens = _RedisBucket.for_limit(_per(tpm, per_window), window_s, burst_s, floor=1.0)
         # Idle budgets vanish: after two windows a bucket is full again anyway.
         self._ttl_ms = math.ceil(2 * window_s * 1000) + 1000
         self._script = self._redis.register_script(_SCRIPT)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from carpool.errors import StartRefused
-from carpool.jobs.readers import TooLong, file_lines
+from carpool.jobs.input.readers import TooLong, file_lines
 
 CHUNK = 1 << 20
 
@@ -89,7 +89,7 @@ def _last_byte(path: str | os.PathLike) -> bytes:
 
 def iter_shard_lines(path: str | os.PathLike, shard: Shard) -> Iterator[tuple[int, bytes | TooLong]]:
     """(line number, raw line without its newline) for every line of the shard; a line past
-    the reader's length limit comes as ``TooLong`` (``carpool.jobs.readers.file_lines``, the
+    the reader's length limit comes as ``TooLong`` (``carpool.jobs.input.readers.file_lines``, the
     one splitter: CR-only files and the limit as in a single-process run)."""
     for line_no, raw in file_lines(path, start=shard.start, length=shard.end - shard.start,
                                    first_line=shard.first_line):

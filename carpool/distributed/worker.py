@@ -28,14 +28,15 @@ from carpool.client.endpoints import split_credentials
 from carpool.client.retry import ErrorKind
 from carpool.distributed.shards import Shard, iter_shard_lines
 from carpool.jobs.endpoints_file import job_endpoints
-from carpool.jobs.journal import SeenIds, line_id
+from carpool.jobs.input.readers import Reader, parse_jsonl_lines
+from carpool.jobs.input.tasks import BadLine, Task, TaskDefaults, Template, repeat_id, repeat_reason
 from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.parts import build_parts, job_defaults
 from carpool.jobs.pipeline import Pipeline
-from carpool.jobs.readers import Reader, parse_jsonl_lines
-from carpool.jobs.summary import JobStats
-from carpool.jobs.tasks import BadLine, Task, TaskDefaults, Template, repeat_id, repeat_reason
-from carpool.jobs.writer import error_line
+from carpool.jobs.summary.stats import JobStats
+from carpool.journal.done import SeenIds
+from carpool.journal.recovery import line_id
+from carpool.journal.writer import error_line
 
 if TYPE_CHECKING:
     from carpool.client.balancer import Balancer

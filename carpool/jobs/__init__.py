@@ -1,11 +1,15 @@
 """The batch job: a file (or records) of tasks in, one output line per task out, crash-safe.
 
-- ``options``: ``RunOptions``; ``parts``: the parts a job is made of and the default ones;
-  ``pipeline``: ``Pipeline`` runs them; ``runner``: ``Runner`` = default parts + pipeline +
-  report; ``api``: ``run_batch`` / ``arun_batch``.
-- ``readers`` and ``tasks``: input formats and per-line validation; ``journal`` and
-  ``writer``: the output file is the journal (resume); ``task_cache``: answers reused
-  from the caches (``caching``) or from an identical task in flight (``dedup``);
-  ``task_slots``: the bound on tasks between reading and writing.
-- ``progress``, ``summary``, ``report``: the progress line, the statistics, the HTML page.
+Every job goes through ``runner.Runner``, whoever starts it (``carpool run``, the Python
+API, a Ray driver): its start (``start/``: the one start-up check, the endpoints' models),
+the output's lock and prices, then its ``spread.Spread``, which runs the tasks:
+``in_process.InProcess`` (the default: the ``parts`` a job is made of, run by the
+``pipeline``), Ray's shards (``carpool.distributed``) or a provider's batch API
+(``provider_batch/``).  ``options.RunOptions`` is all a job can be told.
+
+Around it, one concern a package: ``input/`` (readers, per-line validation, prefix order),
+``output/`` (the Parquet/CSV table, the output's lock, structured answers; the lines
+themselves are the journal's, ``carpool.journal``), ``reuse/`` (caches, dedup), ``cost/``
+(prices, tokens, ``--estimate``), ``summary/`` (statistics, progress, the HTML report, exit
+codes), ``python_api/`` (``run_batch`` / ``arun_batch``); ``dry_run`` is ``--dry-run``.
 """

@@ -22,7 +22,7 @@ The file is a list of endpoints, or a mapping with an ``endpoints:`` list::
         fallback: true                  # = priority 1: used only while every primary is out
 
 An endpoint of kind ``openai-batch``, ``azure-batch`` or ``anthropic-batch`` sends the job
-through that provider's batch API (``carpool.jobs.batch_api``): it is then the file's only
+through that provider's batch API (``carpool.jobs.provider_batch``): it is then the file's only
 endpoint, and an ``anthropic-batch`` key goes in the ``x-api-key`` header.
 
 Keys are never in the file: ``api_key`` (or an ``Authorization`` / ``api-key`` header
@@ -39,8 +39,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from carpool.client.endpoints import EndpointSpec, auth_headers, header_problem, is_azure_url, plain_specs
-from carpool.jobs.batch_api.options import KINDS
-from carpool.jobs.exit_codes import StartRefused
+from carpool.errors import StartRefused
+from carpool.jobs.options import KINDS
 
 if TYPE_CHECKING:
     from carpool.jobs.options import RunOptions

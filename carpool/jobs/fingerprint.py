@@ -1,7 +1,8 @@
 """The run fingerprint: what produced the answers in an output file.
 
 It is stored in the sidecar ``<output>.carpool.json`` when a run starts, and a resume
-into the same output is refused (exit 2) when it would produce answers another way:
+into the same output is refused (exit 2, by the journal: ``carpool.journal.journal``)
+when it would produce answers another way:
 another model (the name sent, or what the endpoint reports under it: ``carpool.client.
 models.ModelIdentity``), another backend kind (an endpoint, the embedded engine, the echo
 backend), another default parameter (``--max-tokens``, ``--temperature``, extra defaults)
@@ -23,7 +24,6 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from carpool.client.models import ModelIdentity
-from carpool.jobs.exit_codes import StartRefused
 
 if TYPE_CHECKING:
     from carpool.engine.protocol import EngineClient
@@ -32,12 +32,8 @@ if TYPE_CHECKING:
 VERSION = 1
 
 
-class FingerprintMismatch(StartRefused):
-    """A resume that would mix answers made another way into the output (exit 2)."""
-
-
 def job_identity(opts: RunOptions, live: LiveParts | None = None) -> ModelIdentity:
-    """The identity the job's start settled (``carpool.jobs.target``, kept in ``live``), or the
+    """The identity the job's start settled (``carpool.jobs.start.model``, kept in ``live``), or the
     one that can be told without asking anything (a job composed without resolution: Ray Data
     batches, tests)."""
     if live is not None and live.identity is not None:
@@ -81,42 +77,3 @@ def make_fingerprint(opts: RunOptions, live: LiveParts | None = None) -> dict:
         # a file that now sends another model to one of them is another setup.
         doc["endpoint_models"] = sorted({s.model for s in opts.endpoint_specs if s.model})
     return doc
-
-
-def _flat(doc: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for k, v in doc.items():
-        if isinstance(v, dict) and k != "extra":
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-# Fields compared only when both fingerprints have them: an endpoint that could not be
-# asked at one start (down, no /models) does not make a resume look like another model.
-_WHEN_BOTH = {"model.served_id", "model.owned_by", "model.root", "model.created"}
-
-
-def differences(old: dict, new: dict) -> list[str]:
-    """What changed, one readable phrase a field ("max_tokens: 16 then, 32 now")."""
-    a, b = _flat(old), _flat(new)
-    out = []
-    for k in sorted(set(a) | set(b)):
-        if k == "version":
-            continue
-        va, vb = a.get(k), b.get(k)
-        if k in _WHEN_BOTH and (va is None or vb is None):
-            continue
-        if k == "template" and va is None and vb is None:
-            continue
-        if va != vb:
-            name = k.removeprefix("defaults.").removeprefix("model.")
-            out.append(f"{name}: {va!r} then, {vb!r} now")
-    return out
-
-
-def mismatch_message(output: str, diffs: list[str]) -> str:
-    return (f"{output} was started with another setup ({'; '.join(diffs)}). Resuming would mix answers "
-            "made two ways in one file. Run with the same settings to resume, --force to resume anyway "
-            "(the new setup is recorded), or --fresh (or another -o) to start over.")

@@ -2,7 +2,7 @@
 the objects a job is given or builds at its start, beside it.
 
 ``RunOptions`` is settings only, and frozen: ``carpool run`` fills it from its flags
-(``carpool.commands.run``), the Python API from keyword arguments (``carpool.jobs.api``),
+(``carpool.commands.run``), the Python API from keyword arguments (``carpool.jobs.python_api.run``),
 the Ray driver copies it per shard (``dataclasses.replace``, never an assignment), so
 what a job was told stays what it was told.  What is not a setting (an engine already
 running, a shared budget, the model identity the endpoints report at start) is a
@@ -20,18 +20,42 @@ from typing import TYPE_CHECKING, Any
 
 from carpool.cache import DEFAULT_TTL_S
 from carpool.client.pool import Timeouts
-from carpool.jobs.tasks import TaskDefaults, Template
+from carpool.jobs.input.tasks import TaskDefaults, Template
 
 if TYPE_CHECKING:
     from carpool.client.budget import Budget
     from carpool.client.endpoints import EndpointSpec
     from carpool.client.models import ModelIdentity
     from carpool.engine.protocol import EngineClient
-    from carpool.jobs.batch_api.options import BatchOptions
 
 # Builds the embedding batcher on the first embedding task (loading MiniLM costs seconds);
 # what it returns is the in-process backend's business (``carpool.client.engine_backend``).
 EmbedderFactory = Callable[[], Any]
+
+
+PROVIDERS = ("openai", "azure", "anthropic")
+# The endpoints-file kinds that select a batch API, and the provider each one names.
+KINDS = {"openai-batch": "openai", "azure-batch": "azure", "anthropic-batch": "anthropic"}
+
+
+@dataclass(frozen=True)
+class BatchApiOptions:
+    """How a job goes through a provider's batch API (``--batch-api``, ``carpool.jobs.provider_batch``)."""
+
+    provider: str  # openai | azure | anthropic
+    url: str  # the provider's base URL (https://api.openai.com/v1, https://api.anthropic.com, ...)
+    headers: dict[str, str]  # authentication included
+    model: str | None = None  # sent in place of (or for tasks without) a model
+    api_version: str | None = None  # azure
+    max_requests: int | None = None  # None: the provider's documented limit
+    max_bytes: int | None = None
+    poll_s: float = 10.0  # first wait between two polls of a batch; grows to max_poll_s
+    max_poll_s: float = 300.0
+    max_attempts: int = 3  # submissions of one task (expired / retryable errors) before its error line
+    online_fallback: bool = False  # expired / retryable requests go to the online path instead
+    completion_window: str = "24h"
+    default_max_tokens: int = 4096  # Anthropic requires max_tokens; tasks that set none get this
+    http_attempts: int = 6  # tries of one API call on 429 / 5xx / no connection (--max-attempts)
 
 
 @dataclass(frozen=True)
@@ -61,8 +85,11 @@ class RunOptions:
     # Seconds every endpoint may stay down before the job stops (exit code 4, resumable);
     # until then an outage pauses the job instead of failing its tasks.
     outage_timeout: float = 900.0
+    # Seconds the start waits for an endpoint that does not answer yet (a server that is still
+    # starting) before it refuses the job (carpool.jobs.start.probe); 0: refuse at once.
+    wait_for_endpoint: float = 0.0
     ordered: bool = False
-    # None: prefix-aware order decided per job (carpool.jobs.prefix_plan); True: forced; False: off.
+    # None: prefix-aware order decided per job (carpool.jobs.input.prefix_order); True: forced; False: off.
     prefix_order: bool | None = None
     prefix_window: int = 1024
     # Several endpoints: a prefix group stays on the endpoint that had it while that one is
@@ -78,21 +105,21 @@ class RunOptions:
     progress: bool | None = None  # None: when stderr is a terminal
     report: str | None = None
     max_pending: int = 2048
-    dry_run: bool = False  # validate and count (carpool.jobs.plan): nothing is sent, the output is not touched
+    dry_run: bool = False  # validate and count (carpool.jobs.dry_run): nothing is sent, the output is not touched
     echo: bool = False  # answer every task with an empty reply, no model (overhead / memory runs, tests)
     force: bool = False  # resume even when the run fingerprint differs (carpool.jobs.fingerprint)
     retry_errors: bool = False  # on resume, run again the tasks whose final line is an error line
     cache_namespace: str | None = None  # a key component of its own: entries of one namespace serve only it
     latency_signal: str = "per_token"
-    # $ per million tokens for the summary's $ spent / saved (None: carpool.jobs.prices' table).
+    # $ per million tokens for the summary's $ spent / saved (None: carpool.jobs.cost.prices' table).
     price_in: float | None = None
     price_out: float | None = None
     prices: str | None = None  # --prices FILE: a JSON/YAML price table in LiteLLM's shape, before the built-in one
     argv: list[str] | None = None
     quiet: bool = False
     # --batch-api / an endpoints-file kind *-batch: the job goes through the provider's batch API
-    # (carpool.jobs.batch_api); None: online.
-    batch: BatchOptions | None = None
+    # (carpool.jobs.provider_batch); None: online.
+    batch_api: BatchApiOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +130,7 @@ class LiveParts:
     engine: EngineClient | None = None  # an engine already running (API / tests); not shut down here
     embedder_factory: EmbedderFactory | None = None
     budget: Budget | None = None  # e.g. the shared Redis one; None: local buckets from rpm/tpm
-    # What the endpoint says the model is (carpool.jobs.target.resolve_target settles it before
+    # What the endpoint says the model is (carpool.jobs.start.model.resolve_target settles it before
     # the parts are built; None: told from the options alone, carpool.jobs.fingerprint.job_identity).
     identity: ModelIdentity | None = None
 

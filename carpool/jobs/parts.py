@@ -16,7 +16,9 @@ another kind of input (a list of dicts, a DataFrame) is a ``TaskSource``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,17 +26,23 @@ from typing import TYPE_CHECKING
 from carpool.client import limiter
 from carpool.client.base import Backend, CallResult, Request
 from carpool.client.budget import Budget, make_budget
-from carpool.client.limiter import FixedLimiter
-from carpool.jobs import limit_start
-from carpool.jobs.caching import JobCaches, open_job_caches
+from carpool.client.limiter import AdaptiveLimiter, FixedLimiter
+from carpool.client.start_limit import (
+    remember_limit,
+    server_capacity,
+    store_key,
+    stored_limit,
+    tokens_per_request,
+)
+from carpool.jobs.cost.tokens import CountedSource, openai_counter, openai_encoding_name
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
-from carpool.jobs.journal import Journal
+from carpool.jobs.input.prefix_order import PlannedSource
+from carpool.jobs.input.readers import Reader, RecordSource, TaskSource
+from carpool.jobs.input.tasks import Task, TaskDefaults
 from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.output_format import output_target
-from carpool.jobs.prefix_plan import PlannedSource, wants_plan
-from carpool.jobs.readers import Reader, RecordSource, TaskSource
-from carpool.jobs.tasks import Task, TaskDefaults
-from carpool.jobs.tokens import CountedSource, openai_counter, openai_encoding_name
+from carpool.jobs.output.table import output_target
+from carpool.jobs.reuse.caches import JobCaches, open_job_caches
+from carpool.journal.journal import Journal
 
 if TYPE_CHECKING:
     from carpool.client.balancer import Balancer
@@ -115,6 +123,53 @@ def job_limiter(opts: RunOptions, live: LiveParts | None = None) -> FixedLimiter
     return limiter.make_limiter(opts.concurrency, opts.max_concurrency)
 
 
+Hook = Callable[[], Awaitable[None]]
+SAMPLE = 64  # tasks whose size stands for the job's requests when the servers are asked
+
+
+def _sample_estimates(source: TaskSource) -> list[int]:
+    # A copy: a source that counts what it yields (a Ray shard checks every task it handed out
+    # got a line) must count the job's own pass only.
+    it = iter(copy.copy(source))
+    try:
+        return [t.request.est_tokens for t in itertools.islice(it, SAMPLE) if isinstance(t, Task)]
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def limiter_start(opts: RunOptions, lim: FixedLimiter, source: TaskSource) -> tuple[list[Hook], list[Hook]]:
+    """(primers, closers) that begin an adaptive limiter where the endpoints can take it
+    (``carpool.client.start_limit``): the limit the last job against the same endpoints
+    settled at, at once (a file read); without one, a primer asks the servers' ``/metrics``
+    in the background while the first requests go out.  A closer keeps where this job
+    settled.  Nothing for a fixed limit, the engine or a dry run."""
+    if not isinstance(lim, AdaptiveLimiter) or not opts.endpoints or opts.echo or opts.dry_run:
+        return [], []
+    key = store_key(opts.endpoints, opts.defaults.model)
+
+    async def remember() -> None:
+        remember_limit(key, lim)
+
+    last = stored_limit(key)
+    if last is not None:
+        lim.start_at(last, "last job")
+        return [], [remember]
+
+    async def ask_servers() -> None:
+        import asyncio
+
+        from carpool.jobs.endpoints_file import job_endpoints
+
+        estimates = await asyncio.to_thread(_sample_estimates, source)
+        cap = await server_capacity(job_endpoints(opts), tokens_per_request(estimates))
+        if cap is not None:
+            lim.start_at(cap, "server capacity")
+
+    return [ask_servers], [remember]
+
+
 @dataclass
 class _Target:
     backend: Backend
@@ -191,6 +246,16 @@ def make_journal(opts: RunOptions, live: LiveParts | None = None) -> Journal:
                    force=opts.force, retry_errors=opts.retry_errors, read_only=opts.dry_run)
 
 
+def wants_plan(opts: RunOptions) -> bool:
+    """Whether the job's input file is to be planned: by default (``None``) for endpoints and
+    the in-process engine alike (its prefix cache thrashes the same way: docs/run.md), forced
+    by ``--prefix-order``, never with ``--no-prefix-order`` nor ``--ordered``, nor for the echo
+    backend (no cache to feed)."""
+    if opts.prefix_order is False or opts.ordered:
+        return False
+    return opts.prefix_order is True or not opts.echo
+
+
 def build_parts(opts: RunOptions, live: LiveParts | None = None, *, source: TaskSource | None = None,
                 balancer: Balancer | None = None) -> JobParts:
     """The parts ``opts`` asks for, with what ``live`` gives (an engine, a shared budget, the
@@ -215,7 +280,7 @@ def build_parts(opts: RunOptions, live: LiveParts | None = None, *, source: Task
     budget = live.budget if live.budget is not None else make_budget(opts.rpm, opts.tpm)
     caches = open_job_caches(opts, target.model, endpoint_identity(opts, live), messages)
     lim = job_limiter(opts, live)
-    primers, remember = limit_start.wire(opts, lim, reader if reader is not None else source)
+    primers, remember = limiter_start(opts, lim, reader if reader is not None else source)
     return JobParts(source=source, journal=journal, backend=target.backend, limiter=lim,
                     budget=budget, caches=caches, check=target.check, label=target.label,
                     closers=[*target.closers, *remember], messages=messages, start_engine=start_engine,

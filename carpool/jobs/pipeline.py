@@ -12,7 +12,7 @@ its line is in the output file, so at most that many tasks (and, with ``--ordere
 held-back lines) exist at once.  Concurrency towards the backend is the limiter's business,
 below that bound.
 
-One task's way (``_run_task``): the task cache (``carpool.jobs.task_cache``) answers it,
+One task's way (``_run_task``): the task cache (``carpool.jobs.reuse.task_cache``) answers it,
 from an earlier answer or by sending it through the executor; the pipeline counts what was
 sent and writes the line.  Whatever happens, each task read gets exactly one line, or none
 when the job stops before sending it (it is then done on resume).
@@ -34,22 +34,23 @@ from carpool.client.base import CallResult, Refused
 from carpool.client.breaker import OutageTimeout
 from carpool.client.executor import Executor, Stopped
 from carpool.client.retry import ErrorKind, RetryPolicy
-from carpool.jobs.dedup import Dedup
-from carpool.jobs.journal import DoneSet, SeenIds
+from carpool.errors import CarpoolError
+from carpool.jobs.input.prefix_order import PlannedSource, WindowOrder
+from carpool.jobs.input.readers import TaskSource
+from carpool.jobs.input.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
 from carpool.jobs.options import RunOptions
+from carpool.jobs.output.structured import check_answer
 from carpool.jobs.parts import JobParts
-from carpool.jobs.prefix_plan import PlannedSource, WindowOrder
-from carpool.jobs.progress import Progress
-from carpool.jobs.readers import TaskSource
-from carpool.jobs.structured import check_answer
-from carpool.jobs.summary import JobStats
-from carpool.jobs.task_cache import Answer, TaskCache
+from carpool.jobs.reuse.dedup import Dedup
+from carpool.jobs.reuse.task_cache import Answer, TaskCache
+from carpool.jobs.summary.progress import Progress
+from carpool.jobs.summary.stats import JobStats
 from carpool.jobs.task_slots import TaskSlot, TaskSlots
-from carpool.jobs.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
-from carpool.jobs.writer import ResultWriter, error_line, line_tail, success_line, with_tail
+from carpool.journal.done import DoneSet, SeenIds
+from carpool.journal.writer import ResultWriter, error_line, line_tail, success_line, with_tail
 
 
-class OutputError(OSError):
+class OutputError(CarpoolError, OSError):
     """The output could not be written; the message says which file, why, and how to resume."""
 
     def __str__(self) -> str:

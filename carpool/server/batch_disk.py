@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Protocol
 
-from carpool.jobs.writer import Appender
+from carpool.journal.writer import Appender
 
 
 class NewFile(Protocol):

@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from carpool.jobs.writer import error_line, success_line
+from carpool.journal.writer import error_line, success_line
 from carpool.openai.surrogates import surrogate_error
 from carpool.server.batch_budget import WorkBudget
 from carpool.server.batch_disk import BatchDisk

@@ -2,7 +2,7 @@
 
 Answers are appended to ``output.jsonl`` (200s) and ``errors.jsonl`` (the rest) in the
 OpenAI batch output line shape, with carpool's crash-safe journal rules
-(``carpool.jobs.journal``): a request is answered exactly when its line is complete in one
+(``carpool.journal``): a request is answered exactly when its line is complete in one
 of them, and reopening the journal cuts a half-written last line (a kill, a full disk).
 
 A custom_id goes into the files as its UTF-8 text, so one that has none (a lone UTF-16
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from carpool.jobs.journal import DoneSet, recover_file
-from carpool.jobs.writer import Appender
+from carpool.journal.done import DoneSet
+from carpool.journal.recovery import recover_file
+from carpool.journal.writer import Appender
 from carpool.server.batch_disk import BatchDisk
 from carpool.server.batch_object import RequestCounts
 

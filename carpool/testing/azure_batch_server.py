@@ -32,6 +32,8 @@ from typing import Any
 import aiohttp
 from aiohttp import BodyPartReader, web
 
+from carpool.errors import CarpoolError
+
 from .local_site import LocalAppServer
 from .threaded import ThreadedServer
 
@@ -49,14 +51,16 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
-class Refused(Exception):
+class AzureRefusal(CarpoolError):
+    """What the fake resource answers instead of doing as asked: an HTTP status and Azure's error code."""
+
     def __init__(self, status: int, code: str, message: str):
         super().__init__(message)
         self.status, self.code = status, code
 
 
 def _check_lines(content: bytes) -> tuple[bytes, list[str]]:
-    """The lines with ``/v1`` put in front of their url, and their custom_ids; ``Refused`` when a
+    """The lines with ``/v1`` put in front of their url, and their custom_ids; ``AzureRefusal`` when a
     line is not Azure's shape."""
     out, ids = [], []
     for n, raw in enumerate(content.splitlines(), 1):
@@ -65,13 +69,13 @@ def _check_lines(content: bytes) -> tuple[bytes, list[str]]:
         try:
             line = json.loads(raw)
         except ValueError:
-            raise Refused(400, "invalidPayload", f"line {n}: not JSON") from None
+            raise AzureRefusal(400, "invalidPayload", f"line {n}: not JSON") from None
         url = line.get("url") if isinstance(line, dict) else None
         if url not in URLS:
-            raise Refused(400, "invalidPayload", f"line {n}: url {url!r} is not one of {', '.join(URLS)} "
+            raise AzureRefusal(400, "invalidPayload", f"line {n}: url {url!r} is not one of {', '.join(URLS)} "
                           "(Azure's batch lines name no /v1)")
         if not isinstance(line.get("body"), dict) or not isinstance(line["body"].get("model"), str):
-            raise Refused(400, "invalidPayload", f"line {n}: body.model must name the deployment")
+            raise AzureRefusal(400, "invalidPayload", f"line {n}: body.model must name the deployment")
         ids.append(str(line.get("custom_id")))
         out.append(json.dumps({**line, "url": "/v1" + url}).encode())
     return b"\n".join(out) + b"\n", ids
@@ -122,11 +126,11 @@ class AzureBatchServer(LocalAppServer):
         self.calls.append((request.method, request.path))
         try:
             if request.headers.get("api-key") != self.config.api_key:
-                raise Refused(401, "401", "Access denied due to invalid subscription key or wrong API endpoint.")
+                raise AzureRefusal(401, "401", "Access denied due to invalid subscription key or wrong API endpoint.")
             if request.query.get("api-version") not in self.config.api_versions:
-                raise Refused(404, "404", "Resource not found")
+                raise AzureRefusal(404, "404", "Resource not found")
             return await handler(request)
-        except Refused as e:
+        except AzureRefusal as e:
             self.refused.append(f"{request.method} {request.path}: {e}")
             return _error(e.status, e.code, str(e))
         except web.HTTPNotFound:
@@ -154,7 +158,7 @@ class AzureBatchServer(LocalAppServer):
             if isinstance(part, BodyPartReader) and part.name in ("purpose", "file"):
                 fields[part.name] = (await part.read(), part.filename)
         if "file" not in fields or "purpose" not in fields:
-            raise Refused(400, "invalidPayload", "multipart fields 'file' and 'purpose' are required")
+            raise AzureRefusal(400, "invalidPayload", "multipart fields 'file' and 'purpose' are required")
         purpose = fields["purpose"][0].decode()
         content, filename = fields["file"]
         ids: list[str] = []
@@ -176,7 +180,7 @@ class AzureBatchServer(LocalAppServer):
         doc = await request.json()
         endpoint = doc.get("endpoint") if isinstance(doc, dict) else None
         if endpoint not in URLS:
-            raise Refused(400, "invalidPayload", f"endpoint {endpoint!r} is not one of {', '.join(URLS)}")
+            raise AzureRefusal(400, "invalidPayload", f"endpoint {endpoint!r} is not one of {', '.join(URLS)}")
         return await self._forward_json("POST", "/v1/batches", azure=True, json={**doc, "endpoint": "/v1" + endpoint})
 
     async def _list(self, request: web.Request) -> web.Response:

@@ -20,7 +20,7 @@ import os
 import threading
 from pathlib import Path
 
-from carpool.jobs.writer import Appender
+from carpool.journal.writer import Appender
 from carpool.server.batch_disk import BatchDisk, NewFile
 
 

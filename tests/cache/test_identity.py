@@ -14,9 +14,9 @@ import pytest
 
 from carpool.cache import DEFAULT_TTL_S, SQLiteStore, open_cache
 from carpool.cache.keys import cache_key, scope_key
+from carpool.jobs.input.tasks import TaskDefaults
 from carpool.jobs.options import RunOptions
 from carpool.jobs.runner import Runner
-from carpool.jobs.tasks import TaskDefaults
 from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 
 BODY = {"messages": [{"role": "user", "content": "Is this spam?"}], "temperature": 0, "max_tokens": 4}

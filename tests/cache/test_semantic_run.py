@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 
 pytestmark = pytest.mark.real_model

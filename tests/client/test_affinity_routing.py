@@ -7,7 +7,7 @@ import random
 import pytest
 
 from carpool.client.affinity import Affinity, prefix_keys
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 from carpool.testing.fixtures import started_servers
 

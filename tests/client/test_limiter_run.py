@@ -13,8 +13,8 @@ from carpool.client.http_backend import HttpBackend
 from carpool.client.limiter import AdaptiveLimiter
 from carpool.client.retry import RetryPolicy
 from carpool.commands.run import render_summary
-from carpool.jobs.api import run_batch
-from carpool.jobs.summary import JobStats
+from carpool.jobs.python_api.run import run_batch
+from carpool.jobs.summary.stats import JobStats
 from carpool.testing.fault_server import FaultConfig
 
 

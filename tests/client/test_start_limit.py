@@ -12,7 +12,7 @@ from carpool.client.start_limit import (
     store_key,
     stored_limit,
 )
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 from carpool.testing.fixtures import started_servers
 

@@ -12,12 +12,14 @@ from carpool.distributed.ray_runner import (
     RayOptions,
     RayRunError,
     _parquet_plan,
+    run_batch_on_ray,
     run_on_ray,
 )
 from carpool.distributed.worker import ShardReader
-from carpool.jobs.api import run_batch
+from carpool.errors import StartRefused
+from carpool.jobs.input.tasks import Template
 from carpool.jobs.options import RunOptions
-from carpool.jobs.tasks import Template
+from carpool.jobs.python_api.run import run_batch
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,6 +59,18 @@ def test_a_finished_output_is_not_run_again(tmp_path):
     assert result["complete"] and result["already_done"] and result["skipped_done_before"] == 2
 
 
+def test_a_ray_run_makes_the_one_start_up_check_before_any_shard_runs(tmp_path):
+    # Before, a --ray run from Python skipped it: every row of every shard failed on the typo.
+    src = tmp_path / "reviews.csv"
+    src.write_text("id,review\nr1,great\nr2,awful\n")
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(StartRefused, match=r"did you mean \{review\}"):
+        run_batch_on_ray(str(src), str(out), echo=True, template="Review: {reviw}", cache="off")
+    with pytest.raises(RayRunError, match="--retry-errors runs in one process"):
+        run_on_ray(RunOptions(input=str(src), output=str(out), echo=True, retry_errors=True))
+    assert not out.exists()
+
+
 def test_parquet_shards_are_row_group_ranges(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -75,8 +89,8 @@ def test_parquet_shards_are_row_group_ranges(tmp_path):
 
 def test_the_shards_add_up_to_one_job_stats_and_exit_through_the_one_table():
     from carpool.distributed.ray_runner import _combine
-    from carpool.jobs.exit_codes import ExitCode, exit_code
-    from carpool.jobs.summary import JobStats
+    from carpool.jobs.summary.exit_codes import ExitCode, exit_code
+    from carpool.jobs.summary.stats import JobStats
 
     def shard(i: int, **stats) -> dict:
         doc = {**JobStats().to_dict(), **stats}

@@ -10,9 +10,9 @@ import pytest
 
 from carpool.commands import run as run_command
 from carpool.distributed.ray_runner import RayOptions, run_batch_on_ray, run_on_ray
-from carpool.jobs.api import run_batch
+from carpool.jobs.input.tasks import TaskDefaults
 from carpool.jobs.options import RunOptions
-from carpool.jobs.tasks import TaskDefaults
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -127,7 +127,7 @@ _DRIVER = r"""
 import sys
 from carpool.distributed.ray_runner import RayOptions, run_on_ray
 from carpool.jobs.options import RunOptions
-from carpool.jobs.tasks import TaskDefaults
+from carpool.jobs.input.tasks import TaskDefaults
 address, tasks, out, url = sys.argv[1:5]
 run_on_ray(RunOptions(input=tasks, output=out, endpoints=[url], cache="off", ordered=True, concurrency=2,
                       defaults=TaskDefaults(model="m"), quiet=True),

@@ -89,7 +89,7 @@ def test_a_shard_reads_past_an_overlong_line_as_the_main_reader_does(tmp_path):
     # Before, the shard reader had no limit: a line past 32 MiB was held whole (a file with
     # no newline, the whole shard).  Now both readers give the same tasks and the same error.
     from carpool.distributed.worker import ShardReader
-    from carpool.jobs.readers import MAX_LINE_BYTES, Reader, TooLong
+    from carpool.jobs.input.readers import MAX_LINE_BYTES, Reader, TooLong
 
     path = tmp_path / "in.jsonl"
     with open(path, "wb") as f:

@@ -11,9 +11,9 @@ import json
 import pytest
 
 import carpool
-from carpool.jobs.progress import Progress
-from carpool.jobs.summary import JobStats
-from carpool.jobs.tasks import Template
+from carpool.jobs.input.tasks import Template
+from carpool.jobs.summary.progress import Progress
+from carpool.jobs.summary.stats import JobStats
 from carpool.testing.fault_server import Fault, FaultConfig
 
 

@@ -2,7 +2,7 @@
 notebook's next cell) finds the model loaded and the engine thread running."""
 
 import carpool
-from carpool.jobs import warm
+from carpool.jobs.python_api import warm
 
 SETTINGS = {"max_num_seqs": 8, "max_model_len": 256, "num_kv_blocks": 128}
 

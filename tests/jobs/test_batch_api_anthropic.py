@@ -255,7 +255,7 @@ def test_polls_the_provider_does_not_answer_are_waited_out(anthropic, tmp_path):
 
 
 def test_a_second_run_on_the_same_output_is_refused_before_submitting(anthropic, tmp_path):
-    from carpool.jobs.output_lock import OutputLock
+    from carpool.jobs.output.lock import OutputLock
 
     srv = anthropic()
     tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
@@ -273,7 +273,7 @@ def test_a_second_run_on_the_same_output_is_refused_before_submitting(anthropic,
 def test_a_run_with_submitted_batches_waits_for_a_provider_that_is_away(anthropic, tmp_path):
     """A resume whose batches are at the provider is not refused at start when the provider
     does not answer: it waits out --outage-timeout on them and stops resumably (exit 4)."""
-    from carpool.jobs.batch_api.state import RUNNING, BatchState, Entry
+    from carpool.jobs.provider_batch.state import RUNNING, BatchState, Entry
 
     tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
     ids = _tasks(tasks, 4)

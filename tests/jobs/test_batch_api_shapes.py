@@ -8,10 +8,10 @@ import json
 import pytest
 from job_helpers import cli
 
-from carpool.jobs.batch_api.anthropic_shapes import Untranslatable, chat_to_params, message_to_chat
-from carpool.jobs.batch_api.ids import anthropic_id, fits_anthropic
-from carpool.jobs.batch_api.limits import OPENAI, Chunk, effective
-from carpool.jobs.prices import builtin_prices
+from carpool.jobs.cost.prices import builtin_prices
+from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable, chat_to_params, message_to_chat
+from carpool.jobs.provider_batch.ids import anthropic_id, fits_anthropic
+from carpool.jobs.provider_batch.limits import OPENAI, Chunk, effective
 
 
 def test_ids_that_fit_are_kept_others_are_mapped_uniquely():

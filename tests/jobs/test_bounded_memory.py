@@ -10,7 +10,7 @@ import pytest
 # process would report the parent's peak; VmHWM belongs to the child's own address space.
 SCRIPT = """
 import sys
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 s = run_batch(sys.argv[1], sys.argv[2], echo=True, cache="off", max_pending=512)
 assert s["done"] == int(sys.argv[3]), s
 print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")))

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 import carpool
-from carpool.jobs.estimate import estimate
-from carpool.jobs.exit_codes import ExitCode
+from carpool.jobs.cost.estimate import estimate
+from carpool.jobs.cost.prices import builtin_prices, resolve_prices
+from carpool.jobs.cost.tokens import openai_encoding_name
+from carpool.jobs.input.tasks import TaskDefaults
 from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.prices import builtin_prices, resolve_prices
-from carpool.jobs.tasks import TaskDefaults
-from carpool.jobs.tokens import openai_encoding_name
+from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.testing.fault_server import FaultConfig
 
 
@@ -93,7 +93,7 @@ def test_estimate_with_the_engine_tokenizer_equals_what_the_engine_counts(engine
                 "max_tokens": 3, "temperature": 0},
                {"custom_id": "b", "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}]
     opts = RunOptions(input="", output="")
-    from carpool.jobs.readers import RecordSource
+    from carpool.jobs.input.readers import RecordSource
 
     doc = asyncio.run(estimate(opts, RecordSource(list(enumerate(records, 1))), LiveParts(engine=engine)))
     assert "own tokenizer" in doc["tokenizer"]
@@ -176,7 +176,7 @@ def test_the_summary_table_prints_dollars(fault_server, tmp_path):
 
 def test_defaults_model_is_the_priced_one():
     opts = RunOptions(input="x", output="y", endpoints=["http://h/v1"], defaults=TaskDefaults(model="gpt-4o"))
-    from carpool.jobs.runner import job_prices
+    from carpool.jobs.cost.prices import job_prices
 
     assert job_prices(opts).input_per_m == 2.50
     assert job_prices(RunOptions(input="x", output="y")) is None  # the embedded engine: no list price

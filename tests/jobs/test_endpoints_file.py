@@ -15,7 +15,7 @@ import pytest
 import yaml
 from job_helpers import cli, lines, write_tasks
 
-from carpool.jobs.exit_codes import ExitCode
+from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.testing.fault_server import Fault, FaultConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "endpoints"

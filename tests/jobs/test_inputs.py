@@ -5,7 +5,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 
 
 def lines(path):
@@ -57,8 +57,8 @@ def test_openai_batch_format_and_output_shape(tmp_path):
 def test_csv_with_template(tmp_path):
     src = tmp_path / "reviews.csv"
     src.write_text('id,review,stars\nr1,"great, really",5\nr2,"bad\nvery bad",1\n')
-    from carpool.jobs.readers import Reader
-    from carpool.jobs.tasks import Template
+    from carpool.jobs.input.readers import Reader
+    from carpool.jobs.input.tasks import Template
 
     items = list(Reader(src, template=Template("Review: {review} ({stars})", system="Classify.", id_column="id")))
     assert [t.custom_id for t in items] == ["r1", "r2"]
@@ -72,7 +72,7 @@ def test_parquet_with_template_embeddings(tmp_path):
     src = tmp_path / "t.parquet"
     pq.write_table(pa.table({"text": ["a", "b", "c"], "key": ["k1", "k2", "k3"]}), src)
     out = tmp_path / "out.jsonl"
-    from carpool.jobs.tasks import Template
+    from carpool.jobs.input.tasks import Template
 
     run_batch(src, out, echo=True, cache="off", template=Template("{text}", id_column="key", kind="embedding"))
     assert sorted(d["custom_id"] for d in lines(out)) == ["k1", "k2", "k3"]

@@ -6,7 +6,7 @@ import urllib.request
 import pytest
 
 from carpool.client.start_limit import capacity_from_metrics
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fixtures import running_engine
 
 server_mod = pytest.importorskip("carpool.server")

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 
 from carpool.client.models import ModelIdentity
-from carpool.jobs.api import make_job, make_options
 from carpool.jobs.fingerprint import job_identity, make_fingerprint
 from carpool.jobs.options import LiveParts, RunOptions
-from carpool.jobs.target import resolve_target
+from carpool.jobs.python_api.arguments import make_job, make_options
+from carpool.jobs.start.model import resolve_target
 
 
 def test_options_cannot_be_changed_after_parsing():

@@ -12,10 +12,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from carpool.jobs.exit_codes import ExitCode
+from carpool.jobs.input.tasks import TaskDefaults, Template
 from carpool.jobs.options import RunOptions
 from carpool.jobs.runner import Runner
-from carpool.jobs.tasks import TaskDefaults, Template
+from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.testing.fault_server import Fault, FaultConfig
 
 

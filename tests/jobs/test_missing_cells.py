@@ -12,7 +12,7 @@ import math
 import pytest
 
 import carpool
-from carpool.jobs.inputs import rows_of
+from carpool.jobs.python_api.in_memory import rows_of
 from carpool.testing.fault_server import FaultConfig
 
 pd = pytest.importorskip("pandas")

@@ -5,10 +5,10 @@ import json
 import random
 import tracemalloc
 
-from carpool.jobs.api import run_batch
-from carpool.jobs.prefix_plan import PlannedSource
-from carpool.jobs.readers import Reader
-from carpool.jobs.tasks import Task
+from carpool.jobs.input.prefix_order import PlannedSource
+from carpool.jobs.input.readers import Reader
+from carpool.jobs.input.tasks import Task
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig
 
 
@@ -156,7 +156,7 @@ def test_summary_sums_the_cached_prompt_tokens_per_endpoint(fault_server, tmp_pa
 
 
 def test_summary_says_when_the_server_reports_no_cached_tokens(fault_server, tmp_path):
-    from carpool.jobs.prompt_cache import PromptReuse
+    from carpool.jobs.summary.prompt_reuse import PromptReuse
 
     srv = fault_server(FaultConfig())
     src = tmp_path / "in.jsonl"
@@ -215,7 +215,7 @@ def test_bad_and_blank_lines_keep_their_line_numbers_when_planned(tmp_path):
 
 def test_who_plans_by_default():
     from carpool.jobs.options import RunOptions
-    from carpool.jobs.prefix_plan import wants_plan
+    from carpool.jobs.parts import wants_plan
 
     assert wants_plan(RunOptions("in", "out", endpoints=["http://x/v1"]))
     assert wants_plan(RunOptions("in", "out"))  # the in-process engine: its prefix cache thrashes alike

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 from job_helpers import cli, lines, write_tasks
 
-from carpool.jobs.exit_codes import ExitCode
-from carpool.jobs.preflight import endpoint_url_problem
+from carpool.jobs.start.checks import endpoint_url_problem
+from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.testing.fault_server import FaultConfig, FaultServer, ThreadedFaultServer
 from carpool.testing.fixtures import free_port
 
@@ -58,15 +57,16 @@ def test_wait_for_endpoint_waits_for_a_server_that_is_starting(tmp_path):
     srv = ThreadedFaultServer(FaultConfig(models=["m"]))
     srv.server = FaultServer(FaultConfig(models=["m"]), port=port)
     try:
-        time.sleep(1.5)  # the job is waiting: the port is still closed
-        assert proc.poll() is None
+        assert proc.stderr is not None
+        said = proc.stderr.readline()  # the job found the port closed and waits (a loaded machine may take seconds)
+        assert "waiting up to" in said and proc.poll() is None, said
         with srv:
             _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == ExitCode.OK, err
-    assert "waiting up to" in err and len(lines(out)) == 3
+    assert len(lines(out)) == 3
 
 
 def test_a_base_url_without_v1_is_refused_naming_the_url_with_v1(fault_server, tmp_path):

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import carpool
-from carpool.jobs.exit_codes import ExitCode
-from carpool.jobs.prices import TABLE_DATE, load_price_file, resolve_prices
+from carpool.jobs.cost.prices import TABLE_DATE, load_price_file, resolve_prices
+from carpool.jobs.summary.exit_codes import ExitCode
 from carpool.testing.fault_server import FaultConfig
 
 LITELLM_SHAPED = {

@@ -10,7 +10,7 @@ import pytest
 import carpool
 from carpool.jobs.options import RunOptions
 from carpool.jobs.parts import job_limiter
-from carpool.jobs.report import rate_points, render_html
+from carpool.jobs.summary.html_report import rate_points, render_html
 from carpool.testing.fault_server import Fault, FaultConfig
 
 
@@ -52,7 +52,7 @@ def test_the_concurrency_reason_names_what_set_it():
 
 def test_render_html_without_plots_data():
     pytest.importorskip("matplotlib")
-    from carpool.jobs.summary import JobStats
+    from carpool.jobs.summary.stats import JobStats
 
     page = render_html(JobStats(total=0))
     assert "<table>" in page and "{'" not in page

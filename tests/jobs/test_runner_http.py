@@ -13,8 +13,8 @@ import pytest
 from rich.console import Console
 
 from carpool.commands.run import render_summary
-from carpool.jobs.api import run_batch
-from carpool.jobs.summary import JobStats
+from carpool.jobs.python_api.run import run_batch
+from carpool.jobs.summary.stats import JobStats
 from carpool.testing.fault_server import Fault, FaultConfig
 
 
@@ -92,7 +92,7 @@ def test_exact_cache_across_runs(fault_server, tmp_path):
 def test_endpoint_tasks_need_a_model(fault_server, tmp_path):
     """No --model and an endpoint that cannot say what it serves: refused before anything is
     sent or written (it used to write an invalid_input line for every task, all "done")."""
-    from carpool.jobs.exit_codes import StartRefused
+    from carpool.errors import StartRefused
 
     srv = fault_server(FaultConfig())
     src = tmp_path / "in.jsonl"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 
 server_mod = pytest.importorskip("carpool.server")
 

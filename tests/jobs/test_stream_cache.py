@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.body_diff import answer_diff
 from carpool.testing.replay_server import ThreadedReplayServer
 

@@ -12,10 +12,10 @@ import pytest
 
 from carpool.client.base import CallResult, Outcome, Request
 from carpool.client.executor import Stopped
-from carpool.jobs.caching import EXACT_HIT_ID, JobCaches
-from carpool.jobs.dedup import Dedup
-from carpool.jobs.summary import JobStats
-from carpool.jobs.task_cache import TaskCache
+from carpool.jobs.reuse.caches import EXACT_HIT_ID, JobCaches
+from carpool.jobs.reuse.dedup import Dedup
+from carpool.jobs.reuse.task_cache import TaskCache
+from carpool.jobs.summary.stats import JobStats
 
 BODY = {"model": "m", "temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}

@@ -17,10 +17,11 @@ import pytest
 from job_helpers import cli, lines
 from job_helpers import write_tasks as _write_tasks
 
-from carpool.jobs.exit_codes import ExitCode, exit_code
-from carpool.jobs.journal import Journal, compact, recover
-from carpool.jobs.summary import JobStats
-from carpool.jobs.writer import error_line, line_tail, success_line, with_tail
+from carpool.jobs.summary.exit_codes import ExitCode, exit_code
+from carpool.jobs.summary.stats import JobStats
+from carpool.journal.journal import Journal
+from carpool.journal.recovery import compact, recover
+from carpool.journal.writer import error_line, line_tail, success_line, with_tail
 from carpool.testing.fault_server import Fault, FaultConfig
 
 write_tasks = functools.partial(_write_tasks, max_tokens=4)

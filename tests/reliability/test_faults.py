@@ -35,7 +35,7 @@ from reliability_helpers import (
     write_jsonl,
 )
 
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 
 ALL_KINDS = ["429", "503", "500", "502", "reset_before_body", "reset_after_body", "stall", "stall_mid_stream",
              "truncate", "invalid_json"]

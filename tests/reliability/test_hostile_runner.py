@@ -24,8 +24,8 @@ import pytest
 from reliability_helpers import chat_task, read_jsonl, run_cli, run_cmd, write_jsonl
 
 from carpool.client.http_backend import MAX_ID_HEADER, custom_id_header
-from carpool.jobs.api import run_batch
-from carpool.jobs.readers import MAX_LINE_BYTES, TooLong, numbered_lines
+from carpool.jobs.input.readers import MAX_LINE_BYTES, TooLong, numbered_lines
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import Fault, FaultConfig
 
 ODD_IDS = ["new\nline", "carriage\rreturn", "nul\0byte", "x" * 10_000, "é ü 日本 \U0001F600", " ",
@@ -175,7 +175,7 @@ def test_every_line_ending_reads_as_lines(logging_fault_server, tmp_path, name, 
 def test_a_cr_only_file_keeps_its_line_numbers_and_the_length_limit(tmp_path):
     p = tmp_path / "mac.jsonl"
     p.write_bytes(b"ab\r" + b"x" * 25 + b"\r0123456789\rtail")
-    from carpool.jobs.readers import CRLines
+    from carpool.jobs.input.readers import CRLines
 
     with open(p, "rb") as f:
         got = list(numbered_lines(CRLines(f, chunk=4), max_bytes=10))
@@ -187,7 +187,7 @@ def test_a_missing_output_directory_names_the_o_path_and_the_fix(tmp_path):
     missing = tmp_path / "no" / "such" / "dir"
     r = run_cli([str(src), "-o", str(missing / "out.jsonl"), "--echo-backend", "--cache", "off"], timeout=60)
     err = r.stderr.decode()
-    assert r.returncode == 5, err  # the output cannot be written (carpool/jobs/exit_codes.py)
+    assert r.returncode == 5, err  # the output cannot be written (carpool/jobs/summary/exit_codes.py)
     assert str(missing / "out.jsonl") in err and f"mkdir -p {missing}" in err, err
     assert ".tmp" not in err and "Traceback" not in err, err  # before: named out.jsonl.carpool.tmp
     assert not missing.exists()  # refused, not created

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 from reliability_helpers import chat_task, complete_ids, read_jsonl, run_cli, run_cmd, write_jsonl
 
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig
 
 PATTERNS = {

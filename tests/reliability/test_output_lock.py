@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from reliability_helpers import chat_task, complete_ids, read_jsonl, run_cli, run_cmd, write_jsonl
 
-from carpool.jobs.api import run_batch
-from carpool.jobs.output_lock import OutputLock, OutputLocked, lock_path
+from carpool.jobs.output.lock import OutputLock, OutputLocked, lock_path
+from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import FaultConfig
 
 N = 60
@@ -122,6 +122,6 @@ def test_the_lock_is_released_when_a_run_ends_and_in_process_too(tmp_path):
     b = OutputLock(out)
     b.acquire()
     b.release()
-    r = subprocess.run([sys.executable, "-c", "import sys; from carpool.jobs.output_lock import OutputLock; "
+    r = subprocess.run([sys.executable, "-c", "import sys; from carpool.jobs.output.lock import OutputLock; "
                         f"OutputLock({str(out)!r}).acquire()"], capture_output=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr.decode()

@@ -264,8 +264,8 @@ def test_an_endpoints_file_header_that_cannot_be_sent_is_refused(logging_fault_s
     ({"api_key": "sk-abc\ndef"}, "--api-key"),
 ])
 def test_the_python_api_refuses_an_unsendable_header_before_sending(logging_fault_server, tmp_path, options, named):
-    from carpool.jobs.api import run_batch
-    from carpool.jobs.exit_codes import StartRefused
+    from carpool.errors import StartRefused
+    from carpool.jobs.python_api.run import run_batch
 
     srv = logging_fault_server(FaultConfig(models=["m"]))
     with pytest.raises(StartRefused) as refused:

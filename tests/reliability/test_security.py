@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from reliability_helpers import FaultConfig, chat_task, read_jsonl, write_jsonl
 
-from carpool.jobs.api import run_batch
+from carpool.jobs.python_api.run import run_batch
 from carpool.server import ServerConfig
 from carpool.server.app import build_app
 from carpool.server.launcher import start_server_process

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 from carpool.client.pool import Timeouts
+from carpool.jobs.input.tasks import TaskDefaults
 from carpool.jobs.options import RunOptions
 from carpool.jobs.runner import Runner
-from carpool.jobs.tasks import TaskDefaults
 from carpool.testing.fault_server import Fault, FaultConfig, FaultServer
 
 
@@ -41,7 +41,7 @@ def _options(src: Path, out: Path, url: str, tmp_path: Path, **kw) -> RunOptions
 
 
 def _assert_all_given_back(runner: Runner) -> None:
-    pipeline = runner.pipeline
+    pipeline = runner.spread.pipeline
     assert pipeline is not None
     limiter = pipeline.parts.limiter
     assert (limiter.in_flight, limiter.decoding) == (0, 0)
@@ -67,14 +67,14 @@ def test_every_branch_gives_its_slots_back(tmp_path):
             return first, again
 
     first, again = asyncio.run(main())
-    one = first.pipeline.stats  # type: ignore[union-attr]
+    one = first.spread.pipeline.stats  # type: ignore[union-attr]
     assert one.retries  # the 500 and the 429 were retried
     assert one.dedup_fanouts == 2  # the twins after the first took its answer
     out = _lines(tmp_path / "out1.jsonl")
     assert set(out) == {"plain", "retry", "rate", "stall", "twin-a", "twin-b", "twin-c"}
     assert out["stall"]["error"]["code"] == "read_timeout"
     assert all(out[c]["error"] is None for c in ("plain", "retry", "rate", "twin-a", "twin-b", "twin-c"))
-    assert again.pipeline.stats.cache_hits == 6  # type: ignore[union-attr]  # all but the failed one
+    assert again.spread.pipeline.stats.cache_hits == 6  # type: ignore[union-attr]  # all but the failed one
 
 
 def test_tasks_cancelled_in_flight_give_their_slots_back(tmp_path):

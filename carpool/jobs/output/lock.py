@@ -1,0 +1,91 @@
+"""One run at a time per output file: an exclusive lock held for the whole job.
+
+The output file is the job's journal, so two runs on it would each send every task the
+other has not finished yet (and pay for it twice) and write a line per id each.  The lock
+is ``flock`` on a file beside the output (``<output>.carpool.lock``): the OS releases it
+when the process ends however it ends (a crash, SIGKILL), so a lock is never stale.  The
+file itself stays: removing it while another process waits on it would let a third run
+lock a new file of the same name beside the one still held.
+
+The file holds who holds the lock (pid, host, start time) so the run that is refused can
+say whom it waits for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from carpool.errors import StartRefused
+
+LOCK_SUFFIX = ".carpool.lock"
+
+
+class OutputLocked(StartRefused):
+    """Another run holds the output file (exit 2); the message names it and what to do."""
+
+
+def lock_path(output: str | os.PathLike) -> Path:
+    return Path(str(output) + LOCK_SUFFIX)
+
+
+def _holder(text: str) -> str:
+    """Who holds the lock, in words, from the lock file's text (it may be empty or cut: the
+    holder writes it right after taking the lock)."""
+    try:
+        doc = json.loads(text)
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(doc["started"])))
+        return f"pid {int(doc['pid'])} on {doc['host']}, started {started}"
+    except (ValueError, KeyError, TypeError):
+        return "its pid is not known yet"
+
+
+class OutputLock:
+    """``acquire`` before the job reads its journal, ``release`` once it wrote its last line.
+
+    ``OutputLocked`` when another process holds it.  Where the file system cannot lock
+    (some network file systems), the job runs unlocked and ``note`` says so."""
+
+    def __init__(self, output: str | os.PathLike):
+        self.output = Path(output)
+        self.path = lock_path(output)
+        self.note: str | None = None
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        if not self.path.parent.is_dir():
+            return  # nothing can be written there: the journal refuses the start, naming the fix
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = _holder(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+            os.close(fd)
+            raise OutputLocked(
+                f"{str(self.output)!r} is being written by another carpool run ({who}; lock file "
+                f"{str(self.path)!r}). Two runs on one output would send its tasks twice: wait for "
+                "that run to end (the same command then resumes), or write to another -o") from None
+        except OSError as e:
+            os.close(fd)
+            self.note = (f"could not lock {str(self.output)!r} ({e.strerror or e}): nothing stops a second "
+                         "run on the same output from sending its tasks again")
+            return
+        self._fd = fd
+        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        with contextlib.suppress(OSError):  # who holds it is for messages; the lock is what counts
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me.encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # closing the last descriptor releases the lock
