@@ -47,7 +47,8 @@ class LengthDist:
     """Parse and sample a length spec.
 
     ``200`` or ``fixed:200``; ``uniform:50,500``; ``normal:200,50``; ``lognormal:200,0.8``
-    (median, sigma); ``choice:32,512`` (equal odds); ``mix:32x0.8,1024x0.2`` (weights).
+    (median, sigma) or ``lognormal:100,1,20,2000`` (kept within 20..2000); ``choice:32,512``
+    (equal odds); ``mix:32x0.8,1024x0.2`` (weights).
     """
 
     def __init__(self, spec: str | int):
@@ -66,8 +67,8 @@ class LengthDist:
                 self.values = [float(v) for v in rest.split(",")]
         except ValueError:
             raise ValueError(f"bad length spec {self.spec!r}: {self.__doc__}") from None
-        need = {"fixed": 1, "uniform": 2, "normal": 2, "lognormal": 2}
-        if (self.kind in need and len(self.values) != need[self.kind]) or self.kind not in {*need, "choice", "mix"}:
+        need = {"fixed": (1,), "uniform": (2,), "normal": (2,), "lognormal": (2, 4)}
+        if (self.kind in need and len(self.values) not in need[self.kind]) or self.kind not in {*need, "choice", "mix"}:
             raise ValueError(f"bad length spec {self.spec!r}: {' '.join(self.__doc__.split())}")
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -80,6 +81,8 @@ class LengthDist:
             x = rng.normal(v[0], v[1], n)
         elif self.kind == "lognormal":
             x = v[0] * np.exp(rng.normal(0, v[1], n))
+            if len(v) == 4:
+                x = np.clip(x, v[2], v[3])
         elif self.kind == "choice":
             x = rng.choice(np.array(v), n)
         else:
