@@ -65,6 +65,10 @@ def probe_requests(requests: list[SimRequest], rate: float, base_rate: float = 1
     """
     if concurrency and math.isinf(rate) and duration_s is not None:
         requests = requests[:max(min_requests, 4 * concurrency)]
+    elif duration_s is not None and not math.isinf(rate):
+        # Rescale only what the window can hold: the pool is drawn many probes long.
+        last = duration_s * rate / base_rate
+        requests = requests[:max(min_requests, sum(1 for r in requests if r.arrival <= last))]
     reqs = at_rate(requests, rate, base_rate)
     if duration_s is None or math.isinf(rate):
         return reqs
