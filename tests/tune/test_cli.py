@@ -53,7 +53,7 @@ def test_tune_simulated_engine_emits_vllm(capsys):
     assert lines[0].startswith("SLO: p99_e2e_ms<=4000")
     best = next(line for line in lines if line.startswith("best:"))
     argv = shlex.split(lines[-1])
-    assert argv[:3] == ["vllm", "serve", "MODEL"]
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct"]  # the simulated model, named
     seqs = argv[argv.index("--max-num-seqs") + 1]
     assert f"seqs={seqs} " in best
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
