@@ -41,6 +41,8 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--emit {args.emit} needs --traffic FILE: the replicas per hour set the autoscaler's range")
     if args.report and not args.traffic:
         raise ValueError("--report plots the day's plan: give --traffic FILE")
+    if args.traffic:
+        traffic.read(args.traffic)  # a bad file is refused before minutes of tuning, not after
     if not 0 <= args.headroom < 10:
         raise ValueError(f"--headroom {args.headroom}: give a fraction such as 0.2")
     if args.min_replicas < 0 or (args.max_replicas is not None and args.max_replicas < max(args.min_replicas, 1)):

@@ -134,8 +134,12 @@ class RooflineCost:
         return self.model.bytes_per_param if self.bytes_per_param is None else self.bytes_per_param
 
     def weight_bytes_per_gpu(self, num_tokens: int | None = None) -> float:
-        """Weights one GPU reads for a step of ``num_tokens`` (None: all it holds)."""
+        """Weights one GPU reads for a step of ``num_tokens`` (None: all the experts)."""
         return self.model.weight_bytes(self._param_bytes, num_tokens) / self.num_gpus
+
+    def resident_bytes_per_gpu(self) -> float:
+        """Weights one GPU holds: all of them, the embedding table (gathered, not read) too."""
+        return self.model.num_params * self._param_bytes / self.num_gpus
 
     def parts(self, s: StepShape) -> dict:
         m, n = self.model, self.num_gpus
@@ -165,7 +169,7 @@ class RooflineCost:
 
     def kv_capacity_tokens(self) -> int | None:
         per_gpu = self.accel.memory_gb * 1e9 * self.gpu_memory_utilization
-        free = per_gpu - self.weight_bytes_per_gpu() - self.activation_reserve_gb * 1e9
+        free = per_gpu - self.resident_bytes_per_gpu() - self.activation_reserve_gb * 1e9
         if free <= 0:
             return 0
         return int(free / self._kv_bytes_per_token_per_gpu())
@@ -175,7 +179,7 @@ class RooflineCost:
             "kind": "roofline", "accelerator": self.accel.name, "model": self.model.name,
             "num_gpus": self.num_gpus, "mem_efficiency": self.mem_efficiency,
             "compute_efficiency": self.compute_efficiency,
-            "weights_gb_per_gpu": round(self.weight_bytes_per_gpu() / 1e9, 2),
+            "weights_gb_per_gpu": round(self.resident_bytes_per_gpu() / 1e9, 2),
             "kv_capacity_tokens": self.kv_capacity_tokens(),
         }
 
