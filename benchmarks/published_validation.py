@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from carpool.tune import published  # noqa: E402
+from carpool.tune import published
 
 CASES = Path(__file__).resolve().parent / "published"
 

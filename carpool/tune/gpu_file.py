@@ -16,11 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from carpool.errors import StartRefused
 from carpool.tune.hardware import Accelerator
+from carpool.tune.spec_file import read_mapping
 
 
 class GpuFileError(StartRefused):
@@ -53,14 +53,7 @@ def looks_like_file(value: str) -> bool:
 
 def load(path: str) -> Accelerator:
     """The accelerator ``path`` describes; a refusal names the field at fault."""
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise GpuFileError(f"--gpu {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise GpuFileError(f"--gpu {path}: not YAML or JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise GpuFileError(f"--gpu {path}: a mapping of fields is needed, e.g. memory_gb: 48")
+    data = read_mapping(Path(path), "--gpu", GpuFileError)
     try:
         spec = GpuSpec.model_validate(data)
     except ValidationError as e:

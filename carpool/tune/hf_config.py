@@ -10,13 +10,13 @@ GPTQ one its ``bits``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from carpool.errors import StartRefused
 from carpool.tune.models import ModelSpec
+from carpool.tune.spec_file import read_mapping
 
 
 class ModelConfigError(StartRefused):
@@ -96,14 +96,7 @@ def load(path: str) -> ModelSpec:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ModelConfigError(f"--model-config {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ModelConfigError(f"--model-config {path}: not JSON ({e.msg}, line {e.lineno})") from None
-    if not isinstance(cfg, dict):
-        raise ModelConfigError(f"--model-config {path}: a JSON object is needed")
+    cfg = read_mapping(p, "--model-config", ModelConfigError)
     try:
         return spec_from_dict(cfg, p.parent.name if p.name == "config.json" else p.stem)
     except ModelConfigError as e:

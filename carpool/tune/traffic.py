@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from carpool.errors import StartRefused
+from carpool.tune.workload import jsonl_values
 
 RATE_KEYS = ("req_s", "rate", "qps", "rps", "requests_per_s", "req_per_s")
 TIME_KEYS = ("timestamp", "arrival", "time", "ts", "arrival_time")
@@ -77,16 +77,8 @@ def _rows(path: Path) -> list[dict]:
     if not first:
         raise TrafficFileError(f"--traffic {path}: the file is empty")
     if first.lstrip().startswith(("{", "[")) or _is_number(first):
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TrafficFileError(f"--traffic {path}:{n}: not JSON ({e.msg})") from None
-            rows.append(value if isinstance(value, dict) else {"timestamp": value})
-        return rows
+        values = jsonl_values(text.splitlines(), f"--traffic {path}", TrafficFileError)
+        return [v if isinstance(v, dict) else {"timestamp": v} for _, v in values]
     return [{(k or "").strip().lower(): v for k, v in row.items()} for row in csv.DictReader(io.StringIO(text))]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -122,6 +123,19 @@ def at_rate(requests: list[SimRequest], rate: float, base_rate: float = 1.0) -> 
     return [replace(r, arrival=r.arrival * f) for r in requests]
 
 
+def jsonl_values(lines: Iterable[str], where: str,
+                 error: type[ValueError] = ValueError) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) for every non-blank line; a line that is not JSON raises
+    ``error`` naming ``where`` and the line."""
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{where}:{n}: not JSON ({e.msg}); each line must be one JSON value") from None
+
+
 def from_jsonl(path: str, rate: float, seed: int = 0, chars_per_token: float = 4.0) -> list[SimRequest]:
     """Requests from a task file: ``prompt_tokens``/``output_tokens`` fields if present, else
     lengths estimated from ``messages``/``prompt`` text and ``max_tokens`` (default 16)."""
@@ -129,13 +143,9 @@ def from_jsonl(path: str, rate: float, seed: int = 0, chars_per_token: float = 4
     out: list[SimRequest] = []
     t = 0.0
     with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg}); each line must be one JSON object") from None
+        for n, d in jsonl_values(f, path):
+            if not isinstance(d, dict):
+                raise ValueError(f"{path}:{n}: each line must be one JSON object")
             body = d.get("body", d)  # OpenAI Batch lines wrap the request in "body"
             if "prompt_tokens" in d:
                 plen = int(d["prompt_tokens"])
