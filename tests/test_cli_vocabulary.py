@@ -82,7 +82,7 @@ def test_tune_model_is_the_name_and_the_old_size_spelling_is_read_as_a_size(caps
     assert main(["tune", "--simulate", "--model", "7b", *common]) == 0
     captured = capsys.readouterr()
     assert "--model 7b read as --model-size 7b" in captured.err
-    assert captured.out.strip().splitlines()[-1].startswith("vllm serve MODEL ")
+    assert captured.out.strip().splitlines()[-1].startswith("vllm serve Qwen/Qwen2.5-7B-Instruct ")  # the size's model
     assert main(["tune", "--simulate", "--served-model", "srv", "--model-size", "7b", *common]) == 0
     captured = capsys.readouterr()
     assert "--served-model is deprecated; write --model NAME" in captured.err
