@@ -1,4 +1,4 @@
-"""The carpool command line: one verb a module of carpool/commands, each owning its flags.
+"""The carpool command line: one command (verb) a module of carpool/commands, each owning its flags.
 
 This file only dispatches.  Each verb's module (``carpool.commands.<verb>``) exposes
 ``add_arguments(parser)`` and ``main(args) -> int`` and owns its flags and its printing;
@@ -9,10 +9,14 @@ server or Ray.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
+from carpool.commands.flags import CommandParser, unknown_flags
 from carpool.engine.process import configure_process
+
+DESCRIPTION = "Run large batches of LLM work at the highest throughput this machine allows."
 
 VERBS: dict[str, tuple[str, str]] = {
     "run": ("carpool.commands.run", "run every task of a file (JSONL/Batch/CSV/Parquet)"),
@@ -30,11 +34,16 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, ar
     """The parser and each verb's own (whose usage a bad flag of that verb prints)."""
     from carpool import __version__
 
-    parser = argparse.ArgumentParser(prog="carpool", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="carpool", description=DESCRIPTION,
+                           epilog="'carpool COMMAND --help' shows what a command does and its flags.")
     parser.add_argument("--version", action="version", version=f"carpool {__version__}")
-    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub = parser.add_subparsers(dest="verb", metavar="COMMAND", title="commands")
     sub.required = True
     wanted = next((a for a in argv if not a.startswith("-")), None)
+    if wanted is not None and wanted not in VERBS:
+        near = difflib.get_close_matches(wanted, list(VERBS), n=2, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(near)}?" if near else f"; the commands are {', '.join(VERBS)}"
+        parser.error(f"unknown command {wanted!r}{hint}")
     verbs = {}
     for verb, (module, help_text) in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
@@ -46,12 +55,12 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, ar
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    """The arguments; a flag the verb does not know is that verb's error (its usage, exit 2),
-    not the top-level parser's."""
+    """The arguments; a flag the verb does not know is that verb's error (one line naming the
+    closest flags it has, exit 2), not the top-level parser's."""
     parser, verbs = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        verbs[args.verb].error(f"unrecognized arguments: {' '.join(unknown)}")
+        verbs[args.verb].error(unknown_flags(verbs[args.verb], unknown))
     return args
 
 

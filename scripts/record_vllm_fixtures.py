@@ -27,6 +27,10 @@ it on the n=1 cases).
 
 then ``python scripts/record_vllm_fixtures.py --base-url http://127.0.0.1:8161`` (record)
 or the same with ``--compare`` (live check); stop vLLM's process group afterwards.
+
+``--metrics`` records vLLM's Prometheus page instead, read while more requests are in flight
+than the server runs at once (start it with ``--max-num-seqs 2`` for that): ``metrics-busy.prom``,
+what ``carpool diagnose`` parses (tests/bench/test_diagnose.py).
 Every request is greedy or seeded, so a re-recording reproduces the same texts.
 """
 
@@ -233,18 +237,52 @@ async def compare(base: str, only: set[str]) -> int:
     return 1 if failures else 0
 
 
+async def record_metrics(base: str, out: Path, in_flight: int = 6) -> int:
+    """``/metrics`` read while ``in_flight`` streamed requests run: the first page that shows
+    some running and some waiting, with a comment saying how it was taken."""
+    body = {"model": MODEL, "messages": _chat("Count from one to fifty in words."), "max_tokens": 64,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        sent = [asyncio.create_task(_post(session, base + "/v1/chat/completions", body)) for _ in range(in_flight)]
+        page = ""
+        while not all(t.done() for t in sent):
+            async with session.get(base + "/metrics") as resp:
+                text = await resp.text()
+            if "\nvllm:num_requests_waiting{" in text and not _gauge_is_zero(text, "num_requests_waiting"):
+                page = text
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.gather(*sent)
+    if not page:
+        print("no page showed requests waiting: start vLLM with --max-num-seqs 2", file=sys.stderr)
+        return 1
+    note = (f"# vllm /metrics with {in_flight} streamed chat requests in flight (vllm serve ... --max-num-seqs 2), "
+            f"recorded {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d} by scripts/record_vllm_fixtures.py\n")
+    (out / "metrics-busy.prom").write_text(note + page)
+    print(f"metrics-busy.prom: {len(page)} characters")
+    return 0
+
+
+def _gauge_is_zero(text: str, name: str) -> bool:
+    values = [line.rsplit(" ", 1)[-1] for line in text.splitlines() if line.startswith(f"vllm:{name}{{")]
+    return all(float(v) == 0 for v in values)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8161", help="vLLM server, without /v1")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="fixtures directory (record mode)")
     p.add_argument("--compare", action="store_true", help="check stream == plain live; write nothing")
     p.add_argument("--only", action="append", default=[], help="a case name (repeatable)")
+    p.add_argument("--metrics", action="store_true", help="record /metrics under load (metrics-busy.prom) instead")
     a = p.parse_args(argv)
     only = set(a.only)
     unknown = only - {c[0] for c in CASES}
     if unknown:
         p.error(f"unknown case(s) {sorted(unknown)}; known: {[c[0] for c in CASES]}")
     base = a.base_url.rstrip("/").removesuffix("/v1")
+    if a.metrics:
+        return asyncio.run(record_metrics(base, a.out))
     return asyncio.run(compare(base, only) if a.compare else record(base, a.out, only))
 
 

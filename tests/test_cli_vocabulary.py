@@ -29,12 +29,36 @@ def test_version():
 
 
 @pytest.mark.parametrize("verb", ["run", "bench", "simulate"])
-def test_an_unknown_flag_prints_the_verbs_usage(verb, tmp_path):
+def test_an_unknown_flag_is_one_short_error_of_its_verb(verb, tmp_path):
     args = [str(tmp_path / "t.jsonl")] if verb == "run" else []
     p = carpool(verb, *args, "--no-such-flag")
     assert p.returncode == 2
-    assert f"usage: carpool {verb}" in p.stderr and f"carpool {verb}: error: unrecognized arguments: --no-such-flag" \
-        in p.stderr
+    assert p.stderr.startswith(f"carpool {verb}: error: unknown flag --no-such-flag")
+    assert "usage:" not in p.stderr and len(p.stderr.splitlines()) <= 2
+
+
+@pytest.mark.parametrize(("typed", "meant"), [("--max_tokens", "--max-tokens"), ("--concurrent", "--concurrency"),
+                                              ("--temprature", "--temperature")])
+def test_a_mistyped_flag_names_the_flag_meant(typed, meant, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(tmp_path / "t.jsonl"), typed, "5"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unknown flag {typed} (did you mean {meant}" in err
+    assert "usage:" not in err and len(err.splitlines()) <= 2
+
+
+def test_a_mistyped_command_names_the_command_meant(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["rnu", "tasks.jsonl"])
+    assert exit_.value.code == 2
+    assert "unknown command 'rnu'; did you mean run?" in capsys.readouterr().err
+
+
+def test_the_top_level_help_speaks_of_commands():
+    p = carpool("--help")
+    assert p.returncode == 0
+    assert "COMMAND" in p.stdout and "module" not in p.stdout
 
 
 def test_durations_parse_alike_everywhere():

@@ -4,12 +4,17 @@ Phases (same tasks, same client code):
   1. serial, over a reused connection and over a new connection per request, alternating
      which goes first per task so a server-side cache cannot favour one of them;
   2. concurrent at the client's concurrency C (reused pool);
-  3. concurrent at 4*C, only when phase 2 showed headroom (throughput scaled or latency stayed
-     flat), to put a number on "raise concurrency";
-  4. after any 429, one at a time waiting out each 429, to measure the rate the server sustains.
-While phases run, the server's Prometheus /metrics is polled when it has one (vLLM names:
-num_requests_running/waiting, kv_cache_usage_perc, request_queue_time_seconds, prefix cache
-queries/hits); for the embedded engine its ``stats()`` plays that part.
+  3. concurrent past it, at 4*C (or at the server's stated max_num_seqs when that lies
+     between): whether more in flight gains anything is what tells a client that holds the
+     throughput down from a server that is full;
+  4. after any 429, one at a time waiting out each 429, to measure the rate the server sustains
+     (instead of 3);
+  5. when the advice names a client concurrency not measured yet, that concurrency: advice
+     that measures worse than the client's own C is withdrawn.
+While phases run, the server's Prometheus /metrics is polled when it has one (vLLM's names:
+num_requests_running/waiting, kv_cache_usage_perc or the older gpu_cache_usage_perc,
+request_queue_time_seconds, prefix cache queries/hits; carpool's max_num_seqs); for the
+embedded engine its ``stats()`` plays that part.
 
 The findings and the verdict (rate-limited, connection-cost, client-bound, server-queueing,
 decode-bound, prefill-bound), with the one change to try first, are ``carpool.bench.verdicts``'.
@@ -31,9 +36,9 @@ import aiohttp
 from carpool.bench.datasets import BenchRequest
 from carpool.bench.loadgen import RequestRecord, engine_load_client, http_load_client, metrics_url, run_benchmark
 from carpool.bench.metrics import compute_metrics
-from carpool.bench.verdicts import Phase, ServerView, explain, has_headroom
+from carpool.bench.verdicts import Advice, Phase, ServerView, check, explain
 
-GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "max_num_seqs")
 COUNTERS = (
     "request_queue_time_seconds_sum",
     "request_queue_time_seconds_count",
@@ -97,6 +102,7 @@ class ServerProbe:
                 "prefix_cache_queries_total": float(st.get("prefix_cache_queries", 0)),
                 "prefix_cache_hits_total": float(st.get("prefix_cache_hits", 0)),
                 "num_preemptions_total": float(st.get("num_preemptions", 0)),
+                "max_num_seqs": float(st.get("max_num_seqs", 0)),
             }
 
         return cls(fetch)
@@ -125,9 +131,16 @@ class Diagnosis:
     model: str
     phases: list[Phase]
     findings: list[str]
-    verdict: str
-    change: str
+    advice: Advice
     server_metrics: bool
+
+    @property
+    def verdict(self) -> str:
+        return self.advice.name
+
+    @property
+    def change(self) -> str:
+        return self.advice.change
 
     def to_dict(self) -> dict[str, Any]:
         phases = []
@@ -140,6 +153,8 @@ class Diagnosis:
             "model": self.model,
             "verdict": self.verdict,
             "change": self.change,
+            "advised_concurrency": self.advice.concurrency,
+            "checked": self.advice.checked or None,
             "findings": self.findings,
             "server_metrics": self.server_metrics,
             "phases": phases,
@@ -172,6 +187,8 @@ class Diagnosis:
         lines.append("")
         lines.append(f"verdict: {self.verdict}")
         lines.append(f"try first: {self.change}")
+        if self.advice.checked:
+            lines.append(f"checked: {self.advice.checked}")
         return "\n".join(lines)
 
 
@@ -199,6 +216,8 @@ def _server_view(before: dict | None, after: dict | None, samples: list[dict]) -
         view.peak_waiting = max(s.get("num_requests_waiting", 0.0) for s in samples)
         view.mean_waiting = statistics.fmean(s.get("num_requests_waiting", 0.0) for s in samples)
         view.peak_kv_usage = max(s.get("kv_cache_usage_perc", 0.0) for s in samples)
+    stated = [s["max_num_seqs"] for s in [*samples, after or {}] if s.get("max_num_seqs")]
+    view.max_num_seqs = max(stated) if stated else None
     if before and after:
 
         def delta(k: str) -> float:
@@ -330,59 +349,72 @@ class Diagnoser:
             if not warm.success and warm.status != 429:
                 where = self.endpoint or "the embedded engine"
                 raise RuntimeError(f"the first request to {where} failed: {warm.error}")
-            probe_ok = await probe.read() is not None
+            stated = await probe.read()
+            probe_ok = stated is not None
             if not probe_ok:
                 probe = ServerProbe.none()
-
-            phases: list[Phase] = []
-            serial = self._tasks(self.serial_tasks)
-
-            async def serial_pair() -> tuple[list[RequestRecord], list[RequestRecord]]:
-                a: list[RequestRecord] = []
-                b: list[RequestRecord] = []
-                for i, t in enumerate(serial):
-                    if fresh is None:
-                        a.append(await reuse.send(t))
-                        continue
-                    if i % 2 == 0:
-                        a.append(await reuse.send(t))
-                        b.append(await fresh.send(t))
-                    else:
-                        b.append(await fresh.send(t))
-                        a.append(await reuse.send(t))
-                return a, b
-
-            (rec_reuse, rec_fresh), dur, view = await self._observe(probe, serial_pair())
-
-            # The two serial sets were interleaved: each one's duration is its own requests' time.
-            def busy(recs: list[RequestRecord]) -> float:
-                return sum(r.latency for r in recs) or dur
-
-            name = "serial, reused connection" if rec_fresh else "serial, one at a time"
-            phases.append(_phase(name, 1, False, rec_reuse, busy(rec_reuse) if rec_fresh else dur, view))
-            if rec_fresh:
-                phases.append(
-                    _phase("serial, new connection per request", 1, True, rec_fresh, busy(rec_fresh), view)
-                )
-
-            async def concurrent(c: int) -> Phase:
-                tasks = self._tasks(max(len(self.tasks), 2 * c))
-                run, _, view = await self._observe(probe, run_benchmark(reuse, tasks, math.inf, 1.0, c))
-                return _phase(f"concurrent, {c} in flight", c, False, run.records, run.duration, view)
-
-            first = await concurrent(self.concurrency)
-            phases.append(first)
+            phases = await self._serial(reuse, fresh, probe)
+            phases.append(await self._concurrent(reuse, probe, self.concurrency))
             if any(p.rate_limited for p in phases):
                 phases.append(await self._paced(reuse))
-            elif self.scale_up > 1 and has_headroom(phases[0], first):
-                phases.append(await concurrent(self.concurrency * self.scale_up))
-        findings, verdict, change = explain(phases, probe_ok)
+            elif self.scale_up > 1:
+                big = self._past_cap((stated or {}).get("max_num_seqs"))
+                phases.append(await self._concurrent(reuse, probe, big))
+            findings, advice = explain(phases, probe_ok)
+            n = advice.concurrency
+            if n is not None and not any(p.concurrency == n and not p.fresh_connections for p in phases):
+                phases.append(await self._concurrent(reuse, probe, n, "check"))
+            advice = check(advice, phases)
         return Diagnosis(
             target=self.endpoint or "embedded engine",
             model=model,
             phases=phases,
             findings=findings,
-            verdict=verdict,
-            change=change,
+            advice=advice,
             server_metrics=probe_ok,
         )
+
+    async def _serial(self, reuse: Any, fresh: Any, probe: ServerProbe) -> list[Phase]:
+        """One request at a time, over a reused connection and (HTTP) over a new one each."""
+        serial = self._tasks(self.serial_tasks)
+
+        async def serial_pair() -> tuple[list[RequestRecord], list[RequestRecord]]:
+            a: list[RequestRecord] = []
+            b: list[RequestRecord] = []
+            for i, t in enumerate(serial):
+                if fresh is None:
+                    a.append(await reuse.send(t))
+                    continue
+                if i % 2 == 0:
+                    a.append(await reuse.send(t))
+                    b.append(await fresh.send(t))
+                else:
+                    b.append(await fresh.send(t))
+                    a.append(await reuse.send(t))
+            return a, b
+
+        (rec_reuse, rec_fresh), dur, view = await self._observe(probe, serial_pair())
+
+        # The two serial sets were interleaved: each one's duration is its own requests' time.
+        def busy(recs: list[RequestRecord]) -> float:
+            return sum(r.latency for r in recs) or dur
+
+        name = "serial, reused connection" if rec_fresh else "serial, one at a time"
+        phases = [_phase(name, 1, False, rec_reuse, busy(rec_reuse) if rec_fresh else dur, view)]
+        if rec_fresh:
+            phases.append(_phase("serial, new connection per request", 1, True, rec_fresh, busy(rec_fresh), view))
+        return phases
+
+    async def _concurrent(self, reuse: Any, probe: ServerProbe, c: int, kind: str = "concurrent") -> Phase:
+        """``c`` in flight over the reused pool, through at least twice ``c`` tasks."""
+        tasks = self._tasks(max(len(self.tasks), 2 * c))
+        run, _, view = await self._observe(probe, run_benchmark(reuse, tasks, math.inf, 1.0, c))
+        return _phase(f"{kind}, {c} in flight", c, False, run.records, run.duration, view)
+
+    def _past_cap(self, max_num_seqs: float | None) -> int:
+        """The concurrency measured past the client's: ``scale_up`` times it, or the server's
+        stated max_num_seqs when that lies between (more than it only queues)."""
+        big = self.concurrency * self.scale_up
+        if max_num_seqs and self.concurrency < max_num_seqs < big:
+            return int(max_num_seqs)
+        return big

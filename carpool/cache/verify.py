@@ -337,7 +337,34 @@ def _is_typo(a: str, b: str, names: frozenset[str] = frozenset()) -> bool:
         return False  # "safe"/"unsafe" is a negation, not a typo
     if _another_entity(b if a in vocab else a, names):
         return False
+    if len(long_) <= 5 and _far_substitution(a, b):
+        return False
     return _edit_distance(a, b, 1 if len(long_) <= 5 else 2) <= (1 if len(long_) <= 5 else 2)
+
+
+# QWERTY rows and how far each is shifted right, in key widths: keys of neighbouring rows touch
+# when their centres are less than a key apart.
+_ROWS = (("qwertyuiop", 0.0), ("asdfghjkl", 0.25), ("zxcvbnm", 0.75))
+_KEY_AT = {c: (y, i + shift) for y, (row, shift) in enumerate(_ROWS) for i, c in enumerate(row)}
+
+
+def _neighbour_keys(x: str, y: str) -> bool:
+    """Whether a finger aiming at one of the two keys can hit the other (QWERTY)."""
+    if x not in _KEY_AT or y not in _KEY_AT:
+        return True  # not on the plain layout: say nothing
+    (ry, rx), (sy, sx) = _KEY_AT[x], _KEY_AT[y]
+    return (ry == sy and abs(rx - sx) == 1) or (abs(ry - sy) == 1 and abs(rx - sx) < 1)
+
+
+def _far_substitution(a: str, b: str) -> bool:
+    """One letter of a short word replaced by a letter far from it on the keyboard: "osama"/
+    "obama", "mali"/"bali".  A slip of the finger hits a neighbouring key (or drops, doubles
+    or swaps a letter); a far letter in a short word is most often another word or name that
+    neither the vocabulary nor WordNet knows, and a false hit is a silent wrong answer."""
+    if len(a) != len(b):
+        return False
+    changed = [(x, y) for x, y in zip(a, b, strict=True) if x != y]
+    return len(changed) == 1 and not _neighbour_keys(*changed[0])
 
 
 def _another_entity(unknown: str, names: frozenset[str]) -> bool:

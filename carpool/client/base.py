@@ -11,8 +11,10 @@ from carpool.client.retry import ErrorKind
 PATHS = {"chat": "/chat/completions", "completion": "/completions", "embedding": "/embeddings"}
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Request:
+    """One task as a backend sends it; a value (its body dict is not copied: no one changes it)."""
+
     custom_id: str
     kind: str  # "chat" | "completion" | "embedding"
     body: dict  # the OpenAI request body
@@ -33,8 +35,11 @@ class Refused:
     reason: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CallResult:
+    """What one attempt got: a value, built once by the backend; whoever says more of it (the
+    executor's final word on a failure) builds a new one (``dataclasses.replace``)."""
+
     ok: bool
     status_code: int = 0
     body: dict | None = None  # the response body in the non-streaming OpenAI shape

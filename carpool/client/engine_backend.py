@@ -19,11 +19,11 @@ from typing import Any
 from carpool.client.base import CallResult, Refused, Request
 from carpool.client.retry import ErrorKind
 from carpool.embed.dynamic_batcher import DynamicBatcher, QueueFullError, QueueTimeoutError
-from carpool.engine.protocol import EngineClient
+from carpool.engine.protocol import EngineClient, TokenDelta
 from carpool.openai.errors import OpenAIError
-from carpool.openai.generation import Generation, aborted_error, engine_failure
+from carpool.openai.generation import EngineAborted, run_request
 from carpool.openai.requests import Prepared, Translator
-from carpool.openai.responses import ResponseBuilder, embedding_body
+from carpool.openai.responses import Choice, embedding_body
 
 
 class EngineBackend:
@@ -124,71 +124,71 @@ class EngineBackend:
         if req.kind == "embedding":
             return await self._embed(req)
         t0 = time.perf_counter()
-        res = CallResult(ok=False, endpoint="engine", sent_at=t0)
         if prepared is not None:
             _queued_from_now(prepared)
         else:  # a retry (its choices were used), or no admission check ran
             try:
                 prepared = self.translator.prepare(req.kind, req.body)
             except OpenAIError as e:
-                return _failed(res, e, t0)
-        res.request_id = prepared.id
-        chunk_times: list[float] | None = [] if self.record_chunks else None
-        gen = Generation(self.engine, prepared.choices)
+                return _failed(e, t0)
+        seen = _Timings(t0, self.record_chunks)
         try:
-            async for _, delta in gen.deltas():
-                if delta.token_ids:
-                    now = time.perf_counter()
-                    if res.ttft_s is None:
-                        res.ttft_s = now - t0
-                    if chunk_times is not None:
-                        chunk_times.append(now)
-                if delta.finished and delta.metrics and delta.metrics.get("queue_time_s") is not None:
-                    res.queue_time_s = float(delta.metrics["queue_time_s"])
-        except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
-            return _failed(res, engine_failure(e, self.engine), t0)
-        finally:
-            await gen.close()
-        res.e2e_s = time.perf_counter() - t0
-        res.chunk_times = chunk_times
-        if gen.aborted:
-            _failed(res, aborted_error(), t0)
-            res.error_kind = ErrorKind.TRUNCATED
-            return res
-        res.body = ResponseBuilder(req.kind, prepared.id, self.model_name).body(prepared.choices)
-        usage = res.body["usage"]
-        res.prompt_tokens, res.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-        res.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-        res.cached_reported = True
-        res.status_code, res.ok = 200, True
-        return res
+            body = await run_request(self.engine, prepared, self.model_name, seen.on_delta)
+        except OpenAIError as e:
+            # An aborted request was cut short, not refused: it may run again elsewhere or later.
+            kind = ErrorKind.TRUNCATED if isinstance(e, EngineAborted) else None
+            return _failed(e, t0, kind, request_id=prepared.id, ttft_s=seen.ttft_s, chunk_times=seen.chunk_times,
+                           queue_time_s=seen.queue_time_s)
+        usage = body["usage"]
+        return CallResult(ok=True, status_code=200, body=body, request_id=prepared.id, endpoint="engine", sent_at=t0,
+                          ttft_s=seen.ttft_s, e2e_s=time.perf_counter() - t0, prompt_tokens=usage["prompt_tokens"],
+                          completion_tokens=usage["completion_tokens"],
+                          cached_tokens=usage["prompt_tokens_details"]["cached_tokens"], cached_reported=True,
+                          chunk_times=seen.chunk_times, queue_time_s=seen.queue_time_s)
 
     async def _embed(self, req: Request) -> CallResult:
         t0 = time.perf_counter()
-        res = CallResult(ok=False, endpoint="engine", sent_at=t0)
         if self._batcher is None:
             if self._embedder_factory is None:
-                return _failed(res, OpenAIError(400, "embedding tasks need an embedder; none was configured"), t0)
+                return _failed(OpenAIError(400, "embedding tasks need an embedder; none was configured"), t0)
             self._batcher = self._embedder_factory()
         inp = req.body["input"]
         texts = [inp] if isinstance(inp, str) else list(inp)
         try:
             vecs = await self._batcher.embed(texts)
         except (QueueFullError, QueueTimeoutError) as e:
-            _failed(res, OpenAIError(503, f"{type(e).__name__}: {e}", type="server_error"), t0)
-            res.error_kind = ErrorKind.OVERLOADED
-            res.retry_after = e.retry_after_s if isinstance(e, QueueFullError) else None
-            return res
+            return _failed(OpenAIError(503, f"{type(e).__name__}: {e}", type="server_error"), t0,
+                           ErrorKind.OVERLOADED, retry_after=e.retry_after_s if isinstance(e, QueueFullError) else None)
         except Exception as e:  # noqa: BLE001 - the embedder failed: this task fails, the job goes on
-            _failed(res, OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error"), t0)
-            res.error_kind = ErrorKind.ENGINE_ERROR
-            return res
-        res.e2e_s = res.ttft_s = time.perf_counter() - t0
-        res.prompt_tokens = sum(self._batcher.count_tokens(texts))
-        res.body = embedding_body(vecs, self._batcher.model_name or "embedding", res.prompt_tokens,
-                                  req.body.get("encoding_format"))
-        res.status_code, res.ok = 200, True
-        return res
+            return _failed(OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error"), t0,
+                           ErrorKind.ENGINE_ERROR)
+        took = time.perf_counter() - t0
+        prompt_tokens = sum(self._batcher.count_tokens(texts))
+        body = embedding_body(vecs, self._batcher.model_name or "embedding", prompt_tokens,
+                              req.body.get("encoding_format"))
+        return CallResult(ok=True, status_code=200, body=body, endpoint="engine", sent_at=t0, ttft_s=took, e2e_s=took,
+                          prompt_tokens=prompt_tokens)
+
+
+class _Timings:
+    """What one request's deltas tell as they pass: its first token, its chunks (bench) and how
+    long the engine queued it."""
+
+    def __init__(self, t0: float, record_chunks: bool) -> None:
+        self.t0 = t0
+        self.ttft_s: float | None = None
+        self.chunk_times: list[float] | None = [] if record_chunks else None
+        self.queue_time_s: float | None = None
+
+    def on_delta(self, choice: Choice, delta: TokenDelta) -> None:
+        if delta.token_ids:
+            now = time.perf_counter()
+            if self.ttft_s is None:
+                self.ttft_s = now - self.t0
+            if self.chunk_times is not None:
+                self.chunk_times.append(now)
+        if delta.finished and delta.metrics and delta.metrics.get("queue_time_s") is not None:
+            self.queue_time_s = float(delta.metrics["queue_time_s"])
 
 
 def _queued_from_now(prepared: Prepared) -> None:
@@ -198,12 +198,13 @@ def _queued_from_now(prepared: Prepared) -> None:
         c.request.arrival_time = now
 
 
-def _failed(res: CallResult, e: OpenAIError, t0: float) -> CallResult:
-    """``res`` as the failure ``e``: the same status and error body a server would answer with."""
-    res.status_code, res.body, res.error_message = e.status, e.body(), e.message
-    res.error_kind = ErrorKind.CLIENT_ERROR if 400 <= e.status < 500 else ErrorKind.ENGINE_ERROR
-    res.e2e_s = time.perf_counter() - t0
-    return res
+def _failed(e: OpenAIError, t0: float, kind: ErrorKind | None = None, **fields: Any) -> CallResult:
+    """The failure ``e`` as a result: the same status and error body a server would answer with;
+    ``kind`` (default: a client error for a 4xx, else an engine error) and ``fields`` beside."""
+    if kind is None:
+        kind = ErrorKind.CLIENT_ERROR if 400 <= e.status < 500 else ErrorKind.ENGINE_ERROR
+    return CallResult(ok=False, status_code=e.status, body=e.body(), error_kind=kind, error_message=e.message,
+                      endpoint="engine", sent_at=t0, e2e_s=time.perf_counter() - t0, **fields)
 
 
 def default_embedder_factory(embedder: Any = None) -> DynamicBatcher:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import random
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Protocol
 
 from carpool.client.base import Backend, CallResult, Outcome, Request
@@ -129,11 +130,7 @@ class Executor:
                 self._count_retry(kind, retried)
                 continue
             if not decision.retry or attempt >= self.policy.max_attempts:
-                res.error_kind = decision.kind
-                if decision.kind == ErrorKind.MAYBE_EXECUTED:
-                    res.error_message = ("not retried: a non-idempotent request may already have run "
-                                         f"({res.error_message}); rerun it explicitly if wanted")
-                return Outcome(req, res, attempt, retried)
+                return Outcome(req, _final(res, decision.kind), attempt, retried)
             self._count_retry(kind, retried)
             await self._pause(self.policy.backoff(attempt, res.retry_after, self._rng))
             if self.stopping:
@@ -161,6 +158,15 @@ class Executor:
         self.retries[kind] += 1
         if len(retried) < 100:  # the outcome lists the first ones
             retried.append(kind)
+
+
+def _final(res: CallResult, kind: ErrorKind) -> CallResult:
+    """A failed attempt as the request's final word: its kind as the retry policy decided it."""
+    if kind == ErrorKind.MAYBE_EXECUTED:
+        return replace(res, error_kind=kind,
+                       error_message=("not retried: a non-idempotent request may already have run "
+                                      f"({res.error_message}); rerun it explicitly if wanted"))
+    return replace(res, error_kind=kind)
 
 
 def outage_gate(backend: object) -> OutageGate | None:

@@ -23,6 +23,7 @@ import json
 import time
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -156,7 +157,7 @@ class HttpBackend:
             # on it meanwhile, so the balancer sends the next requests elsewhere.
             await ep.budget.acquire(1, req.est_tokens)
         t0 = time.perf_counter()
-        res = CallResult(ok=False, endpoint=ep.url, sent_at=t0)
+        res = _Reply()
         firsts = self._first_bytes[ep.url]
         streamed_first = False
 
@@ -187,15 +188,15 @@ class HttpBackend:
                 res.error_kind = ErrorKind.TOTAL_TIMEOUT
                 res.error_message = f"no answer within {self.timeouts.total_s:g}s"
                 res.endpoint_fault = True
-        res.e2e_s = time.perf_counter() - t0
+        e2e_s = time.perf_counter() - t0
         if res.ok and res.ttft_s is not None and not streamed_first:
             firsts.append(res.ttft_s)  # not streamed: the whole answer is its first byte
         used = res.prompt_tokens + res.completion_tokens
         if ep.budget is not None and used and req.est_tokens:
             ep.budget.adjust(used - req.est_tokens)
         self.balancer.done(ep, res.ok, res.endpoint_fault)
-        self._tell_breaker(ep, res)
-        return res
+        down = self._tell_breaker(ep, res)
+        return res.result(endpoint=ep.url, sent_at=t0, e2e_s=e2e_s, endpoint_down=down)
 
     def read_timeout(self, url: str) -> float:
         """How long a request to ``url`` may go without a byte now: ``read_s``, or twice the
@@ -213,16 +214,18 @@ class HttpBackend:
         return min(self.timeouts.total_s, max(self.timeouts.read_s, 2.0 * slowest))
 
     # -- circuit breakers -----------------------------------------------------------------
-    def _tell_breaker(self, ep: Endpoint, res: CallResult) -> None:
+    def _tell_breaker(self, ep: Endpoint, res: _Reply) -> bool:
+        """Tell ``ep``'s breaker whether it answered; whether the endpoint is down now."""
         if res.ok or res.status_code or res.error_kind not in NO_ANSWER:
             ep.breaker.on_answer()  # an HTTP answer of any status: the endpoint is there
-            return
+            return False
         assert res.error_kind is not None
         ep.breaker.on_no_answer(res.error_kind, res.error_message)
-        if not ep.breaker.closed:
-            res.endpoint_down = True
-            if self._prober is None or self._prober.done():
-                self._prober = asyncio.get_running_loop().create_task(self._probe_while_down())
+        if ep.breaker.closed:
+            return False
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.get_running_loop().create_task(self._probe_while_down())
+        return True
 
     async def _probe_while_down(self) -> None:
         """Probe every open endpoint when its breaker says so, until all are closed."""
@@ -261,7 +264,7 @@ class HttpBackend:
         else:
             b.on_answer()
 
-    async def _call(self, spec: EndpointSpec, req: Request, res: CallResult, t0: float, watch: _ReadWatch,
+    async def _call(self, spec: EndpointSpec, req: Request, res: _Reply, t0: float, watch: _ReadWatch,
                     first_token: Callable[[], None] | None) -> None:
         body = self.prepare_body(req, spec)
         streaming = bool(body.get("stream"))
@@ -315,7 +318,7 @@ class HttpBackend:
         except aiohttp.ClientError as e:
             res.error_kind, res.error_message, res.endpoint_fault = ErrorKind.RESET, repr(e), True
 
-    async def _http_error(self, resp: aiohttp.ClientResponse, res: CallResult) -> None:
+    async def _http_error(self, resp: aiohttp.ClientResponse, res: _Reply) -> None:
         raw = await resp.read()
         try:
             res.body = _loads(raw)
@@ -335,7 +338,7 @@ class HttpBackend:
         else:
             res.error_kind = ErrorKind.CLIENT_ERROR
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, req: Request, res: CallResult, t0: float,
+    async def _read_stream(self, resp: aiohttp.ClientResponse, req: Request, res: _Reply, t0: float,
                            watch: _ReadWatch, first_token: Callable[[], None] | None) -> None:
         acc = StreamAccumulator(chat=req.kind == "chat")
         sse = SSEReader()
@@ -373,7 +376,7 @@ class HttpBackend:
         await _drain(resp)
 
     @staticmethod
-    def _take_event(payload: bytes, acc: StreamAccumulator, res: CallResult, t0: float,
+    def _take_event(payload: bytes, acc: StreamAccumulator, res: _Reply, t0: float,
                     first_token: Callable[[], None] | None = None) -> bool:
         """Folds one event into ``acc``; True at ``[DONE]``; sets ``res.error_*`` on a bad or error event."""
         payload = payload.strip()
@@ -405,6 +408,39 @@ class HttpBackend:
                 res.chunk_times.append(now)
         acc.add(chunk)
         return False
+
+
+@dataclass(slots=True)
+class _Reply:
+    """What one attempt has got so far, filled in as its answer is read.  Mutable, unlike the
+    ``CallResult`` it becomes: a timeout may cut the reading at any point, and what came
+    before still counts (a status says the endpoint answered, a first token was timed)."""
+
+    ok: bool = False
+    status_code: int = 0
+    body: dict | None = None
+    request_id: str = ""
+    error_kind: ErrorKind | None = None
+    error_message: str = ""
+    retry_after: float | None = None
+    endpoint_fault: bool = False
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cached_reported: bool = False
+    chunk_times: list[float] | None = None
+    connect_s: float | None = None
+
+    def result(self, endpoint: str, sent_at: float, e2e_s: float, endpoint_down: bool) -> CallResult:
+        """The attempt as a value, with what only the caller knows."""
+        return CallResult(
+            ok=self.ok, status_code=self.status_code, body=self.body, request_id=self.request_id,
+            error_kind=self.error_kind, error_message=self.error_message, retry_after=self.retry_after,
+            endpoint_fault=self.endpoint_fault, endpoint_down=endpoint_down, ttft_s=self.ttft_s, e2e_s=e2e_s,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens, cached_reported=self.cached_reported, endpoint=endpoint,
+            sent_at=sent_at, chunk_times=self.chunk_times, connect_s=self.connect_s)
 
 
 class _ReadWatch:
@@ -478,7 +514,7 @@ def _why(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def _in_band_error(res: CallResult, err: object) -> None:
+def _in_band_error(res: _Reply, err: object) -> None:
     message = err.get("message") if isinstance(err, dict) else err
     code = err.get("code") if isinstance(err, dict) else None
     res.error_message = f"error inside the stream: {message}"
@@ -528,7 +564,7 @@ def _connect_trace() -> aiohttp.TraceConfig:
     return trace
 
 
-def _take_usage(res: CallResult, usage: dict | None) -> None:
+def _take_usage(res: _Reply, usage: dict | None) -> None:
     if isinstance(usage, dict):
         res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         res.completion_tokens = int(usage.get("completion_tokens") or 0)

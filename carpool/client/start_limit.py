@@ -31,9 +31,10 @@ from pathlib import Path
 
 import aiohttp
 
-from carpool.client.endpoints import EndpointSpec
+from carpool.client.endpoints import EndpointSpec, split_credentials
 from carpool.client.limiter import AdaptiveLimiter
 from carpool.paths import cache_dir
+from carpool.redact import redact_url
 
 STORE_NAME = "limits.json"
 KV_START_CAP = 256  # vLLM's default max_num_seqs on most hardware: the KV cache alone says no more
@@ -45,8 +46,14 @@ _MAX_SEQS = re.compile(r'^(?:vllm|carpool):max_num_seqs(?:\{[^}]*\})?\s+([0-9.eE
 
 
 def store_key(urls: Iterable[str], model: str | None) -> str:
-    """The endpoints (in any order) and the model: what a remembered limit is valid for."""
-    return " ".join(sorted(u.rstrip("/") for u in urls)) + f" model={model or ''}"
+    """The endpoints (in any order) and the model: what a remembered limit is valid for.  A URL's
+    ``user:password@`` and key-like query parameters are left out: the file is not a place for
+    secrets, and a server's capacity does not depend on who asks."""
+    return " ".join(sorted(_public(u).rstrip("/") for u in urls)) + f" model={model or ''}"
+
+
+def _public(url: str) -> str:
+    return redact_url(split_credentials(url)[0])
 
 
 def _store_path() -> Path:
@@ -88,7 +95,8 @@ def remember_limit(key: str, limiter: AdaptiveLimiter) -> None:
     path = _store_path()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        doc = _load(path)
+        # Entries an older carpool keyed by a URL with its password are dropped as the file is rewritten.
+        doc = {k: v for k, v in _load(path).items() if k == redact_url(k)}
         doc.pop(key, None)
         doc[key] = {"limit": round(limit, 1), "batch": limiter.batch, "at": round(time.time())}
         while len(doc) > MAX_ENTRIES:

@@ -9,7 +9,7 @@ import sys
 
 from carpool.commands import simulate as sc
 from carpool.tune import capacity, k8s, traffic
-from carpool.tune.tuner import SimEvaluator, TuneResult, vllm_command
+from carpool.tune.tuner import SimEvaluator, TuneResult, vllm_command, vllm_model_name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,14 +49,13 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("--min-replicas must be >= 0 and --max-replicas >= --min-replicas and >= 1")
 
 
-def model_name(args: argparse.Namespace) -> str:
-    """The name a `vllm serve` line and the manifests use: --model, else the simulated
-    model's repository, else a placeholder."""
-    if args.model:
-        return args.model
-    if args.simulate:
+def model_name(args: argparse.Namespace) -> str | None:
+    """The name a `vllm serve` line and the manifests use: --model (carpool's own names turned
+    into Hugging Face's), else the simulated model's repository (a --model-config's too), else
+    a placeholder; None for a model vLLM cannot load."""
+    if args.simulate and not args.model:
         return sc.build_model(args).hf_id or "MODEL"
-    return "MODEL"
+    return vllm_model_name(args.model)
 
 
 def _price(args: argparse.Namespace) -> tuple[float, str]:
@@ -98,7 +97,7 @@ def print_plan(p: capacity.DayPlan) -> None:
 
 
 def emit(args: argparse.Namespace, p: capacity.DayPlan) -> None:
-    model = model_name(args)
+    model = model_name(args) or "MODEL"
     line = vllm_command(p.setting, model, args.gpus)
     print(line)
     vendor = sc.build_accelerator(args).vendor

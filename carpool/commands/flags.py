@@ -7,16 +7,19 @@
   embedded engine loads);
 - ``add_json_flag``: ``--json [PATH|-]``, the one spelling of "the result as JSON";
 - ``api_key``: ``--api-key``, else ``$CARPOOL_API_KEY``, else ``$OPENAI_API_KEY``;
-- ``DeprecatedAlias``: an old spelling that still works and says what to write instead.
+- ``DeprecatedAlias``: an old spelling that still works and says what to write instead;
+- ``CommandParser``: a command's parser whose errors are one short line, not its usage, and
+  ``unknown_flags``: what to say of flags a command does not take (the closest ones it does).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from carpool.durations import parse_duration
 
@@ -105,7 +108,8 @@ def add_target_flags(g: argparse._ActionsContainer, *, many: bool = False, engin
         g.add_argument("--endpoint", type=endpoint_url,
                        help=f"OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 {where}")
     g.add_argument("--model", help="the model: the name sent to --endpoint (vLLM's served model name), or the "
-                                   "one the embedded engine loads (smollm2, tiny-random or a HF folder)")
+                                   "one the embedded engine loads (smollm2, also called HuggingFaceTB/SmolLM2-135M-"
+                                   "Instruct; tiny-random; a HF folder or a name in the local HF cache)")
     g.add_argument("--api-key", default=None, help="bearer token for the endpoint (default: $CARPOOL_API_KEY, "
                                                    "else $OPENAI_API_KEY)")
 
@@ -135,3 +139,46 @@ def write_json(text: str, target: str) -> None:
     else:
         with open(target, "w", encoding="utf-8") as f:
             f.write(text + "\n")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An error is one line and a pointer to ``--help``: a command with many flags printed
+    a screenful of usage above the one line that said what was wrong."""
+
+    def error(self, message: str) -> NoReturn:
+        what = "its flags" if " " in self.prog else "the commands"  # a command's parser, or carpool's
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists {what})\n")
+
+
+def _spellings(parser: argparse.ArgumentParser) -> list[str]:
+    """The long flags a user is shown (old spellings stay out of suggestions)."""
+    return [o for a in parser._actions if a.help != argparse.SUPPRESS
+            for o in a.option_strings if o.startswith("--")]
+
+
+def closest_flags(parser: argparse.ArgumentParser, flag: str) -> list[str]:
+    """The flags ``flag`` was probably meant to be: the same with dashes for underscores
+    (vLLM's and the OpenAI body's spelling, ``--max_tokens``), else the nearest by letters."""
+    known = _spellings(parser)
+    dashed = "--" + flag.lstrip("-").replace("_", "-")
+    if dashed in known:
+        return [dashed]
+    return difflib.get_close_matches(dashed, known, n=2, cutoff=0.7)
+
+
+def unknown_flags(parser: argparse.ArgumentParser, extra: Sequence[str]) -> str:
+    """What to say of arguments ``parser`` did not take: each unknown flag with the closest
+    ones it has; a value right after an unknown flag is taken to be that flag's."""
+    said: list[str] = []
+    after_flag = False
+    for token in extra:
+        if token.startswith("-") and len(token) > 1:
+            flag = token.split("=", 1)[0]
+            near = closest_flags(parser, flag)
+            said.append(f"unknown flag {flag}" + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+            after_flag = "=" not in token
+        elif not after_flag:
+            said.append(f"unexpected argument {token!r}")
+        else:
+            after_flag = False
+    return "; ".join(said)

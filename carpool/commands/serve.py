@@ -50,9 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default=d_server.host)
     g.add_argument("--port", type=int, default=d_server.port, help="0: any free port (printed at start)")
-    g.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $CARPOOL_API_KEY)")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                        "$CARPOOL_API_KEY); give it again for more keys: each sees only the files and "
+                        "batches created with it")
     g.add_argument("--idle-timeout", type=flags.duration, metavar="DURATION", default=d_server.idle_timeout_s,
                    help="close a connection that sends no (whole) request for this many seconds")
     g.add_argument("--body-timeout", type=flags.duration, metavar="DURATION", default=d_server.body_timeout_s,
@@ -92,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-max-inflight", type=int, default=d_server.batch_max_inflight,
                    help="batch requests in the engine at once, all batches together; online requests "
                         "always come first")
+    g.add_argument("--batch-max-seqs", type=int, default=None,
+                   help="engine sequences batch requests may hold at once, all batches together (a line "
+                        "with n: 16 holds 16); default: three quarters of --max-num-seqs")
     p.add_argument("--log-level", default="warning")
 
 
@@ -116,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         served_model_names=list(args.served_model_name or []),
-        api_key=args.api_key or None,
+        api_keys=[k for k in (args.api_key or [os.environ.get("CARPOOL_API_KEY")]) if k],
         max_queue_size=args.max_queue_size or None,
         max_queued_tokens=args.max_queued_tokens or None,
         max_choices_per_request=args.max_choices_per_request or None,
@@ -134,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_batch_file_bytes=int(args.batch_max_file_mb * 1e6),
         max_batch_requests=args.batch_max_requests,
         batch_max_inflight=args.batch_max_inflight,
+        batch_max_seqs=args.batch_max_seqs,
     )
 
 

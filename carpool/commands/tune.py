@@ -21,7 +21,16 @@ from carpool.commands import capacity as capacity_cli
 from carpool.commands import flags
 from carpool.commands import simulate as sc
 from carpool.tune.measure import SLO
-from carpool.tune.tuner import Setting, SimEvaluator, TuneResult, grid, tune, vllm_command
+from carpool.tune.steadiness import assess, warning_text
+from carpool.tune.tuner import (
+    Setting,
+    SimEvaluator,
+    TuneResult,
+    carpool_command,
+    grid,
+    tune,
+    vllm_command,
+)
 
 if TYPE_CHECKING:
     from carpool.tune.serve_eval import ServeEvaluator
@@ -83,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="length of each probe's arrival window (default: 10x the largest latency SLO, 5x with "
                         "--engine/--serve; >= 5 s)")
     g.add_argument("--time-budget", type=flags.duration, default=None, metavar="DURATION",
-                   help="no real measurement starts after this long from the start (default 4m with "
-                        "--engine/--serve: a result within 5 minutes; none otherwise); the best rate "
+                   help="no search probe starts after this long from the start (default 4m with "
+                        "--engine/--serve: a result within 5 minutes; none otherwise; the answer is then "
+                        "measured twice more, to see how steady the machine is); the best rate "
                         "measured by then is the answer")
     sc.add_model_arguments(p, profile=False)
     sc.add_workload_arguments(p)
@@ -163,7 +173,8 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     target = "engine" if args.engine else "serve" if args.serve else "simulate" if args.simulate else args.endpoint
     info: dict = {"target": target, "search": args.search, "probe_duration_s": duration,
                   "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len}}
-    how = {"search": args.search, "max_concurrency": args.max_concurrency, "deadline": deadline}
+    how = {"search": args.search, "max_concurrency": args.max_concurrency, "deadline": deadline,
+           "repeats": 0 if args.simulate else 2}  # a real answer measured twice more: is it steady?
     if args.simulate:
         cost = sc.build_cost(args)
         info["cost_model"] = cost.describe()
@@ -224,7 +235,7 @@ def _profile(args: argparse.Namespace, fitting_evaluator):
     return cost
 
 
-def _print_results(args: argparse.Namespace, res: TuneResult) -> None:
+def _print_results(args: argparse.Namespace, res: TuneResult, run_it: str | None) -> None:
     print(f"SLO: {', '.join(str(s) for s in res.slos)}")
     rows = res.measured or res.pruned
     for r in rows:
@@ -245,6 +256,8 @@ def _print_results(args: argparse.Namespace, res: TuneResult) -> None:
         print(f"best: {label}: goodput {res.best.goodput_rps:.3f} req/s; {at} "
               f"p99 E2E {m.e2e_s['p99'] * 1e3:.0f} ms, p99 TTFT {m.ttft_s['p99'] * 1e3:.0f} ms; "
               f"client concurrency {res.recommended_concurrency}")
+        if run_it:
+            print(f"run it: {run_it}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -254,11 +267,18 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"carpool tune: {e}", file=sys.stderr)
         return 2
-    out = {**info, **res.summary(), **({"plan": day.summary()} if day else {})}
+    # A simulated answer has no machine to doubt; a measured one is judged by how steady it was.
+    steady = None if args.simulate else assess(res, info.get("cost_model"))
+    run_it = carpool_command(res.best.setting, args.model or "smollm2") if res.best and (args.engine or args.serve) \
+        else None
+    out = {**info, **res.summary(), "steadiness": steady.summary() if steady else None, "run": run_it,
+           **({"plan": day.summary()} if day else {})}
     if args.json_out:
         flags.write_json(json.dumps(out, default=str), args.json_out)
     if args.json_out != "-":
-        _print_results(args, res)
+        _print_results(args, res, run_it)
+        if steady is not None and warning_text(steady):  # "no setting meets it" may be the machine's doing too
+            print(warning_text(steady))
         if day:
             capacity_cli.print_plan(day)
     if args.emit and res.best is None:
@@ -271,7 +291,12 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         assert res.best is not None
-        print(vllm_command(res.best.setting, capacity_cli.model_name(args), getattr(args, "gpus", 1)))
+        name = capacity_cli.model_name(args)
+        if name is None:
+            print(f"carpool tune: --emit vllm: {args.model} has no vLLM counterpart, so no vLLM command "
+                  "(tune a model vLLM can load: --model NAME, a Hugging Face name or folder)", file=sys.stderr)
+        else:
+            print(vllm_command(res.best.setting, name, getattr(args, "gpus", 1)))
     elif day and args.emit:
         capacity_cli.emit(args, day)
     if day and args.report:

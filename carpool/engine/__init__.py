@@ -2,7 +2,8 @@
 
 Exports (imported lazily, so ``import carpool.engine`` stays cheap and torch-free):
 ``AsyncEngine`` (the in-process EngineClient), ``LLMEngine`` (sync core), ``LLM``
-(offline), ``EngineConfig``, ``SamplingParams``, ``GenerateRequest``, and
+(offline), ``EngineConfig``, ``SamplingParams``, ``StructuredOutputs`` (also under vLLM's name
+``StructuredOutputsParams``), ``GenerateRequest``, and
 ``configure_process`` (threads, OpenMP wait policy, malloc; see process.py).  Importing this
 package changes nothing in the process: the ``carpool`` command calls ``configure_process``
 before anything loads torch, and a script can do the same.
@@ -22,6 +23,8 @@ _EXPORTS = {
     "EngineConfig": ".config",
     "ModelConfig": ".config",
     "SamplingParams": ".protocol",
+    "StructuredOutputs": ".protocol",
+    "StructuredOutputsParams": ".protocol",  # vLLM's name for it
     "GenerateRequest": ".protocol",
     "TokenDelta": ".protocol",
     "RequestOutput": ".protocol",

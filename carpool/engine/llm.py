@@ -18,20 +18,27 @@
   ``.finish_reason``, ``finished``) plus carpool's own (``usage``, ``ttft_s``, ``e2e_s``).
   ``sampling_params``: a ``SamplingParams``, a dict of its fields, or a list of either (one
   per prompt).
+  ``structured_outputs`` takes a ``StructuredOutputs`` (also exported as vLLM's name,
+  ``StructuredOutputsParams``), a dict of its fields, or vLLM's own object.
 - ``embed(prompts)``: for an embedding model (``LLM(model="all-MiniLM-L6-v2")``, the one
   ``carpool serve`` answers ``/v1/embeddings`` with), one ``EmbeddingRequestOutput`` per
   prompt with ``outputs.embedding``; a generation model refuses it, as vLLM's does.
+- ``encode(prompts)`` (the embedding model's pooled vectors), ``score(text_1, text_2)``
+  (cosine similarity of embeddings) and ``classify(prompts, labels=[...])`` (a generation
+  model choosing among named labels, by the log-probability of each): ``llm_tasks``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from . import llm_tasks
 from .config import EngineConfig
-from .protocol import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+from .protocol import GenerateRequest, RequestOutput, SamplingParams, StructuredOutputs, TokenLogprob
 
 _ENGINE_ARGS = {f.name for f in fields(EngineConfig)}
 # Names of the packaged embedding model (carpool.embed.embedder.MINILM_NAMES, lower case).
@@ -100,14 +107,45 @@ def _one(p: Params) -> SamplingParams:
     if p is None:
         return SamplingParams()
     if isinstance(p, SamplingParams):
-        return p
+        so = p.structured_outputs
+        return p if so is None or isinstance(so, StructuredOutputs) else \
+            dataclasses.replace(p, structured_outputs=_structured_outputs(so))
     if isinstance(p, dict):
+        p = dict(p)
+        if "guided_decoding" in p and "structured_outputs" not in p:  # vLLM's name before 0.11
+            p["structured_outputs"] = p.pop("guided_decoding")
         known = {f.name for f in fields(SamplingParams)}
         unknown = sorted(set(p) - known)
         if unknown:
             raise TypeError(f"sampling_params: unknown field {unknown[0]!r}; fields: {', '.join(sorted(known))}")
+        if p.get("structured_outputs") is not None:
+            p["structured_outputs"] = _structured_outputs(p["structured_outputs"])
         return SamplingParams(**p)
     raise TypeError(f"sampling_params: a SamplingParams or a dict of its fields, got {type(p).__name__}")
+
+
+_GRAMMAR_FIELDS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's StructuredOutputsParams options that mean nothing with one grammar backend.
+_IGNORED = {"disable_fallback", "_backend", "_backend_was_auto"}
+
+
+def _structured_outputs(value: Any) -> StructuredOutputs:
+    """A grammar as vLLM's users pass it: a dict of fields or vLLM's ``StructuredOutputsParams``."""
+    if isinstance(value, StructuredOutputs):
+        return value
+    if isinstance(value, dict):
+        given = dict(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        given = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    else:
+        raise TypeError(f"structured_outputs: a StructuredOutputs, a dict of its fields or vLLM's "
+                        f"StructuredOutputsParams; got {type(value).__name__}")
+    set_ = {k: v for k, v in given.items() if v not in (None, False) and k not in _IGNORED}
+    unserved = sorted(set(set_) - set(_GRAMMAR_FIELDS))
+    if unserved:
+        raise ValueError(f"structured_outputs: {unserved[0]!r} is not served by carpool's engine; give one of "
+                         f"{', '.join(_GRAMMAR_FIELDS)}")
+    return StructuredOutputs(**set_)
 
 
 class LLM:
@@ -199,16 +237,72 @@ class LLM:
                 for conv, sp in zip(convs, chosen, strict=True)]
         return self._run(reqs)
 
+    def _pooler(self, what: str) -> Any:
+        if self.embedder is None:
+            raise ValueError(f"LLM(model={self.config.model!r}) is a generation model; {what} comes from an "
+                             "embedding model: LLM(model='all-MiniLM-L6-v2')")
+        return self.embedder
+
+    def _vectors(self, prompts: str | Sequence[str], what: str) -> tuple[list[str], list[list[int]], Any]:
+        embedder = self._pooler(what)
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        return texts, embedder._token_ids(texts) if texts else [], embedder.embed(texts)
+
     def embed(self, prompts: str | Sequence[str], *, use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
         """Texts -> one unit vector each (an embedding model only, as in vLLM)."""
-        if self.embedder is None:
-            raise ValueError(f"LLM(model={self.config.model!r}) is a generation model; embeddings come from an "
-                             "embedding model: LLM(model='all-MiniLM-L6-v2')")
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        vectors = self.embedder.embed(texts)
-        ids = self.embedder._token_ids(texts) if texts else []
+        texts, ids, vectors = self._vectors(prompts, "embed()")
         return [EmbeddingRequestOutput(self._next_id(), t, list(i), EmbeddingOutput(v.tolist()))
                 for t, i, v in zip(texts, ids, vectors, strict=True)]
+
+    def encode(self, prompts: str | Sequence[str], pooling_params: Any = None, *, use_tqdm: bool = False,
+               pooling_task: str = "embed") -> list[llm_tasks.PoolingRequestOutput]:
+        """Texts -> the embedding model's pooled vector each (``outputs.data``, a tensor)."""
+        if pooling_task != "embed":
+            raise ValueError(f"encode: pooling_task={pooling_task!r} needs a model carpool does not have; its "
+                             "embedding model pools one vector per text (pooling_task='embed')")
+        import torch
+
+        texts, ids, vectors = self._vectors(prompts, "encode()")
+        pooled = [llm_tasks.PoolingOutput(torch.from_numpy(v)) for v in vectors]
+        return [llm_tasks.PoolingRequestOutput(self._next_id(), t, list(i), o)
+                for t, i, o in zip(texts, ids, pooled, strict=True)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], /, *,
+              use_tqdm: bool = False) -> list[llm_tasks.ScoringRequestOutput]:
+        """The similarity of text pairs (one against many, or pairwise): the cosine of their
+        embeddings, as vLLM scores with an embedding model."""
+        pairs = llm_tasks.score_pairs(text_1, text_2)
+        texts = sorted({t for pair in pairs for t in pair})
+        _, ids, vectors = self._vectors(texts, "score()")
+        at = {t: i for i, t in enumerate(texts)}
+        return [llm_tasks.ScoringRequestOutput(
+                    self._next_id(), f"{a} / {b}", list(ids[at[a]]) + list(ids[at[b]]),
+                    llm_tasks.ScoringOutput(llm_tasks.cosine(vectors[at[a]], vectors[at[b]])))
+                for a, b in pairs]
+
+    def classify(self, prompts: llm_tasks.Prompt | Sequence[llm_tasks.Prompt], labels: Sequence[str] | None = None,
+                 *, use_tqdm: bool = False) -> list[llm_tasks.ClassificationRequestOutput]:
+        """Each prompt (text, or a conversation) -> probabilities over ``labels``: how likely
+        the generation model is to answer each label, normalized over them."""
+        if self.engine is None:
+            raise ValueError(f"LLM(model={self.config.model!r}) is an embedding model; classify() asks a generation "
+                             "model to choose among labels: LLM(model='smollm2')")
+        names = llm_tasks.check_labels(labels)
+        if not isinstance(prompts, str) and not prompts:
+            return []
+        many = not isinstance(prompts, str) and bool(prompts) and not isinstance(prompts[0], dict)
+        items: list[Any] = list(prompts) if many else [prompts]
+        longest = max(len(self.engine.tokenizer.encode(x, add_special_tokens=False)) for x in names)
+        reqs = [r for item in items for r in llm_tasks.label_requests(item, names, longest + 2, self._next_id)]
+        outs = self._run(reqs)
+        results = []
+        for i, item in enumerate(items):
+            mine = outs[i * len(names):(i + 1) * len(names)]
+            lps = [llm_tasks.label_logprob(o, x) for o, x in zip(mine, names, strict=True)]
+            results.append(llm_tasks.ClassificationRequestOutput(
+                self._next_id(), item if isinstance(item, str) else mine[0].prompt, mine[0].prompt_token_ids,
+                llm_tasks.ClassificationOutput(llm_tasks.softmax(lps), names, lps)))
+        return results
 
     def _run(self, reqs: list[GenerateRequest]) -> list[GenerationOutput]:
         engine = self.engine

@@ -39,7 +39,7 @@ from .protocol import (
 )
 from .quant import calibration_ids, check_quantization
 from .sampler import RawLogprobs, SampleResult
-from .scheduler import Scheduler
+from .scheduler import SampledToken, Scheduler
 from .sequence import Sequence
 from .validation import check_sampling_params
 
@@ -49,6 +49,9 @@ log = logging.getLogger("carpool.engine")
 # after this many stopped in a row the next one runs to its end, so arrivals faster than a step
 # slow the batch but cannot starve it, and at most this many steps of work are thrown away at once.
 MAX_INTERRUPTED_IN_ROW = 2
+
+# What a sampled token gives the caller: its text (held back near a stop string) and logprobs.
+_Emitted = tuple[str, list[TokenLogprob] | None]
 
 def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
     """``EngineConfig.dtype`` as the loader reads it (empty: auto); a name it does not know refuses
@@ -243,8 +246,8 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq)
-        return self._finish(seq, "abort", [], "")
+        self.scheduler.finish(seq, "abort")
+        return self._finish(seq, [], "")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -256,13 +259,12 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
 
-    def _finish(self, seq: Sequence, reason: str, token_ids: list[int], text: str,
+    def _finish(self, seq: Sequence, token_ids: list[int], text: str,
                 logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> TokenDelta:
-        seq.finish_reason = reason
-        seq.finished_time = time.monotonic()
+        """The last delta of a sequence the scheduler has finished."""
         seq.grammar = None
         usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
-        return TokenDelta(seq.request_id, token_ids, text, reason, usage, seq.metrics(), logprobs, error)
+        return TokenDelta(seq.request_id, token_ids, text, seq.finish_reason, usage, seq.metrics(), logprobs, error)
 
     def _fail(self, seq: Sequence, why: BaseException | str) -> TokenDelta:
         """End one request with finish_reason "error"; the rest of the batch goes on."""
@@ -270,8 +272,8 @@ class LLMEngine:
         log.error("request %s failed inside a step and was dropped: %s", seq.request_id, msg,
                   exc_info=why if isinstance(why, BaseException) else None)
         self.requests.pop(seq.request_id, None)
-        self.scheduler.finish(seq)
-        return self._finish(seq, "error", [], "", None, f"the engine failed on this request: {msg}")
+        self.scheduler.finish(seq, "error")
+        return self._finish(seq, [], "", None, f"the engine failed on this request: {msg}")
 
     def _run(self, scheduled: list[tuple[Sequence, int]], deltas: list[TokenDelta],
              interrupt: threading.Event | None = None):
@@ -317,25 +319,19 @@ class LLMEngine:
                for t, lp in zip(raw.top_ids, raw.top_logprobs, strict=True)]
         return TokenLogprob(token, v.token_text(token), list(v.token_bytes(token)), raw.logprob, top)
 
-    def _advance(self, seq: Sequence, tok: int, raw: RawLogprobs | None, now: float) -> TokenDelta:
-        """Append one sampled token to its sequence; the delta it produces (finished or not)."""
+    def _read_token(self, seq: Sequence, tok: int, raw: RawLogprobs | None) -> tuple[_Emitted, str | None]:
+        """What one sampled token of ``seq`` gives the caller (its text and logprobs) and whether
+        it ends the sequence (its finish reason); the scheduler appends it afterwards."""
         if seq.grammar is not None and not seq.grammar.accept(tok):
             raise RuntimeError(f"the grammar refused token {tok}: {seq.grammar.error}")
-        seq.token_ids.append(tok)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
         lps = [self._token_logprob(tok, raw)] if raw is not None else None
         assert seq.detokenizer is not None  # set by make_sequence
-        text, reason = seq.detokenizer.add_token(tok, seq.num_output_tokens)
+        text, reason = seq.detokenizer.add_token(tok, seq.num_output_tokens + 1)
         if seq.grammar is not None and seq.grammar.is_stopped and reason != "stop":
             # The grammar is complete and allows nothing more: done, even if it landed on max_tokens.
             text += seq.detokenizer.flush()
             reason = "stop"
-        if reason is None:
-            return TokenDelta(seq.request_id, [tok], text, logprobs=lps)
-        self.requests.pop(seq.request_id, None)
-        self.scheduler.finish(seq)
-        return self._finish(seq, reason, [tok], text, lps)
+        return (text, lps), reason
 
     def _interruptible(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         """A step may be stopped when it holds background work only, and fewer than
@@ -346,23 +342,35 @@ class LLMEngine:
 
     def _apply(self, scheduled: list[tuple[Sequence, int]], seqs: list[Sequence], result: SampleResult | None,
                deltas: list[TokenDelta]) -> None:
-        """Record a finished step: tokens computed, full blocks cached, sampled tokens appended."""
-        for seq, n in scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        if result is None:
-            return
-        now = time.monotonic()
-        with self.tokenizer_lock:
-            for j, seq in enumerate(seqs):
-                if j in result.errors:
-                    deltas.append(self._fail(seq, result.errors[j]))
-                    continue
-                try:
-                    deltas.append(self._advance(seq, result.tokens[j], result.logprobs[j], now))
-                except Exception as e:  # noqa: BLE001 -- this request fails alone
-                    deltas.append(self._fail(seq, e))
-        self.generation_tokens += len(seqs)
+        """Record a step that ran: the scheduler moves its sequences on (``update_from_output``),
+        then each sampled sequence gets its delta and each failed one its error."""
+        sampled: list[SampledToken] = []
+        emitted: list[_Emitted] = []
+        failed: list[tuple[Sequence, BaseException | str]] = []
+        if result is not None:
+            with self.tokenizer_lock:
+                for j, seq in enumerate(seqs):
+                    if j in result.errors:
+                        failed.append((seq, result.errors[j]))
+                        continue
+                    tok = result.tokens[j]
+                    try:
+                        out, reason = self._read_token(seq, tok, result.logprobs[j])
+                    except Exception as e:  # noqa: BLE001 -- this request fails alone
+                        failed.append((seq, e))
+                        continue
+                    sampled.append(SampledToken(seq, tok, reason))
+                    emitted.append(out)
+            self.generation_tokens += len(seqs)
+        self.scheduler.update_from_output(scheduled, sampled, time.monotonic())
+        for s, (text, lps) in zip(sampled, emitted, strict=True):
+            if s.finish_reason is None:
+                deltas.append(TokenDelta(s.seq.request_id, [s.token], text, logprobs=lps))
+            else:
+                self.requests.pop(s.seq.request_id, None)
+                deltas.append(self._finish(s.seq, [s.token], text, lps))
+        for seq, why in failed:  # after the update: a failed sequence's step still ran
+            deltas.append(self._fail(seq, why))
 
     def step(self, interrupt: threading.Event | None = None) -> list[TokenDelta]:
         """Schedule and run one step; the deltas it produced.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from carpool.engine import cpu
+from carpool.engine import cpu, model_names
 from carpool.engine.config import ModelConfig
 from carpool.errors import ModelUnavailable
 from carpool.paths import cache_dir
@@ -441,35 +441,40 @@ def load_tiny_random(seed: int = 0, dtype: torch.dtype | str = "auto") -> Loaded
 def load_model(name_or_path: str = "smollm2", dtype: torch.dtype | str = "auto") -> LoadedModel:
     """Load a model by carpool name ("smollm2", "tiny-random[:SEED]") or by path."""
     name = str(name_or_path)
-    if name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+    if model_names.is_smollm2(name):
         return load_gguf(smollm2_gguf_path(), dtype, name="smollm2")
     if name.startswith("tiny-random"):
         _, _, seed = name.partition(":")
         if seed and not seed.isdigit():
             raise ModelLoadError(f"model={name!r}: the seed after 'tiny-random:' must be an integer")
         return load_tiny_random(int(seed or 0), dtype)
-    path = Path(name).expanduser()
+    path = _model_path(name)
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, dtype)
-    if path.is_dir():
-        return load_hf_folder(path, dtype)
-    raise ModelLoadError(f"model={name!r}: not 'smollm2', 'tiny-random[:SEED]', a Hugging Face "
-                         "folder or a .gguf file")
+    return load_hf_folder(path, dtype)
+
+
+def _model_path(name: str) -> Path:
+    """A .gguf file or a model folder: given as a path, or a Hugging Face name already cached."""
+    path = Path(name).expanduser()
+    if (path.is_file() and path.suffix == ".gguf") or path.is_dir():
+        return path
+    cached = model_names.hf_cache_folder(name)
+    if cached is None:
+        raise ModelLoadError(model_names.unknown_model(name))
+    return cached
 
 
 def load_tokenizer(name_or_path: str = "smollm2") -> PreTrainedTokenizerBase:
     """Only the tokenizer of what ``load_model(name_or_path)`` loads, without its weights
     (``carpool run --estimate`` counts prompt tokens with it)."""
     name = str(name_or_path)
-    if name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct") or name.startswith("tiny-random"):
+    if model_names.is_smollm2(name) or name.startswith("tiny-random"):
         return smollm2_tokenizer()  # tiny-random uses SmolLM2's tokenizer too
-    path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    path = _model_path(name)
+    if path.is_file():
         return _load_tokenizer(_cached_gguf_tokenizer_dir(path))
-    if path.is_dir():
-        return _load_tokenizer(path)
-    raise ModelLoadError(f"model={name!r}: not 'smollm2', 'tiny-random[:SEED]', a Hugging Face "
-                         "folder or a .gguf file")
+    return _load_tokenizer(path)
 
 
 def hf_reference_model(loaded: LoadedModel, dtype: torch.dtype | None = None):

@@ -42,6 +42,10 @@ class StructuredOutputs:
                            sort_keys=True, separators=(",", ":"), default=str)
 
 
+# vLLM's name for the same thing, so code written for vLLM's LLM imports it unchanged.
+StructuredOutputsParams = StructuredOutputs
+
+
 @dataclass
 class SamplingParams:
     """What to sample and when to stop, with vLLM's names and OpenAI's meanings.

@@ -17,6 +17,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .block_manager import BlockManager
 from .protocol import BACKGROUND_PRIORITY
@@ -35,6 +36,25 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return self.num_decode_tokens + self.num_prefill_tokens
+
+    def sampling(self) -> list[Sequence]:
+        """The scheduled sequences that sample a token this step: those whose chunk reaches their
+        last token (a prefill chunk short of the prompt's end samples nothing).  Asked before
+        ``update_from_output``, which moves their computed tokens on."""
+        return [seq for seq, n in self.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+
+
+class SampledToken(NamedTuple):
+    """A token a step sampled for ``seq``, and whether it ends the sequence.
+
+    The stop decision is the caller's: the engine reads it from the request's stop rules
+    (EOS, stop strings, max_tokens, a finished grammar), a simulator from the output length
+    it was given; the scheduler only records it.  A tuple: the simulators make one per
+    sampled token, hundreds of thousands a run, and a tuple is made in half the time."""
+
+    seq: Sequence
+    token: int
+    finish_reason: str | None = None
 
 
 class WaitingQueue:
@@ -177,15 +197,45 @@ class Scheduler:
             return lambda s: (-s.current_wait(now), s.arrival_time, order[id(s)])
         return lambda s: (s.arrival_time, order[id(s)])
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence (finished or aborted) and free its blocks."""
+    def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        """End a sequence (``reason``: "stop", "length", "abort", "error"): out of the queues,
+        its blocks freed.  ``now``: the time it ended (default the monotonic clock)."""
         if seq.status is SequenceStatus.RUNNING and seq in self.running:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic() if now is None else now
         self._order.pop(id(seq), None)
+
+    def update_from_output(self, scheduled: list[tuple[Sequence, int]], sampled: list[SampledToken],
+                           now: float | None = None) -> list[Sequence]:
+        """Record a step that ran: each scheduled (sequence, n) has ``n`` more tokens computed and
+        its newly full blocks join the prefix cache; each sampled token is appended to its
+        sequence, and a sequence it ends leaves.  The sequences that finished, in ``sampled``
+        order.  The engine and the simulators all move a step on through here, so what a step
+        leaves behind is the same whether a model ran it or a cost model timed it.
+
+        ``now``: when the step ended (default the monotonic clock; a simulator passes its own),
+        the time of a first token and of a finish."""
+        now = time.monotonic() if now is None else now
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+        finished = []
+        for s in sampled:
+            seq = s.seq
+            # Sampling reads the logits of the last token: only a chunk that reached it samples.
+            assert seq.num_computed_tokens == seq.num_tokens, f"{seq.request_id} sampled before its last token"
+            seq.token_ids.append(s.token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if s.finish_reason is not None:
+                self.finish(seq, s.finish_reason, now)
+                finished.append(seq)
+        return finished
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -5,17 +5,24 @@ them all through ``EngineClient.submit``, merges their deltas into one async str
 (gathering each into its ``Choice`` on the way) and, on ``close``, aborts whatever still
 runs, which frees its KV blocks at once.  ``close`` is safe on every exit path (finished,
 failed, cancelled because the client went away), so callers put it in a ``finally``.
+
+``run_request`` is the whole of a request that is not streamed: the ``Generation`` drained,
+its failure or abort turned into the error to answer with, the response body built.  The
+in-process backend, the server's endpoints and batch lines, and the tuner's engine load
+all run requests through it, so each answers the same body and the same errors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from carpool.engine.protocol import EngineClient, EngineError, TokenDelta
+from carpool.errors import CarpoolError
 from carpool.openai.errors import OpenAIError
-from carpool.openai.responses import Choice
+from carpool.openai.requests import Prepared
+from carpool.openai.responses import Choice, ResponseBuilder
 
 log = logging.getLogger("carpool.openai")
 
@@ -87,6 +94,28 @@ class Generation:
                     log.exception("abort of %s failed", c.request.request_id)
 
 
+async def run_request(engine: EngineClient, prepared: Prepared, model: str,
+                      on_delta: Callable[[Choice, TokenDelta], None] | None = None) -> dict:
+    """Run ``prepared``'s choices to their end on ``engine``; the response body (not streamed),
+    naming ``model``.  ``on_delta`` sees every delta as it comes (first-token times, metrics).
+
+    Raises the ``OpenAIError`` to answer with: ``engine_failure``'s when the engine failed,
+    ``EngineAborted`` when it aborted a choice (it is shutting down).  The engine requests
+    still running when it ends (an error, a cancellation) are aborted."""
+    gen = Generation(engine, prepared.choices)
+    try:
+        async for choice, delta in gen.deltas():
+            if on_delta is not None:
+                on_delta(choice, delta)
+    except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
+        raise engine_failure(e, engine) from None
+    finally:
+        await gen.close()
+    if gen.aborted:
+        raise aborted_error()
+    return ResponseBuilder(prepared.kind, prepared.id, model).body(gen.choices)
+
+
 def engine_failure(e: Exception, engine: EngineClient) -> OpenAIError:
     """The error answer for an exception out of ``Generation.deltas``."""
     if isinstance(e, OpenAIError):
@@ -101,7 +130,12 @@ def engine_failure(e: Exception, engine: EngineClient) -> OpenAIError:
     return OpenAIError(500, f"engine error: {e}", type="server_error")
 
 
-def aborted_error() -> OpenAIError:
-    """The answer when the engine aborted a choice (it is shutting down): retry elsewhere or later."""
-    return OpenAIError(503, "the engine aborted the request (is it shutting down?); retry",
-                       type="server_error", headers={"Retry-After": "1"})
+class EngineAborted(OpenAIError, CarpoolError):
+    """The engine aborted a choice (it is shutting down): no answer, retry elsewhere or later.
+    Apart from the other 503s so a caller can tell "not run to its end" from "failed"."""
+
+
+def aborted_error() -> EngineAborted:
+    """The answer when the engine aborted a choice."""
+    return EngineAborted(503, "the engine aborted the request (is it shutting down?); retry",
+                         type="server_error", headers={"Retry-After": "1"})

@@ -67,6 +67,12 @@ class AdmissionController:
         self._clock = clock
         self._busy_since = clock()  # when the waiting room last got a request while empty
         self._left: deque[float] = deque(maxlen=256)
+        # Called when the waiting room empties: batch work held back for online requests goes on.
+        self._idle_listeners: list[Callable[[], None]] = []
+
+    def add_idle_listener(self, fn: Callable[[], None]) -> None:
+        """``fn()`` each time the last waiting request gets its first token (or leaves)."""
+        self._idle_listeners.append(fn)
 
     def try_admit(self, seqs: int, tokens: int) -> Ticket | Rejection:
         """Admit ``seqs`` sequences totalling ``tokens`` prompt tokens, or say why not."""
@@ -98,6 +104,9 @@ class AdmissionController:
         self.waiting_seqs -= ticket.seqs
         self.waiting_tokens -= ticket.tokens
         self._left.append(self._clock())
+        if self.waiting_seqs == 0:
+            for fn in self._idle_listeners:
+                fn()
 
     def retry_after(self) -> int:
         """Seconds until the waiting room has likely drained, at the rate requests left it

@@ -13,10 +13,12 @@ from aiohttp import web
 from carpool.embed.dynamic_batcher import DynamicBatcher
 from carpool.engine.protocol import EngineClient
 from carpool.server import embeddings, generation, info
+from carpool.server.batch_disk import BatchDisk
 from carpool.server.batches import add_batch_api
 from carpool.server.config import ServerConfig
 from carpool.server.http import BODY_TIMEOUT
-from carpool.server.middleware import auth_middleware, body_limit_middleware, error_middleware
+from carpool.server.middleware import body_limit_middleware, error_middleware
+from carpool.server.owners import Keys, auth_middleware
 from carpool.server.state import STATE, ServerState
 
 
@@ -29,15 +31,16 @@ async def _stop(app: web.Application) -> None:
 
 
 def build_app(config: ServerConfig, engine: EngineClient | None = None,
-              batcher: DynamicBatcher | None = None) -> web.Application:
+              batcher: DynamicBatcher | None = None, batch_disk: BatchDisk | None = None) -> web.Application:
     """The server as an aiohttp app.  Without ``engine``, an AsyncEngine is built from
-    ``config.engine`` at startup and shut down with the app (likewise the embedding batcher)."""
+    ``config.engine`` at startup and shut down with the app (likewise the embedding batcher).
+    ``batch_disk``: where the Files and Batches API writes (default: the batch directory as is)."""
     limit = config.client_max_size_mb * 2**20
     # an upload streams to disk: its own limit (plus room for the multipart framing)
     uploads = {"/v1/files": config.max_batch_file_bytes + 2**20}
     middlewares = [error_middleware, body_limit_middleware(limit, uploads)]
-    if config.api_key:
-        middlewares.append(auth_middleware(config.api_key))
+    if config.keys():
+        middlewares.append(auth_middleware(Keys(config.keys())))
     app = web.Application(middlewares=middlewares, client_max_size=limit)
     app[STATE] = ServerState(config, engine, batcher)
     app[BODY_TIMEOUT] = config.body_timeout_s
@@ -51,5 +54,5 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None,
     app.router.add_get("/openapi.json", info.openapi)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
-    add_batch_api(app, config)  # after _start: its startup needs the engine
+    add_batch_api(app, config, batch_disk)  # after _start: its startup needs the engine
     return app

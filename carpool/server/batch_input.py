@@ -6,7 +6,11 @@ line without ``custom_id`` / ``method`` / ``url`` / ``body``, a ``custom_id`` se
 a method other than POST, a ``url`` that is not the batch's ``endpoint``, a ``model`` other
 than the first line's (one model per batch), an empty file, more requests than the limit.
 What only running a request can tell (a field out of range, a prompt past the context) is
-that request's own answer in the error file, as OpenAI does.
+that request's own answer in the error file, as OpenAI does; so is text that is not Unicode
+(a lone surrogate escape) in its custom_id or body: a 400 naming the field, the other
+requests answered.  A custom_id is at most ``MAX_CUSTOM_ID_CHARS`` characters (it is
+written into every answer line), and every message quotes what it refuses cut short, so
+the batch object stays small whatever the file holds.
 
 Lines are numbered from 1; a blank line counts as a line but holds no request.
 """
@@ -18,8 +22,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from carpool.openai.errors import bounded
+from carpool.openai.surrogates import SURROGATE_ESCAPE, lone_surrogate_path
+from carpool.server.batch_journal import journal_id
+from carpool.server.batch_object import BatchError
+
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 MAX_REPORTED_ERRORS = 100  # a file wrong on every line names the first this many
+MAX_CUSTOM_ID_CHARS = 1024
+MAX_MESSAGE_CHARS = 500  # of one error's message: 100 of them stay within 50 KB
+_QUOTED_CHARS = 80  # of a value quoted in a message
+
+
+def shown(value: object) -> str:
+    """``value`` as a message quotes it: its repr, cut to a few dozen characters."""
+    return bounded(repr(value), _QUOTED_CHARS)
 
 
 @dataclass
@@ -27,6 +44,7 @@ class BatchLine:
     line_no: int
     custom_id: str
     body: dict
+    problem: str | None = None  # the field holding text that is not Unicode: answered as a 400
 
 
 @dataclass
@@ -35,14 +53,14 @@ class InputCheck:
 
     total: int = 0
     model: str | None = None
-    errors: list[dict] = field(default_factory=list)
+    errors: list[BatchError] = field(default_factory=list)
     more_errors: int = 0  # errors past MAX_REPORTED_ERRORS, counted only
 
     def add(self, code: str, message: str, line: int | None = None, param: str | None = None) -> None:
         if len(self.errors) >= MAX_REPORTED_ERRORS:
             self.more_errors += 1
             return
-        self.errors.append({"code": code, "message": message, "param": param, "line": line})
+        self.errors.append(BatchError(code, bounded(message, MAX_MESSAGE_CHARS), line, param))
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -86,20 +104,22 @@ def _check_record(obj: dict, n: int, endpoint: str, seen: set[str], out: InputCh
             out.add("missing_required_parameter", f"Missing required parameter: '{key}'.", n, key)
             return
     cid = obj["custom_id"]
-    if not isinstance(cid, str) or not cid:
-        out.add("invalid_value", f"'custom_id' must be a non-empty string, got {cid!r}.", n, "custom_id")
+    if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID_CHARS:
+        out.add("invalid_value", f"'custom_id' must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, got "
+                f"{shown(cid)}.", n, "custom_id")
         return
+    cid = journal_id(cid)  # the name its answer is written under: two ids must not share it
     if cid in seen:
-        out.add("duplicate_custom_id", f"The custom_id {cid!r} is a duplicate of another request's: each "
+        out.add("duplicate_custom_id", f"The custom_id {shown(cid)} is a duplicate of another request's: each "
                 "request of a batch needs its own custom_id.", n, "custom_id")
         return
     seen.add(cid)
     if obj["method"] != "POST":
-        out.add("invalid_method", f"The method {obj['method']!r} is not supported; only POST is.", n, "method")
+        out.add("invalid_method", f"The method {shown(obj['method'])} is not supported; only POST is.", n, "method")
         return
     if obj["url"] != endpoint:
-        out.add("url_mismatch", f"The url {obj['url']!r} of this request does not match the batch's endpoint "
-                f"{endpoint!r}.", n, "url")
+        out.add("url_mismatch", f"The url {shown(obj['url'])} of this request does not match the batch's "
+                f"endpoint {endpoint!r}.", n, "url")
         return
     body = obj["body"]
     if not isinstance(body, dict):
@@ -112,13 +132,16 @@ def _check_record(obj: dict, n: int, endpoint: str, seen: set[str], out: InputCh
     if out.model is None:
         out.model = model
     elif model != out.model:
-        out.add("model_mismatch", f"The model {model!r} differs from {out.model!r} of the batch's first "
-                "request: a batch runs one model.", n, "body.model")
+        out.add("model_mismatch", f"The model {shown(model)} differs from {shown(out.model)} of the batch's "
+                "first request: a batch runs one model.", n, "body.model")
 
 
 def iter_requests(path: Path) -> Iterator[BatchLine]:
-    """The requests of a file that passed ``check_input``."""
+    """The requests of a file that passed ``check_input``, each under its ``journal_id``."""
     for n, raw in iter_lines(path):
         obj = parse_line(raw)
         assert obj is not None  # check_input refused the file otherwise
-        yield BatchLine(n, obj["custom_id"], obj["body"])
+        problem = None
+        if SURROGATE_ESCAPE.search(raw):  # only an escape can make a lone surrogate: walk the line then
+            problem = lone_surrogate_path({"custom_id": obj["custom_id"], "body": obj["body"]})
+        yield BatchLine(n, journal_id(obj["custom_id"]), obj["body"], problem)

@@ -1,4 +1,4 @@
-"""The Batch API's Prometheus metrics, read at scrape time from the runner and its store.
+"""The Batch API's Prometheus metrics, read at scrape time from the executor and its store.
 
     carpool:batches{status}                  batches the store holds, by OpenAI status (gauge)
     carpool:batch_requests_total{status}     batch requests this process answered: completed
@@ -7,7 +7,7 @@
     carpool:batch_requests_pending           requests of running batches not answered yet (gauge)
 
 Nothing is counted per token or per request on the serving path beyond two integer bumps
-in the runner; a scrape asks the store one grouped count.  Scrapes run on the server's
+in the executor; a scrape asks the store one grouped count.  Scrapes run on the server's
 loop, the only thread that touches the store.
 """
 
@@ -17,22 +17,23 @@ from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from carpool.server.batch_runner import FINAL, UNFINISHED, BatchRunner
+from carpool.server.batch_executor import BatchExecutor
+from carpool.server.batch_object import FINAL, UNFINISHED
 
 STATUSES = UNFINISHED + FINAL
 
 
 class BatchCollector:
-    def __init__(self, runner: BatchRunner) -> None:
-        self._runner = runner
+    def __init__(self, executor: BatchExecutor) -> None:
+        self._executor = executor
 
     def describe(self) -> Iterable[Metric]:
         return []  # names are fixed; skipping describe keeps registration from reading the store
 
     def collect(self) -> Iterable[Metric]:
-        runner = self._runner
+        executor = self._executor
         try:
-            by_status = runner.store.count_batches()
+            by_status = executor.store.count_batches()
         except Exception:  # noqa: BLE001 - a scrape must never take the server down (a closed store)
             by_status = {}
         batches = GaugeMetricFamily("carpool:batches", "Batches held by the Batch API, by status",
@@ -42,10 +43,10 @@ class BatchCollector:
         yield batches
         answered = CounterMetricFamily("carpool:batch_requests", "Batch requests answered, by outcome",
                                        labels=["status"])
-        for status, n in runner.answered.items():
+        for status, n in executor.answered.items():
             answered.add_metric([status], float(n))
         yield answered
         yield GaugeMetricFamily("carpool:batch_requests_running", "Batch requests in the engine now",
-                                value=float(runner.inflight))
+                                value=float(executor.inflight))
         yield GaugeMetricFamily("carpool:batch_requests_pending",
-                                "Requests of running batches not answered yet", value=float(runner.pending()))
+                                "Requests of running batches not answered yet", value=float(executor.pending()))

@@ -8,8 +8,9 @@ an online call would have got.  Two differences, both for the online requests' s
   its priority): it sits out each engine step that computes an online prompt, whatever the
   scheduling policy, and under ``--scheduling-policy priority`` an online request is also
   admitted (and kept, when the KV cache runs short) before any batch request;
-- batch lines do not go through the admission waiting room: their number in flight is
-  bounded by the runner instead, and they never take an online request's place in it.
+- batch lines do not go through the admission waiting room: before it enters the engine,
+  a request takes its sequences and their KV tokens out of the batch share (``hold``,
+  ``batch_budget``), so batch work never takes the seats online requests need.
 
 ``answer`` returns (HTTP status, body) the way OpenAI's batch output holds them: 200 and
 the response, or the error status and its ``{"error": ...}`` body.  A request the engine
@@ -21,29 +22,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 from carpool.engine.protocol import BACKGROUND_PRIORITY
+from carpool.errors import CarpoolError
 from carpool.openai.errors import OpenAIError
-from carpool.openai.generation import Generation, engine_failure
+from carpool.openai.generation import EngineAborted, run_request
 from carpool.openai.requests import grammar_param
-from carpool.openai.responses import ResponseBuilder
 from carpool.server.embeddings import embeddings_body
 from carpool.server.state import ServerState
 
 log = logging.getLogger("carpool.server.batches")
 
 
-class NotAnswered(Exception):
+# ``hold(sequences, kv_tokens)``: the batch share a request takes while it runs (``WorkBudget.hold``).
+Hold = Callable[[int, int], AbstractAsyncContextManager[None]]
+
+
+class NotAnswered(CarpoolError):
     """The engine aborted the request (shutting down): no answer to record."""
 
 
-async def answer(state: ServerState, kind: str, body: dict) -> tuple[int, dict]:
+async def answer(state: ServerState, kind: str, body: dict, hold: Hold) -> tuple[int, dict]:
     """(status, body) of one batch request of ``kind`` (chat | completion | embedding)."""
     body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     try:
         if kind == "embedding":
-            return 200, await embeddings_body(state, body)
-        return 200, await _generate(state, kind, body)
+            async with hold(0, 0):  # no engine sequence, but online requests still come first
+                return 200, await embeddings_body(state, body)
+        return 200, await _generate(state, kind, body, hold)
     except OpenAIError as e:
         if e.code == "engine_failed" or state.engine.error is not None:
             raise NotAnswered(str(e)) from None  # the engine is gone: answer after a restart
@@ -55,7 +63,7 @@ async def answer(state: ServerState, kind: str, body: dict) -> tuple[int, dict]:
         return 500, OpenAIError(500, f"internal error: {e!r}; see the server log", type="server_error").body()
 
 
-async def _generate(state: ServerState, kind: str, body: dict) -> dict:
+async def _generate(state: ServerState, kind: str, body: dict, hold: Hold) -> dict:
     model = state.resolve_model(body, "generate")
     # Off the event loop, as for an online request: the loop answers every client and /health.
     prepared = await asyncio.to_thread(state.translator.prepare, kind, body)
@@ -63,17 +71,9 @@ async def _generate(state: ServerState, kind: str, body: dict) -> dict:
         await state.grammars.check(state.engine, prepared.structured_outputs, grammar_param(body))
     for choice in prepared.choices:  # a line's own priority orders it among batch requests only
         choice.request.priority = max(choice.request.priority, 0) + BACKGROUND_PRIORITY
-    gen = Generation(state.engine, prepared.choices)
-    try:
+    kv_tokens = sum(c.prompt_tokens + c.request.params.max_tokens for c in prepared.choices)
+    async with hold(len(prepared.choices), kv_tokens):
         try:
-            async for _ in gen.deltas():
-                pass
-        except OpenAIError:
-            raise
-        except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
-            raise engine_failure(e, state.engine) from None
-    finally:
-        await gen.close()
-    if gen.aborted:
-        raise NotAnswered("the engine aborted the request")
-    return ResponseBuilder(kind, prepared.id, model).body(gen.choices)
+            return await run_request(state.engine, prepared, model)
+        except EngineAborted:
+            raise NotAnswered("the engine aborted the request") from None

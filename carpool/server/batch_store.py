@@ -2,7 +2,7 @@
 
 Layout under the batch directory (``--batch-dir``, default ``<cache dir>/batches``)::
 
-    store.sqlite             files and batches (one row each, the batch as its JSON object)
+    store.sqlite             files and batches (one row each, the batch as its JSON record)
     files/<file_id>          the bytes of every uploaded or produced file
     work/<batch_id>/         the journal of a running batch (output.jsonl, errors.jsonl)
 
@@ -11,6 +11,10 @@ with survives a kill -9 of the server, so a restart knows exactly which batches 
 still running.  A file's bytes are written (and fsync'd) before its row is inserted, so
 a row always names a whole file; a file without a row (an upload the kill cut short) is
 removed at the next start.
+
+Every row has an ``owner``: the project of the API key that created it (``owners.py``; ''
+when the server takes no key).  Reads given an owner see that owner's rows and the rows of
+no owner; reads given none (the server's own, resuming batches) see every row.
 
 Every method runs on the server's event loop thread (SQLite calls here take well under a
 millisecond); nothing else touches the connection.
@@ -22,7 +26,13 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from carpool.server.batch_object import Batch
+
+T = TypeVar("T")
 
 FILE_PURPOSES = ("assistants", "assistants_output", "batch", "batch_output", "fine-tune",
                  "fine-tune-results", "vision", "user_data", "evals")
@@ -34,13 +44,15 @@ CREATE TABLE IF NOT EXISTS files (
     bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
     filename TEXT NOT NULL,
-    purpose TEXT NOT NULL
+    purpose TEXT NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     id TEXT UNIQUE NOT NULL,
     status TEXT NOT NULL,
-    doc TEXT NOT NULL
+    doc TEXT NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 """
 
@@ -57,6 +69,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _visible(owner: str | None) -> tuple[str | None, tuple]:
+    """The WHERE clause (and its parameters) of the rows ``owner`` may see."""
+    return (None, ()) if owner is None else ("owner IN ('', ?)", (owner,))
+
+
 class BatchStore:
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
@@ -65,14 +82,26 @@ class BatchStore:
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.root / "store.sqlite", isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(_SCHEMA)
-        self._remove_orphans()
+        try:
+            self.db.row_factory = sqlite3.Row
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.executescript(_SCHEMA)
+            self._add_owner_columns()
+            self._remove_orphans()
+        except BaseException:
+            self.db.close()
+            raise
 
     def close(self) -> None:
         self.db.close()
+
+    def _add_owner_columns(self) -> None:
+        """A store written before rows had owners: its rows get the owner '' (seen by every key)."""
+        for table in ("files", "batches"):
+            names = {r["name"] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            if "owner" not in names:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
 
     def _remove_orphans(self) -> None:
         """Bytes with no row: an upload or a publish cut short by a crash."""
@@ -90,7 +119,8 @@ class BatchStore:
         """Where an upload streams to before it has an id (renamed by ``add_file``)."""
         return self.files_dir / new_id("upload-")
 
-    def add_file(self, source: Path, filename: str, purpose: str, file_id: str | None = None) -> dict:
+    def add_file(self, source: Path, filename: str, purpose: str, owner: str,
+                 file_id: str | None = None) -> dict:
         """Move ``source`` (whole, fsync'd) under its id and record it; returns the file object.
         With ``file_id`` given and already recorded, the existing object is returned (a publish
         run again after a crash)."""
@@ -103,20 +133,27 @@ class BatchStore:
         os.replace(source, target)
         _fsync_dir(self.files_dir)
         size = target.stat().st_size
-        self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?, ?, ?, ?, ?)",
-                        (file_id, size, int(time.time()), filename, purpose))
+        self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose, owner) VALUES (?, ?, ?, ?, ?, ?)",
+                        (file_id, size, int(time.time()), filename, purpose, owner))
         found = self.get_file(file_id)
         assert found is not None
         return found
 
-    def get_file(self, file_id: str) -> dict | None:
-        row = self.db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+    def get_file(self, file_id: str, owner: str | None = None) -> dict | None:
+        """The file object, if ``owner`` may see it (None: whoever owns it)."""
+        where, args = _visible(owner)
+        sql = "SELECT * FROM files WHERE id = ?" + (f" AND {where}" if where else "")
+        row = self.db.execute(sql, (file_id, *args)).fetchone()
         return _file_object(row) if row is not None else None
 
-    def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> tuple[list[dict], bool]:
-        """A page of files (``order`` by creation, ``after`` a file id) and whether more follow."""
-        return self._page("files", after, limit, order, "purpose = ?" if purpose else None,
-                          (purpose,) if purpose else (), _file_object)
+    def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None,
+                   owner: str | None) -> tuple[list[dict], bool]:
+        """A page of the files ``owner`` may see (``order`` by creation, ``after`` a file id) and
+        whether more follow."""
+        where, args = _visible(owner)
+        clauses = [c for c in (where, "purpose = ?" if purpose else None) if c]
+        return self._page("files", after, limit, order, " AND ".join(clauses) or None,
+                          (*args, *((purpose,) if purpose else ())), _file_object)
 
     def delete_file(self, file_id: str) -> bool:
         cur = self.db.execute("DELETE FROM files WHERE id = ?", (file_id,))
@@ -125,26 +162,30 @@ class BatchStore:
 
     # -- batches
 
-    def add_batch(self, doc: dict) -> None:
-        self.db.execute("INSERT INTO batches (id, status, doc) VALUES (?, ?, ?)",
-                        (doc["id"], doc["status"], json.dumps(doc)))
+    def add_batch(self, batch: Batch) -> None:
+        self.db.execute("INSERT INTO batches (id, status, doc, owner) VALUES (?, ?, ?, ?)",
+                        (batch.id, batch.status, json.dumps(batch.to_record()), batch.owner))
 
-    def save_batch(self, doc: dict) -> None:
+    def save_batch(self, batch: Batch) -> None:
         self.db.execute("UPDATE batches SET status = ?, doc = ? WHERE id = ?",
-                        (doc["status"], json.dumps(doc), doc["id"]))
+                        (batch.status, json.dumps(batch.to_record()), batch.id))
 
-    def get_batch(self, batch_id: str) -> dict | None:
-        row = self.db.execute("SELECT doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
-        return json.loads(row["doc"]) if row is not None else None
+    def get_batch(self, batch_id: str, owner: str | None = None) -> Batch | None:
+        """The batch, if ``owner`` may see it (None: whoever owns it)."""
+        where, args = _visible(owner)
+        sql = "SELECT doc, owner FROM batches WHERE id = ?" + (f" AND {where}" if where else "")
+        row = self.db.execute(sql, (batch_id, *args)).fetchone()
+        return _batch(row) if row is not None else None
 
-    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        """Newest first, as OpenAI lists them."""
-        return self._page("batches", after, limit, "desc", None, (), lambda row: json.loads(row["doc"]))
+    def list_batches(self, *, after: str | None, limit: int, owner: str | None) -> tuple[list[Batch], bool]:
+        """The batches ``owner`` may see, newest first (as OpenAI lists them)."""
+        where, args = _visible(owner)
+        return self._page("batches", after, limit, "desc", where, args, _batch)
 
-    def unfinished_batches(self, statuses: tuple[str, ...]) -> list[dict]:
+    def unfinished_batches(self, statuses: tuple[str, ...]) -> list[Batch]:
         marks = ",".join("?" * len(statuses))
-        rows = self.db.execute(f"SELECT doc FROM batches WHERE status IN ({marks}) ORDER BY seq", statuses)
-        return [json.loads(r["doc"]) for r in rows]
+        rows = self.db.execute(f"SELECT doc, owner FROM batches WHERE status IN ({marks}) ORDER BY seq", statuses)
+        return [_batch(r) for r in rows]
 
     def count_batches(self) -> dict[str, int]:
         """How many batches the store holds, by status (a scrape of /metrics reads it)."""
@@ -155,7 +196,7 @@ class BatchStore:
         return self.work_dir / batch_id
 
     def _page(self, table: str, after: str | None, limit: int, order: str, where: str | None,
-              args: tuple, shape) -> tuple[list[dict], bool]:
+              args: tuple, shape: Callable[[sqlite3.Row], T]) -> tuple[list[T], bool]:
         clauses = [where] if where else []
         params: list = list(args)
         direction = "DESC" if order == "desc" else "ASC"
@@ -171,6 +212,12 @@ class BatchStore:
         params.append(limit + 1)
         rows = self.db.execute(sql, params).fetchall()
         return [shape(r) for r in rows[:limit]], len(rows) > limit
+
+
+def _batch(row: sqlite3.Row) -> Batch:
+    batch = Batch.from_record(json.loads(row["doc"]))
+    batch.owner = row["owner"]
+    return batch
 
 
 def _file_object(row: sqlite3.Row) -> dict:

@@ -9,39 +9,37 @@
 The objects have OpenAI's fields, so the openai SDK's ``FileObject`` and ``Batch`` parse them
 and its cursor pages (``has_more``, ``after`` = the last id) walk the lists.  The state is on
 disk (``batch_store``) and the batches run on the server's engine behind online requests
-(``batch_runner``); a restarted server resumes them.
+(``batch_executor``); a restarted server resumes them.  Every route sees only the objects of
+the request's API key (``owners``): another key's file or batch is a 404, as one that does
+not exist.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-from pathlib import Path
 
-from aiohttp import BodyPartReader, web
+from aiohttp import web
 
 from carpool.openai.errors import OpenAIError
-from carpool.paths import cache_dir
-from carpool.server.batch_input import ENDPOINTS
-from carpool.server.batch_metrics import BatchCollector
-from carpool.server.batch_runner import FINAL, BatchLimits, BatchRunner
-from carpool.server.batch_store import FILE_PURPOSES, BatchStore, new_id
+from carpool.server.batch_disk import BatchDisk
+from carpool.server.batch_executor import BatchExecutor
+from carpool.server.batch_input import ENDPOINTS, shown
+from carpool.server.batch_object import Batch
+from carpool.server.batch_service import BatchService
+from carpool.server.batch_store import FILE_PURPOSES, new_id
 from carpool.server.config import ServerConfig
 from carpool.server.http import json_response, read_json
+from carpool.server.owners import request_owner
 from carpool.server.state import STATE
+from carpool.server.uploads import disk_error, read_form
 
-RUNNER: web.AppKey[BatchRunner] = web.AppKey("carpool_batches", BatchRunner)
+BATCHES: web.AppKey[BatchService] = web.AppKey("carpool_batches", BatchService)
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
-_CHUNK = 1 << 20
 
 
-def batch_dir(config: ServerConfig) -> str:
-    return config.batch_dir or str(cache_dir() / "batches")
-
-
-def add_batch_api(app: web.Application, config: ServerConfig) -> None:
-    """Register the routes; the store opens (and unfinished batches resume) once the engine runs."""
+def add_batch_api(app: web.Application, config: ServerConfig, disk: BatchDisk | None = None) -> None:
+    """Register the routes; the store opens (and unfinished batches resume) once the engine runs.
+    ``disk``: where the API's bytes are written (a test passes one that fails on purpose)."""
     r = app.router
     r.add_post("/v1/files", create_file)
     r.add_get("/v1/files", list_files)
@@ -52,28 +50,24 @@ def add_batch_api(app: web.Application, config: ServerConfig) -> None:
     r.add_get("/v1/batches", list_batches)
     r.add_get("/v1/batches/{batch_id}", retrieve_batch)
     r.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
-    limits = BatchLimits(config.max_batch_file_bytes, config.max_batch_requests, config.batch_max_inflight)
 
     async def start(app: web.Application) -> None:
-        store = BatchStore(batch_dir(config))
-        app[RUNNER] = runner = BatchRunner(app[STATE], store, limits)
-        app[STATE].metrics.registry.register(BatchCollector(runner))
-        runner.resume()
+        app[BATCHES] = service = BatchService(app[STATE], config, disk)
+        service.open()
 
     async def stop(app: web.Application) -> None:
-        if RUNNER in app:
-            await app[RUNNER].stop()
-            app[RUNNER].store.close()
+        if BATCHES in app:
+            await app[BATCHES].close()
 
     app.on_startup.append(start)
     app.on_shutdown.append(stop)
 
 
-def _runner(request: web.Request) -> BatchRunner:
-    runner = request.app.get(RUNNER)
-    if runner is None:
+def _executor(request: web.Request) -> BatchExecutor:
+    service = request.app.get(BATCHES)
+    if service is None:
         raise OpenAIError(503, "starting", type="server_error")
-    return runner
+    return service.require()
 
 
 def _limit(request: web.Request, default: int, most: int) -> int:
@@ -85,7 +79,7 @@ def _limit(request: web.Request, default: int, most: int) -> int:
     except ValueError:
         n = 0
     if not 1 <= n <= most:
-        raise OpenAIError(400, f"'limit' must be an integer from 1 to {most}, got {text!r}", param="limit")
+        raise OpenAIError(400, f"'limit' must be an integer from 1 to {most}, got {shown(text)}", param="limit")
     return n
 
 
@@ -98,86 +92,61 @@ def _page(data: list[dict], has_more: bool) -> web.Response:
 
 
 async def create_file(request: web.Request) -> web.Response:
-    runner = _runner(request)
+    executor = _executor(request)
     if not request.content_type.startswith("multipart/"):
         raise OpenAIError(400, "upload a file as multipart/form-data with the fields 'file' and 'purpose'")
-    reader = await request.multipart()
-    purpose: str | None = None
-    upload: tuple[Path, str] | None = None
+    store = executor.store
+    up = await read_form(await request.multipart(), executor.disk, store.upload_path(),
+                         executor.limits.max_file_bytes)
     try:
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                continue
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                upload = await _receive(part, runner)
-        if upload is None:
+        if up.path is None:
             raise OpenAIError(400, "Missing required parameter: 'file'.", param="file")
-        if purpose not in FILE_PURPOSES:
-            raise OpenAIError(400, f"'purpose' must be one of {', '.join(FILE_PURPOSES)}; got {purpose!r}",
+        if up.purpose not in FILE_PURPOSES:
+            raise OpenAIError(400, f"'purpose' must be one of {', '.join(FILE_PURPOSES)}; got {shown(up.purpose)}",
                               param="purpose")
-        return json_response(runner.store.add_file(upload[0], upload[1], purpose))
+        try:
+            return json_response(store.add_file(up.path, up.filename, up.purpose, request_owner(request)))
+        except OSError as e:
+            raise disk_error(e) from None
     finally:
-        if upload is not None and os.path.exists(upload[0]):
-            os.unlink(upload[0])
+        up.discard()  # what add_file did not move under its id
 
 
-async def _receive(part: BodyPartReader, runner: BatchRunner) -> tuple[Path, str]:
-    """Stream one uploaded file to disk (fsync'd), refusing it past the size limit."""
-    most = runner.limits.max_file_bytes
-    path = runner.store.upload_path()
-    size = 0
-    try:
-        with open(path, "wb") as f:
-            while chunk := await part.read_chunk(_CHUNK):
-                size += len(chunk)
-                if size > most:
-                    raise OpenAIError(413, f"File is too large: past the limit of {most:,} bytes "
-                                      "(--batch-max-file-mb); split it.", param="file", code="file_too_large")
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    return path, part.filename or "upload.jsonl"
-
-
-def _file_or_404(runner: BatchRunner, file_id: str) -> dict:
-    found = runner.store.get_file(file_id)
+def _file_or_404(executor: BatchExecutor, request: web.Request, file_id: str) -> dict:
+    found = executor.store.get_file(file_id, request_owner(request))
     if found is None:
-        raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
+        raise OpenAIError(404, f"No such File object: {shown(file_id)}", param="id", code="file_not_found")
     return found
 
 
 async def list_files(request: web.Request) -> web.Response:
     order = request.query.get("order", "desc")
     if order not in ("asc", "desc"):
-        raise OpenAIError(400, f"'order' must be asc or desc, got {order!r}", param="order")
-    data, more = _runner(request).store.list_files(after=request.query.get("after"), order=order,
-                                                  limit=_limit(request, 10000, 10000),
-                                                  purpose=request.query.get("purpose"))
+        raise OpenAIError(400, f"'order' must be asc or desc, got {shown(order)}", param="order")
+    data, more = _executor(request).store.list_files(after=request.query.get("after"), order=order,
+                                                     limit=_limit(request, 10000, 10000),
+                                                     purpose=request.query.get("purpose"),
+                                                     owner=request_owner(request))
     return _page(data, more)
 
 
 async def retrieve_file(request: web.Request) -> web.Response:
-    return json_response(_file_or_404(_runner(request), request.match_info["file_id"]))
+    return json_response(_file_or_404(_executor(request), request, request.match_info["file_id"]))
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    runner = _runner(request)
+    executor = _executor(request)
     file_id = request.match_info["file_id"]
-    _file_or_404(runner, file_id)
-    runner.store.delete_file(file_id)
+    _file_or_404(executor, request, file_id)
+    executor.store.delete_file(file_id)
     return json_response({"id": file_id, "object": "file", "deleted": True})
 
 
 async def file_content(request: web.Request) -> web.StreamResponse:
-    runner = _runner(request)
+    executor = _executor(request)
     file_id = request.match_info["file_id"]
-    _file_or_404(runner, file_id)
-    return web.FileResponse(runner.store.file_path(file_id), headers={"Content-Type": "application/octet-stream"})
+    _file_or_404(executor, request, file_id)
+    return web.FileResponse(executor.store.file_path(file_id), headers={"Content-Type": "application/octet-stream"})
 
 
 # -- batches
@@ -195,66 +164,64 @@ def _check_metadata(meta: object) -> dict | None:
 
 
 async def create_batch(request: web.Request) -> web.Response:
-    runner = _runner(request)
+    executor = _executor(request)
     body = await read_json(request)
     for key in ("input_file_id", "endpoint", "completion_window"):
         if not isinstance(body.get(key), str):
             raise OpenAIError(400, f"Missing required parameter: '{key}' (a string).", param=key)
     if body["endpoint"] not in ENDPOINTS:
-        raise OpenAIError(400, f"'endpoint' must be one of {', '.join(ENDPOINTS)} here; got {body['endpoint']!r}",
-                          param="endpoint")
+        raise OpenAIError(400, f"'endpoint' must be one of {', '.join(ENDPOINTS)} here; got "
+                          f"{shown(body['endpoint'])}", param="endpoint")
     window = COMPLETION_WINDOW_S.get(body["completion_window"])
     if window is None:
-        raise OpenAIError(400, f"'completion_window' must be '24h', got {body['completion_window']!r}",
+        raise OpenAIError(400, f"'completion_window' must be '24h', got {shown(body['completion_window'])}",
                           param="completion_window")
     meta = _check_metadata(body.get("metadata"))
-    source = _file_or_404(runner, body["input_file_id"])
+    source = _file_or_404(executor, request, body["input_file_id"])
     if source["purpose"] != "batch":
         raise OpenAIError(400, f"The file {source['id']} has purpose {source['purpose']!r}; a batch input file "
                           "must be uploaded with purpose 'batch'.", param="input_file_id")
     now = int(time.time())
-    doc = {"id": new_id("batch_"), "object": "batch", "endpoint": body["endpoint"], "errors": None,
-           "input_file_id": source["id"], "completion_window": body["completion_window"], "status": "validating",
-           "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-           "expires_at": now + window, "finalizing_at": None, "completed_at": None, "failed_at": None,
-           "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-           "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": meta, "model": None,
-           "usage": None}
+    batch = Batch(new_id("batch_"), body["endpoint"], source["id"], body["completion_window"], now, now + window,
+                  metadata=meta, owner=request_owner(request))
     # The batch keeps its own link to the input, so deleting the file does not pull it from under it.
-    work = runner.store.batch_work_dir(doc["id"])
-    work.mkdir(parents=True, exist_ok=True)
+    work = executor.store.batch_work_dir(batch.id)
     try:
-        os.link(runner.store.file_path(source["id"]), work / "input.jsonl")
-    except OSError:
-        shutil.copyfile(runner.store.file_path(source["id"]), work / "input.jsonl")
-    runner.store.add_batch(doc)
-    runner.launch(doc)
-    return json_response(runner.view(doc))
+        work.mkdir(parents=True, exist_ok=True)
+        executor.disk.copy(executor.store.file_path(source["id"]), work / "input.jsonl")
+        executor.store.add_batch(batch)
+    except OSError as e:
+        raise disk_error(e) from None
+    executor.launch(batch)
+    return json_response(executor.view(batch))
 
 
-def _batch_or_404(runner: BatchRunner, batch_id: str) -> dict:
-    found = runner.get(batch_id)
+def _batch_or_404(executor: BatchExecutor, request: web.Request, batch_id: str) -> Batch:
+    found = executor.get(batch_id, request_owner(request))
     if found is None:
-        raise OpenAIError(404, f"No batch found with id '{batch_id}'.", param="batch_id", code="batch_not_found")
+        raise OpenAIError(404, f"No batch found with id {shown(batch_id)}.", param="batch_id",
+                          code="batch_not_found")
     return found
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:
-    return json_response(_batch_or_404(_runner(request), request.match_info["batch_id"]))
+    executor = _executor(request)
+    return json_response(executor.view(_batch_or_404(executor, request, request.match_info["batch_id"])))
 
 
 async def list_batches(request: web.Request) -> web.Response:
-    runner = _runner(request)
-    docs, more = runner.store.list_batches(after=request.query.get("after"), limit=_limit(request, 20, 100))
-    return _page([runner.view(d) for d in docs], more)
+    executor = _executor(request)
+    batches, more = executor.store.list_batches(after=request.query.get("after"), limit=_limit(request, 20, 100),
+                                                owner=request_owner(request))
+    return _page([executor.view(b) for b in batches], more)
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    runner = _runner(request)
+    executor = _executor(request)
     batch_id = request.match_info["batch_id"]
-    _batch_or_404(runner, batch_id)
-    doc = runner.cancel(batch_id)
-    assert doc is not None
-    if doc["status"] in FINAL:
-        raise OpenAIError(409, f"Cannot cancel a batch with status '{doc['status']}'.", code="batch_not_cancellable")
-    return json_response(doc)
+    _batch_or_404(executor, request, batch_id)
+    batch = executor.cancel(batch_id, request_owner(request))
+    assert batch is not None
+    if batch.final:
+        raise OpenAIError(409, f"Cannot cancel a batch with status '{batch.status}'.", code="batch_not_cancellable")
+    return json_response(executor.view(batch))

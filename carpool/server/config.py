@@ -13,7 +13,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the bound one is in the start_server handle)
     served_model_names: list[str] = field(default_factory=list)  # empty: the --model value
+    # Bearer keys taken (none: no check).  Each key is a project of its own: it sees only the
+    # files and batches created with it (server/owners.py).  ``api_key`` is one more.
     api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)
     # admission control (generation): waiting = admitted, no token out yet
     max_queue_size: int | None = 1024
     max_queued_tokens: int | None = None
@@ -42,12 +45,19 @@ class ServerConfig:
     body_timeout_s: float = 60.0
     max_connections: int | None = None  # None: from the file-descriptor limit
     # Files and Batches API (server/batches.py): the store's directory (None: <cache dir>/batches),
-    # OpenAI's limits per input file, and how many batch requests may be in the engine at once
-    # (all batches together; online requests always come first).
+    # OpenAI's limits per input file, and how many batch requests may be prepared or running at
+    # once (all batches together; online requests always come first).
     batch_dir: str | None = None
     max_batch_file_bytes: int = 200 * 1000 * 1000
     max_batch_requests: int = 50_000
     batch_max_inflight: int = 8
+    # Engine sequences batch requests may hold at once (None: batch_budget.BATCH_SHARE of the
+    # engine's max_num_seqs); their KV tokens are bounded to that share of the cache too.
+    batch_max_seqs: int | None = None
+
+    def keys(self) -> list[str]:
+        """Every key the server takes."""
+        return [*self.api_keys, *([self.api_key] if self.api_key else [])]
 
     def model_names(self) -> list[str]:
         return list(self.served_model_names) or [self.engine.model]

@@ -1,10 +1,11 @@
 """POST /v1/chat/completions and /v1/completions: admission, metrics and HTTP around the translation.
 
 The body becomes engine requests through ``carpool.openai`` (``Translator.prepare``), they
-run as one ``Generation`` and the answer is shaped by ``ResponseBuilder``; this module adds
-what only a server has: the waiting room (429 when full), the latency histograms, the SSE
-transport.  Whatever way a handler ends (finished, error, the client went away and aiohttp
-cancelled it), the ``finally`` aborts the engine requests that still run.
+run as one ``Generation`` (``run_request`` when not streamed) and the answer is shaped by
+``ResponseBuilder``; this module adds what only a server has: the waiting room (429 when
+full), the latency histograms, the SSE transport.  Whatever way a handler ends (finished,
+error, the client went away and aiohttp cancelled it), the ``finally`` aborts the engine
+requests that still run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from aiohttp import web
 
 from carpool.engine.protocol import TokenDelta
 from carpool.openai.errors import OpenAIError
-from carpool.openai.generation import Generation, aborted_error, engine_failure
+from carpool.openai.generation import Generation, aborted_error, engine_failure, run_request
 from carpool.openai.requests import Prepared, grammar_param
 from carpool.openai.responses import Choice, ResponseBuilder
 from carpool.server import sse
@@ -28,23 +29,18 @@ from carpool.server.state import STATE, ServerState
 _DISCONNECTED = (ConnectionResetError, ConnectionError)
 
 
-class _Observed:
-    """One request's generation with the server's bookkeeping: the waiting-room ticket and the
-    latency histograms (TTFT, ITL, end to end, queue time), observed as deltas pass."""
+class _Observer:
+    """The server's bookkeeping of one request's generation, as its deltas pass: the waiting-room
+    ticket (started at the first delta) and the latency histograms (TTFT, ITL, end to end,
+    queue time)."""
 
-    def __init__(self, state: ServerState, prepared: Prepared, ticket: Ticket) -> None:
+    def __init__(self, state: ServerState, ticket: Ticket) -> None:
         self.state = state
         self.ticket = ticket
-        self.gen = Generation(state.engine, prepared.choices)
         self._arrival = time.monotonic()
         self._last_token: dict[int, float] = {}
 
-    async def deltas(self):
-        async for choice, delta in self.gen.deltas():
-            self._observe(choice, delta)
-            yield choice, delta
-
-    def _observe(self, choice: Choice, delta: TokenDelta) -> None:
+    def __call__(self, choice: Choice, delta: TokenDelta) -> None:
         now = time.monotonic()
         m = self.state.metrics
         last = self._last_token.get(choice.index)
@@ -64,10 +60,6 @@ class _Observed:
                 usage = choice.usage
                 assert usage is not None
                 m.request_finished(delta.finish_reason or "stop", usage.prompt_tokens, usage.completion_tokens)
-
-    async def close(self) -> None:
-        self.ticket.release()
-        await self.gen.close()
 
 
 def _admit(state: ServerState, prepared: Prepared) -> Ticket:
@@ -89,25 +81,31 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     so = prepared.structured_outputs
     if so is not None:  # compiled now, off the loop and bounded; the engine finds it cached
         await state.grammars.check(state.engine, so, grammar_param(body))
-    run = _Observed(state, prepared, _admit(state, prepared))
-    shape = ResponseBuilder(kind, prepared.id, model, include_usage=prepared.stream and prepared.include_usage)
+    ticket = _admit(state, prepared)
+    observe = _Observer(state, ticket)
     try:
         if prepared.stream:
-            return await _stream(request, run, shape)
-        try:
-            async for _ in run.deltas():
-                pass
-        except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
-            raise engine_failure(e, state.engine) from None
-        if run.gen.aborted:
-            raise aborted_error()
-        return json_response(shape.body(run.gen.choices))
+            shape = ResponseBuilder(kind, prepared.id, model, include_usage=prepared.include_usage)
+            gen = Generation(state.engine, prepared.choices)
+            try:
+                return await _stream(request, gen, observe, shape)
+            finally:
+                await gen.close()
+        return json_response(await run_request(state.engine, prepared, model, observe))
     finally:
-        await run.close()
+        ticket.release()
 
 
-async def _stream(request: web.Request, run: _Observed, shape: ResponseBuilder) -> web.StreamResponse:
-    deltas = run.deltas().__aiter__()
+async def _deltas(gen: Generation, observe: _Observer):
+    async for choice, delta in gen.deltas():
+        observe(choice, delta)
+        yield choice, delta
+
+
+async def _stream(request: web.Request, gen: Generation, observe: _Observer,
+                  shape: ResponseBuilder) -> web.StreamResponse:
+    engine = gen.engine
+    deltas = _deltas(gen, observe).__aiter__()
     # Wait for the first delta before sending headers, so a request the engine refuses
     # still gets a plain 400 instead of an error inside a 200 stream.
     try:
@@ -115,10 +113,10 @@ async def _stream(request: web.Request, run: _Observed, shape: ResponseBuilder) 
     except StopAsyncIteration:
         first = None
     except Exception as e:  # noqa: BLE001 - every engine failure becomes an OpenAI error body
-        raise engine_failure(e, run.state.engine) from None
+        raise engine_failure(e, engine) from None
     resp = await sse.open_stream(request)
     try:
-        for chunk in shape.role_chunks(run.gen.choices):
+        for chunk in shape.role_chunks(gen.choices):
             await sse.send(resp, chunk)
         item = first
         while item is not None:
@@ -133,11 +131,11 @@ async def _stream(request: web.Request, run: _Observed, shape: ResponseBuilder) 
             except StopAsyncIteration:
                 item = None
             except Exception as e:  # noqa: BLE001 - headers are gone: report in-band, as OpenAI does
-                await sse.send(resp, engine_failure(e, run.state.engine).body())
+                await sse.send(resp, engine_failure(e, engine).body())
                 break
         else:
             if shape.include_usage:
-                await sse.send(resp, shape.usage_chunk(run.gen.choices))
+                await sse.send(resp, shape.usage_chunk(gen.choices))
         await sse.done(resp)
     except _DISCONNECTED:
         pass  # the client left; close() in the caller aborts the engine requests

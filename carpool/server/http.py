@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 from aiohttp import web
 
 from carpool.compat import timeout
 from carpool.openai.errors import OpenAIError
+from carpool.openai.surrogates import SURROGATE_ESCAPE, lone_surrogate_path, surrogate_error
 
 # Work on a body larger than this (parsing, templating, tokenizing) runs on a worker thread,
 # so one big request never stalls the event loop (/health, every other stream); a small
@@ -23,8 +23,9 @@ _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 def dumps(obj: object) -> bytes:
-    """Compact UTF-8 JSON, for responses and SSE chunks alike."""
-    return _encoder.encode(obj).encode("utf-8")
+    """Compact UTF-8 JSON, for responses and SSE chunks alike.  A lone surrogate that got this
+    far (it has no UTF-8 form) is written as its JSON escape, so the answer is still sent."""
+    return _encoder.encode(obj).encode("utf-8", "backslashreplace")
 
 
 def json_response(obj: object, status: int = 200) -> web.Response:
@@ -53,48 +54,12 @@ async def read_json(request: web.Request) -> dict:
         raise OpenAIError(400, f"request body is not usable JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    if _SURROGATE_ESCAPE.search(raw):
+    if SURROGATE_ESCAPE.search(raw):
         where = lone_surrogate_path(body)
         if where is not None:
-            raise OpenAIError(400, f"'{where}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
-                              "pair): not Unicode text; send the character itself or a valid pair",
-                              param=where, code="invalid_json")
+            raise surrogate_error(where)
     return body
 
 
 def _loads(raw: bytes) -> object:
     return json.loads(raw)
-
-
-# Only a JSON escape can put a surrogate in a string (the UTF-8 decoder refuses encoded
-# ones), so the body is walked only when one of these is in the raw bytes.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def lone_surrogate_path(obj: object, path: str = "") -> str | None:
-    """The path (``messages[0].content``) of the first string or key holding a lone surrogate."""
-    if isinstance(obj, str):
-        return path or "body" if _has_lone_surrogate(obj) else None
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            name = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # the path itself must be text
-            here = f"{path}.{name}" if path else name
-            if _has_lone_surrogate(k):
-                return here
-            found = lone_surrogate_path(v, here)
-            if found is not None:
-                return found
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            found = lone_surrogate_path(v, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
-def _has_lone_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False

@@ -27,6 +27,7 @@ from aiohttp import web
 from carpool.embed.dynamic_batcher import DynamicBatcher
 from carpool.engine.protocol import EngineClient
 from carpool.server.app import build_app
+from carpool.server.batch_disk import BatchDisk
 from carpool.server.config import ServerConfig
 from carpool.server.connections import GuardedSite, rate_limit_logging
 from carpool.server.state import STATE, ServerState
@@ -45,10 +46,10 @@ class _Running:
         await self.runner.cleanup()
 
 
-async def start(config: ServerConfig, engine: EngineClient | None = None,
-                batcher: DynamicBatcher | None = None) -> tuple[_Running, web.Application]:
+async def start(config: ServerConfig, engine: EngineClient | None = None, batcher: DynamicBatcher | None = None,
+                batch_disk: BatchDisk | None = None) -> tuple[_Running, web.Application]:
     """Start serving on the running loop; returns once the engine is loaded and the port bound."""
-    app = build_app(config, engine=engine, batcher=batcher)
+    app = build_app(config, engine=engine, batcher=batcher, batch_disk=batch_disk)
     # handler_cancellation: a client that goes away cancels its handler, whose cleanup aborts
     # the engine request (frees KV blocks) even while it still waits for its first token.
     rate_limit_logging()
@@ -108,11 +109,13 @@ class ServerHandle:
 
 @contextlib.contextmanager
 def start_server(config: ServerConfig | None = None, *, engine: EngineClient | None = None,
-                 batcher: DynamicBatcher | None = None, timeout_s: float = 300.0) -> Iterator[ServerHandle]:
+                 batcher: DynamicBatcher | None = None, batch_disk: BatchDisk | None = None,
+                 timeout_s: float = 300.0) -> Iterator[ServerHandle]:
     """Serve in a background thread with its own event loop; yields a ServerHandle.
 
     Use ``port=0`` for a free port.  ``engine``/``batcher`` may be passed in (then they are not
     shut down on exit); otherwise they are built from ``config`` and closed on exit.
+    ``batch_disk``: as ``build_app`` takes it.
     """
     config = config or ServerConfig(port=0)
     ready = threading.Event()
@@ -121,7 +124,7 @@ def start_server(config: ServerConfig | None = None, *, engine: EngineClient | N
 
     async def main() -> None:
         try:
-            running, app = await start(config, engine=engine, batcher=batcher)
+            running, app = await start(config, engine=engine, batcher=batcher, batch_disk=batch_disk)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = e
             ready.set()

@@ -1,9 +1,8 @@
 """Middlewares: every failure becomes an OpenAI error body; a body past the limit is refused
-before it is read; the optional bearer-key check."""
+before it is read.  The bearer-key check is ``owners.auth_middleware``."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from aiohttp import web
@@ -54,25 +53,6 @@ def body_limit_middleware(limit: int, by_path: dict[str, int] | None = None):
                 f"{most:,} bytes", code="request_too_large"))
             resp.force_close()
             return resp
-        return await handler(request)
-
-    return check
-
-
-def auth_middleware(api_key: str):
-    expected = api_key.encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler):
-        if request.path != "/health":
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.strip().partition(" ")
-            # The scheme is case-insensitive (RFC 9110 11.1): "bearer KEY" is as good as "Bearer KEY".
-            given = token.strip().encode() if scheme.lower() == "bearer" else b""
-            if not (given and hmac.compare_digest(given, expected)):
-                what = "provided" if header else "missing; send 'Authorization: Bearer <key>'"
-                raise OpenAIError(401, f"Incorrect API key {what}.", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return check

@@ -148,7 +148,7 @@ class ServerState:
             completion=self.translator.schemas["completion"],
             embedding=self.embedding_schema,
             version=__version__,
-            auth=self.config.api_key is not None,
+            auth=bool(self.config.keys()),
             batch_endpoints=list(BATCH_ENDPOINTS),
             file_purposes=list(FILE_PURPOSES),
         )

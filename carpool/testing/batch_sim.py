@@ -7,10 +7,11 @@ timing assertions.  The server has the shape that matters for concurrency contro
   sequences run and the rest wait in its queue (no 429: a real server queues, and latency
   grows); each step decodes one token for every running sequence past its prefill and
   prefills prompt tokens in chunks, all within ``token_budget`` tokens;
-- a step costs ``step_s + decode_s * decodes + prefill_s * prefill_tokens`` seconds,
-  times ``slowdown`` (another tenant, a slower machine), so throughput rises with
-  concurrency with diminishing returns until the batch is full, then stays flat while
-  latency keeps growing: the throughput knee is at ``max_num_seqs`` or below;
+- a step costs what a cost model of ``carpool.tune.cost`` says, by default the linear
+  ``step_s + decode_s * decodes + prefill_s * prefill_tokens`` seconds, times ``slowdown``
+  (another tenant, a slower machine), so throughput rises with concurrency with
+  diminishing returns until the batch is full, then stays flat while latency keeps
+  growing: the throughput knee is at ``max_num_seqs`` or below;
 - optionally a ``capacity`` past which a request is refused at once (429).
 
 The client keeps ``limiter.limit`` requests in flight (a batch job: there is always more
@@ -28,8 +29,9 @@ from dataclasses import dataclass
 
 from carpool.engine.block_manager import BlockManager
 from carpool.engine.protocol import SamplingParams
-from carpool.engine.scheduler import Scheduler
+from carpool.engine.scheduler import SampledToken, Scheduler
 from carpool.engine.sequence import Sequence
+from carpool.tune.cost import CostModel, LinearCost, ScaledCost, StepShape
 
 
 class FakeClock:
@@ -41,19 +43,20 @@ class FakeClock:
 
 
 @dataclass
-class SimRequest:
+class ClientRequest:
+    """One request of the closed-loop client: its lengths and what the client saw of it."""
+
     prompt: int
     output: int
     sent: float = 0.0
     arrives: float = 0.0
-    prefilled: int = 0
     decoded: int = 0
     first_token: float | None = None
 
 
 @dataclass
 class Finished:
-    request: SimRequest
+    request: ClientRequest
     ttft: float | None
     e2e: float
     dropped: bool = False
@@ -67,25 +70,34 @@ _PARAMS = SamplingParams()  # the server stops a request at its output length it
 
 
 class BatchServerSim:
-    """The engine's scheduler on a fake clock, with a linear step cost and no model.
+    """The engine's scheduler on a fake clock; a cost model times each step, no model runs.
 
     Requests reach the engine ``gap_s`` after they are sent; from then on carpool's own
     ``Scheduler`` decides every step (decodes first, chunked prefill within the token
-    budget, at most ``max_num_seqs`` running), and the step costs ``step_s + decode_s *
-    decodes + prefill_s * prefill_tokens``, times ``slowdown``.
+    budget, at most ``max_num_seqs`` running) and moves it on (``update_from_output``), and
+    the step costs what ``cost`` says (default ``LinearCost(step_s, decode_s, prefill_s)``),
+    times ``slowdown``.  ``prefix_caching``: every prompt is the same token repeated, so with
+    it on later prompts hit the blocks earlier ones computed.
     """
 
     def __init__(self, max_num_seqs: int = 64, token_budget: int = 2048, step_s: float = 0.028,
                  decode_s: float = 0.0002, prefill_s: float = 0.0002, capacity: int | None = None,
-                 slowdown: float = 1.0):
-        self.step_s, self.decode_s, self.prefill_s = step_s, decode_s, prefill_s
+                 slowdown: float = 1.0, *, cost: CostModel | None = None, prefix_caching: bool = False):
+        self.cost = ScaledCost(cost or LinearCost(step_s, decode_s, prefill_s), slowdown)
         self.capacity = capacity  # refuse (429) past this many requests in the server
-        self.slowdown = slowdown
-        self.sched = Scheduler(BlockManager(_NUM_BLOCKS, _BLOCK_SIZE, enable_prefix_caching=False),
+        self.sched = Scheduler(BlockManager(_NUM_BLOCKS, _BLOCK_SIZE, enable_prefix_caching=prefix_caching),
                                max_num_seqs, token_budget)
-        self.in_transit: collections.deque[SimRequest] = collections.deque()  # sent, not yet at the engine
-        self._request: dict[str, SimRequest] = {}  # sequence id -> the client's request
+        self.in_transit: collections.deque[ClientRequest] = collections.deque()  # sent, not yet at the engine
+        self._request: dict[str, ClientRequest] = {}  # sequence id -> the client's request
         self._count = 0
+
+    @property
+    def slowdown(self) -> float:
+        return self.cost.factor
+
+    @slowdown.setter
+    def slowdown(self, factor: float) -> None:  # another tenant arrives, or leaves
+        self.cost.factor = factor
 
     @property
     def max_num_seqs(self) -> int:
@@ -98,7 +110,7 @@ class BatchServerSim:
     def __len__(self) -> int:
         return len(self.in_transit) + len(self.sched.waiting) + len(self.sched.running)
 
-    def submit(self, req: SimRequest, now: float, gap_s: float = 0.0) -> Finished | None:
+    def submit(self, req: ClientRequest, now: float, gap_s: float = 0.0) -> Finished | None:
         """``gap_s``: the time the request takes to reach the engine (client, HTTP, tokenizer)."""
         req.sent, req.arrives = now, now + gap_s
         if self.capacity is not None and len(self) >= self.capacity:
@@ -127,24 +139,25 @@ class BatchServerSim:
             self._request[seq.request_id] = req
             self.sched.add(seq)
         out = self.sched.schedule(now)
-        end = now + self.slowdown * (self.step_s + self.decode_s * out.num_decode_tokens
-                                     + self.prefill_s * out.num_prefill_tokens)
+        sampled = []
+        for seq in out.sampling():  # a prefill chunk short of the prompt's end samples nothing
+            r = self._request[seq.request_id]
+            sampled.append(SampledToken(seq, 0, "length" if r.decoded + 1 >= r.output else None))
+        shape = StepShape.of([(seq.num_computed_tokens, n) for seq, n in out.scheduled], out.num_decode_tokens,
+                             len(sampled))
+        end = now + self.cost.step_time(shape)
+        self.sched.update_from_output(out.scheduled, sampled, end)
         done: list[Finished] = []
         first: list[float] = []
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prefill chunk short of the prompt's end samples nothing
-            seq.token_ids.append(0)
-            r = self._request[seq.request_id]
+        for s in sampled:
+            r = self._request[s.seq.request_id]
             if r.first_token is None:
                 r.first_token = end  # the prefill's last chunk yields the first token
                 first.append(end - r.sent)
             r.decoded += 1
-            if r.decoded >= r.output:
+            if s.finish_reason is not None:
                 done.append(Finished(r, r.first_token - r.sent, end - r.sent))
-                self.sched.finish(seq)
-                del self._request[seq.request_id]
+                del self._request[s.seq.request_id]
         return end, first, done
 
 
@@ -173,18 +186,18 @@ class RunResult:
         return last
 
 
-def short_requests(n: int, seed: int = 0) -> list[SimRequest]:
+def short_requests(n: int, seed: int = 0) -> list[ClientRequest]:
     rng = random.Random(seed)
-    return [SimRequest(rng.randint(40, 320), 24) for _ in range(n)]
+    return [ClientRequest(rng.randint(40, 320), 24) for _ in range(n)]
 
 
-def long_requests(n: int, seed: int = 0) -> list[SimRequest]:
+def long_requests(n: int, seed: int = 0) -> list[ClientRequest]:
     rng = random.Random(seed)
-    return [SimRequest(int(math.exp(rng.uniform(math.log(20), math.log(2000)))), rng.randint(16, 128))
+    return [ClientRequest(int(math.exp(rng.uniform(math.log(20), math.log(2000)))), rng.randint(16, 128))
             for _ in range(n)]
 
 
-def run(limiter, server: BatchServerSim, requests: list[SimRequest], clock: FakeClock,
+def run(limiter, server: BatchServerSim, requests: list[ClientRequest], clock: FakeClock,
         gap_s: float = 0.02, events: dict[float, Callable] | None = None, stream: bool = True,
         retry_s: float = 0.05) -> RunResult:
     """A closed-loop batch job: keep the limiter's limit in flight until ``requests`` are all
@@ -203,7 +216,7 @@ def run(limiter, server: BatchServerSim, requests: list[SimRequest], clock: Fake
         nonlocal drops
         while (todo or (retry and retry[0][0] <= clock.t)) and limiter.try_acquire():
             req = retry.popleft()[1] if retry and retry[0][0] <= clock.t else todo.popleft()
-            refused = server.submit(SimRequest(req.prompt, req.output), clock.t, gap_s)
+            refused = server.submit(ClientRequest(req.prompt, req.output), clock.t, gap_s)
             if refused is not None:
                 drops += 1
                 limiter.release(dropped=True, e2e=refused.e2e)

@@ -58,6 +58,11 @@ class Script:
     # Reported kv_cache_usage_perc when all ``capacity`` slots are busy; 1.0 makes the slots look
     # like KV-cache blocks running out (a memory-bound server), 0.5 like a max_num_seqs cap.
     kv_usage_at_capacity: float = 0.5
+    # A batching engine admits new requests between its steps: each one waits for the next
+    # multiple of this (counted as waiting, with its queue time), however many slots are free.
+    admit_every_s: float = 0.0
+    # What /metrics states as the engine's batch limit (carpool:max_num_seqs); None: not stated.
+    max_num_seqs: int | None = None
     # Per-request override: (request index, body) -> (ttft_s, [gap_s, ...]); len(gaps)+1 chunks.
     timing: Callable[[int, dict], tuple[float, list[float]]] | None = None
 
@@ -237,6 +242,9 @@ class ScriptedServer:
         self.peak_in_flight = max(self.peak_in_flight, self.running + self.waiting)
         if self._slots is not None:
             await self._slots.acquire()
+        step = self.script.admit_every_s
+        if step:
+            await asyncio.sleep(step - time.perf_counter() % step)
         self.waiting -= 1
         self.running += 1
         self.peak_running = max(self.peak_running, self.running)
@@ -347,6 +355,8 @@ class ScriptedServer:
         )
         lines.append(f"vllm:request_queue_time_seconds_sum{label} {sum(qt)}")
         lines.append(f"vllm:request_queue_time_seconds_count{label} {len(qt)}")
+        if self.script.max_num_seqs is not None:
+            lines += ["# TYPE carpool:max_num_seqs gauge", f"carpool:max_num_seqs{label} {self.script.max_num_seqs}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 

@@ -1,4 +1,5 @@
-"""How long one engine step takes: a roofline model and a profiled (fitted) model.
+"""How long one engine step takes: a roofline model, a profiled (fitted) model and a linear
+one set by hand (for tests that need a server, not a machine).
 
 A step is one forward pass over a batch that mixes prefill chunks and decode tokens.
 Its shape is what the scheduler decided: prefill tokens, decode tokens, the KV tokens
@@ -45,22 +46,29 @@ class StepShape:
 
         ``num_decode``: how many count as decode tokens (default: the single-token chunks).
         ``num_logits``: how many rows sample a token (default: every chunk)."""
-        dec = [old + 1 for old, n in chunks if n == 1]
-        pf = [(old, n) for old, n in chunks if n != 1]
-        s = cls(num_seqs=len(chunks))
-        s.num_decode_tokens = len(dec) if num_decode is None else num_decode
-        s.num_prefill_tokens = sum(n for _, n in chunks) - s.num_decode_tokens
-        s.kv_tokens_read = sum(old + n for old, n in chunks)
-        s.attn_pairs = sum(attn_pairs(old, n) for old, n in chunks)
+        # One pass: the simulators shape every step they time.
+        tokens = kv = pairs = loads = 0
+        num_dec = dec_ctx = num_pf = pf_ctx = pf_chunk = 0
+        for old, n in chunks:
+            tokens += n
+            kv += old + n
+            if n == 1:  # a single-token query attends to its whole context once
+                pairs += old + 1
+                loads += old + 1
+                num_dec += 1
+                dec_ctx = max(dec_ctx, old + 1)
+            else:
+                pairs += attn_pairs(old, n)
+                loads += kernel_kv_loads(old, n)
+                num_pf += 1
+                pf_ctx = max(pf_ctx, old + n)
+                pf_chunk = max(pf_chunk, n)
+        s = cls(num_seqs=len(chunks), kv_tokens_read=kv, attn_pairs=pairs, kv_loads=loads,
+                kv_tokens_padded=num_dec * dec_ctx + num_pf * pf_ctx,
+                attn_pairs_padded=num_dec * dec_ctx + num_pf * pf_chunk * pf_ctx)
+        s.num_decode_tokens = num_dec if num_decode is None else num_decode
+        s.num_prefill_tokens = tokens - s.num_decode_tokens
         s.num_logits = len(chunks) if num_logits is None else num_logits
-        s.kv_loads = sum(kernel_kv_loads(old, n) for old, n in chunks)
-        if dec:
-            s.kv_tokens_padded += len(dec) * max(dec)
-            s.attn_pairs_padded += len(dec) * max(dec)
-        if pf:
-            ctx = max(old + n for old, n in pf)
-            s.kv_tokens_padded += len(pf) * ctx
-            s.attn_pairs_padded += len(pf) * max(n for _, n in pf) * ctx
         return s
 
     @property
@@ -203,6 +211,28 @@ class ScaledCost:
         return {**self.base.describe(), "speed_factor": self.factor}
 
 
+@dataclass
+class LinearCost:
+    """step time = ``step_s`` + ``decode_s`` per decode token + ``prefill_s`` per prefill token.
+
+    Set by hand rather than fitted: the simulated server the limiter's tests run against
+    (``carpool.testing.batch_sim``) needs a step whose cost grows with the batch with
+    diminishing returns per request, and nothing more.  No KV limit."""
+
+    step_s: float
+    decode_s: float
+    prefill_s: float
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.step_s + self.decode_s * shape.num_decode_tokens + self.prefill_s * shape.num_prefill_tokens
+
+    def kv_capacity_tokens(self) -> int | None:
+        return None
+
+    def describe(self) -> dict:
+        return {"kind": "linear", "step_s": self.step_s, "decode_s": self.decode_s, "prefill_s": self.prefill_s}
+
+
 FEATURES = ("base", "prefill", "decode", "kv", "pairs", "seqs", "logits")
 
 
@@ -322,9 +352,13 @@ KERNEL_ROWS = 16  # query rows of one sequence that carpool's paged-attention ke
 
 def kernel_kv_loads(offset: int, n: int) -> int:
     """K/V vectors the kernel reads for a chunk of ``n`` rows after ``offset`` cached tokens:
-    each block of up to KERNEL_ROWS rows reads up to its last row's context."""
+    each block of up to KERNEL_ROWS rows reads up to its last row's context.  Summed in closed
+    form (the simulators ask it for every chunk of every step): every block but the last is
+    full, block b reading KERNEL_ROWS * (b + 1) rows, and the last reads all ``n``."""
     nb = ceil_div(n, KERNEL_ROWS)
-    return nb * offset + sum(min(KERNEL_ROWS * (b + 1), n) for b in range(nb))
+    if nb == 0:
+        return 0
+    return nb * offset + KERNEL_ROWS * nb * (nb - 1) // 2 + n
 
 
 def attn_pairs(offset: int, n: int) -> int:
@@ -344,6 +378,7 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "CostModel",
+    "LinearCost",
     "ProfiledCost",
     "RooflineCost",
     "ScaledCost",

@@ -10,6 +10,7 @@ the samples the profiled cost model is fitted on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -31,12 +32,6 @@ def prompt_token_ids(r: SimRequest, vocab: int) -> list[int]:
     return ids
 
 
-def num_sampling_rows(scheduled: list) -> int:
-    """Scheduled (sequence, n) pairs whose chunk reaches the sequence's end: they sample a
-    token, so the lm_head runs on their last row (a middle prefill chunk samples nothing)."""
-    return sum(1 for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens)
-
-
 class StepRecorder:
     """Wraps one ``LLMEngine``'s scheduler to record (shape, duration, cycle) per step.
 
@@ -55,7 +50,7 @@ class StepRecorder:
             t = time.perf_counter()
             out = orig()
             shape = StepShape.of([(seq.num_computed_tokens, n) for seq, n in out.scheduled],
-                                 out.num_decode_tokens, num_sampling_rows(out.scheduled))
+                                 out.num_decode_tokens, len(out.sampling()))
             if self.samples and self.samples[-1]["busy_after"] and self.samples[-1]["cycle_s"] is None:
                 self.samples[-1]["cycle_s"] = t - self.samples[-1]["t"]
             self._pending = (t, shape)
@@ -92,50 +87,52 @@ async def run_load(engine: Any, requests: list[SimRequest], concurrency: int | N
     """Replay ``requests`` against an ``AsyncEngine``; records have times in seconds from the start.
 
     Each request is a text completion of token ids (greedy, EOS ignored, ``output_len`` tokens)
-    through ``carpool.openai``, the translation ``carpool serve`` runs: what is timed is the
-    path a served request takes, minus HTTP."""
-    from carpool.openai.generation import Generation
+    run as ``carpool serve`` runs one (``carpool.openai``'s ``run_request``): what is timed is
+    the path a served request takes, minus HTTP."""
     from carpool.openai.requests import Translator
 
     vocab = vocab or engine.engine.model_config.vocab_size
     translator = Translator(engine)
     prompts = {r.request_id: prompt_token_ids(r, vocab) for r in requests}
-    sem = asyncio.Semaphore(concurrency) if concurrency else None
+    slots = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     t0 = time.monotonic() + 0.02
     records: list[dict] = []
 
     async def one(r: SimRequest) -> None:
-        if sem is not None:
-            await sem.acquire()
-        submit = time.monotonic()
-        rec = {"id": r.request_id, "arrival": r.arrival, "submit": submit - t0, "first_token": None,
-               "finish": None, "prompt_len": r.prompt_len, "output_len": r.output_len, "error": None}
-        body = {"prompt": prompts[r.request_id], "max_tokens": r.output_len, "temperature": 0,
-                "ignore_eos": True, "priority": r.priority}
-        n = 0
-        gen = None
-        try:
-            gen = Generation(engine, translator.prepare("completion", body, response_id=r.request_id).choices)
-            async for _, d in gen.deltas():
-                if d.token_ids and rec["first_token"] is None:
-                    rec["first_token"] = time.monotonic() - t0
-                n += len(d.token_ids)
-                if d.finished:
-                    rec["finish"] = time.monotonic() - t0
-                    if d.usage is not None:
-                        rec["cached_tokens"] = d.usage.cached_tokens
-        except Exception as e:  # noqa: BLE001 - an engine error is a failed request, not a crashed run
-            rec["error"] = repr(e)
-        finally:
-            if gen is not None:
-                await gen.close()
-            if sem is not None:
-                sem.release()
-        rec["output_len"] = n or r.output_len
-        records.append(rec)
+        async with slots:
+            records.append(await _timed(engine, translator, r, prompts[r.request_id], t0))
 
     await replay_arrivals(requests, t0, one)
     return records
+
+
+async def _timed(engine: Any, translator: Any, r: SimRequest, prompt: list[int], t0: float) -> dict:
+    """Run one request on ``engine``; its record (times in seconds from ``t0``)."""
+    from carpool.openai.generation import run_request
+
+    rec = {"id": r.request_id, "arrival": r.arrival, "submit": time.monotonic() - t0, "first_token": None,
+           "finish": None, "prompt_len": r.prompt_len, "output_len": r.output_len, "error": None}
+    body = {"prompt": prompt, "max_tokens": r.output_len, "temperature": 0, "ignore_eos": True,
+            "priority": r.priority}
+    n = 0
+
+    def on_delta(choice: Any, d: Any) -> None:
+        nonlocal n
+        if d.token_ids and rec["first_token"] is None:
+            rec["first_token"] = time.monotonic() - t0
+        n += len(d.token_ids)
+        if d.finished:
+            rec["finish"] = time.monotonic() - t0
+            if d.usage is not None:
+                rec["cached_tokens"] = d.usage.cached_tokens
+
+    try:
+        prepared = translator.prepare("completion", body, response_id=r.request_id)
+        await run_request(engine, prepared, str(engine.model_name), on_delta)
+    except Exception as e:  # noqa: BLE001 - an engine error is a failed request, not a crashed run
+        rec["error"] = repr(e)
+    rec["output_len"] = n or r.output_len
+    return rec
 
 
 async def replay_arrivals(requests: list[SimRequest], t0: float,

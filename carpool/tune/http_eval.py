@@ -7,6 +7,7 @@ request rate (or the client concurrency) against it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import replace
@@ -44,41 +45,41 @@ class EndpointEvaluator:
 
     async def run_requests(self, reqs: list[SimRequest], concurrency: int | None = None) -> list[dict]:
         """Send ``reqs`` at their arrival times (at most ``concurrency`` in flight); one record each."""
-        sem = asyncio.Semaphore(concurrency) if concurrency else None
+        slots = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
         records: list[dict] = []
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=self.timeout, headers=self.headers) as session:
             t0 = time.monotonic() + 0.02
 
             async def one(r: SimRequest) -> None:
-                if sem is not None:
-                    await sem.acquire()
-                rec = {"id": r.request_id, "submit": time.monotonic() - t0, "first_token": None, "finish": None,
-                       "prompt_len": r.prompt_len, "output_len": r.output_len, "error": None}
-                body = {"model": self.model, "prompt": prompt_token_ids(r, self.vocab), "max_tokens": r.output_len,
-                        "temperature": 0, "ignore_eos": True, "stream": True}
-                try:
-                    async with session.post(self.url, json=body) as resp:
-                        if resp.status != 200:
-                            rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                        else:
-                            async for raw in resp.content:
-                                line = raw.decode("utf-8", "replace").strip()
-                                if not line.startswith("data:"):
-                                    continue
-                                data = line[5:].strip()
-                                if data == "[DONE]":
-                                    break
-                                chunk = json.loads(data)
-                                if rec["first_token"] is None and chunk.get("choices"):
-                                    rec["first_token"] = time.monotonic() - t0
-                            rec["finish"] = time.monotonic() - t0
-                except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
-                    rec["error"] = repr(e)
-                finally:
-                    if sem is not None:
-                        sem.release()
-                records.append(rec)
+                async with slots:
+                    records.append(await self._send(session, r, t0))
 
             await replay_arrivals(reqs, t0, one)
         return records
+
+    async def _send(self, session: aiohttp.ClientSession, r: SimRequest, t0: float) -> dict:
+        """One streamed request; its record (times in seconds from ``t0``)."""
+        rec = {"id": r.request_id, "submit": time.monotonic() - t0, "first_token": None, "finish": None,
+               "prompt_len": r.prompt_len, "output_len": r.output_len, "error": None}
+        body = {"model": self.model, "prompt": prompt_token_ids(r, self.vocab), "max_tokens": r.output_len,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        try:
+            async with session.post(self.url, json=body) as resp:
+                if resp.status != 200:
+                    rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    return rec
+                async for raw in resp.content:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if rec["first_token"] is None and chunk.get("choices"):
+                        rec["first_token"] = time.monotonic() - t0
+                rec["finish"] = time.monotonic() - t0
+        except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
+            rec["error"] = repr(e)
+        return rec

@@ -3,12 +3,15 @@
 Runs calibration workloads through an in-process ``AsyncEngine`` with a
 ``StepRecorder`` attached, then fits step time on prefill tokens, decode tokens, the KV
 vectors the attention kernel loads, attention pairs, sequences and logits rows
-(non-negative least squares).
+(non-negative least squares).  Before that, one small workload is timed twice: how far apart
+the two are says how steady the machine is (``fit_info["repeat_spread"]``,
+``carpool.tune.steadiness``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from carpool.tune.cost import ProfiledCost, StepShape
@@ -75,6 +78,17 @@ def record_engine(engine: Any, workloads: list[list[SimRequest]], tag: str = "ca
     return rec.fit_samples()
 
 
+def repeat_spread(engine: Any, workload: list[SimRequest], times: int = 2) -> float:
+    """``workload`` run ``times`` times on ``engine``: the slowest run's time over the fastest's, minus 1."""
+    durations = []
+    for i in range(times):
+        reqs = [SimRequest(f"steady{i}-{r.request_id}", r.arrival, r.prompt_len, r.output_len) for r in workload]
+        t0 = time.perf_counter()
+        asyncio.run(run_load(engine, reqs))
+        durations.append(time.perf_counter() - t0)
+    return max(durations) / max(min(durations), 1e-9) - 1.0
+
+
 def kv_capacity_tokens(engine: Any) -> int:
     e = engine.engine
     return e.num_blocks * e.block_size
@@ -84,6 +98,9 @@ def fit_engine(engine: Any, workloads: list[list[SimRequest]] | None = None, nam
                warmup: bool = True) -> ProfiledCost:
     if warmup:  # first forwards of new shapes are slow (allocator, kernels): keep them out of the fit
         record_engine(engine, [synthetic(4, float("inf"), "uniform:32,400", "fixed:4", 7)], "warm")
+    spread = repeat_spread(engine, synthetic(8, float("inf"), "uniform:16,64", "fixed:24", 99))
     samples = record_engine(engine, workloads or calibration_workloads())
-    return ProfiledCost.fit(samples, kv_tokens=kv_capacity_tokens(engine),
+    cost = ProfiledCost.fit(samples, kv_tokens=kv_capacity_tokens(engine),
                             name=name or f"carpool-engine:{engine.model_name}")
+    cost.fit_info["repeat_spread"] = spread
+    return cost

@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from carpool.engine.block_manager import BlockManager
-from carpool.engine.scheduler import POLICIES, Scheduler, SchedulerOutput
+from carpool.engine.scheduler import POLICIES, SampledToken, Scheduler, SchedulerOutput
 from carpool.tune.cost import CostModel, StepShape, attn_pairs, ceil_div
-from carpool.tune.engine_load import num_sampling_rows
 from carpool.tune.sim_sequence import SimSequence
 from carpool.tune.workload import SimRequest
 
@@ -290,25 +289,23 @@ class Simulator:
         self.preemptions = sch.num_preemptions
 
     def _run_step(self, out: SchedulerOutput) -> None:
-        """Time one scheduled step with the cost model, then move its sequences on as the
-        engine's step loop does: computed tokens grow, full blocks join the prefix cache, a
-        sequence whose chunk reached its end gets a token and leaves after its last one."""
+        """Time one scheduled step with the cost model, then move its sequences on through the
+        engine's own ``update_from_output``: each sequence whose chunk reached its end gets a
+        token (whatever its value) and leaves after its last one."""
+        sampling = out.sampling()
         shape = StepShape.of([(s.num_computed_tokens, n) for s, n in out.scheduled], out.num_decode_tokens,
-                             num_sampling_rows(out.scheduled))
+                             len(sampling))
         self.prefill_computed += shape.num_prefill_tokens
         dt = self.cost.step_time(shape)
         self._record(dt, shape, self.bm.num_blocks - self.bm.num_free_blocks)
         self.now += dt
-        for s, n in out.scheduled:
-            s.num_computed_tokens += n
-            self.bm.cache_full_blocks(s)
-            if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append(0)  # a token, whatever its value
-                if s.first_token_time is None:
-                    s.first_token_time = self.now
-                if s.num_output_tokens >= s.req.output_len:
-                    self.sched.finish(s)
-                    self._finish(s)
+        sampled = []
+        for s in sampling:
+            assert isinstance(s, SimSequence)  # the simulator queues nothing else
+            sampled.append(SampledToken(s, 0, "length" if s.num_output_tokens + 1 >= s.req.output_len else None))
+        for s in self.sched.update_from_output(out.scheduled, sampled, self.now):
+            assert isinstance(s, SimSequence)
+            self._finish(s)
 
     # ---------------------------------------------------------- static/dynamic
     def _run_padded(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -261,6 +262,8 @@ class TuneResult:
     pruned: list[RateSearch]  # simulator ranking of the whole grid (best first)
     slos: list[SLO]
     recommended_concurrency: int | None = None
+    # The best answer measured again (``tune(repeats=...)``): how steady the machine was.
+    repeats: list[Measurement] = field(default_factory=list)
 
     def summary(self) -> dict:
         def one(r: RateSearch) -> dict:
@@ -275,6 +278,7 @@ class TuneResult:
         return {"slos": [str(s) for s in self.slos],
                 "best": one(self.best) if self.best else None,
                 "recommended_concurrency": self.recommended_concurrency,
+                "repeats": [m.summary() for m in self.repeats],
                 "measured": [one(r) for r in self.measured], "simulated": [one(r) for r in self.pruned]}
 
 
@@ -302,13 +306,16 @@ def lone_latency(ev: Evaluator, setting: Setting, slos: list[SLO], rate: float) 
 def tune(settings: list[Setting], evaluator: Evaluator, slos: list[SLO], start_rate: float,
          pruner: Evaluator | None = None, top_k: int = 3, rtol: float = 0.05, max_probes: int = 12,
          log: Callable[[str], None] = lambda s: None, search: str = "rate",
-         max_concurrency: int = 256, deadline: float | None = None) -> TuneResult:
+         max_concurrency: int = 256, deadline: float | None = None, repeats: int = 0) -> TuneResult:
     """Rank ``settings`` with ``pruner`` (the simulator), then measure the top ``top_k`` with
     ``evaluator``; without a pruner every setting is measured.
 
     ``search="rate"``: the highest open-loop arrival rate meeting the SLOs (a service).
     ``search="concurrency"``: the largest closed-loop client concurrency (a batch job).
-    ``deadline`` (``time.monotonic()``): no real measurement starts after it.
+    ``deadline`` (``time.monotonic()``): no search probe starts after it.
+    ``repeats``: the best answer is then measured this many times more (deadline or not), so
+    that an answer a busy machine made up shows as repeats that disagree
+    (``carpool.tune.steadiness``).
 
     When the simulator finds that no setting meets the SLOs at any rate, the workload is
     too long for them on this machine: only the best-ranked setting is measured, with a few
@@ -359,7 +366,22 @@ def tune(settings: list[Setting], evaluator: Evaluator, slos: list[SLO], start_r
         measured.append(r)
         log(f"measured {s.label()}: {found(r)}, goodput {r.goodput_rps:.3g} ({len(r.probes)} probes)"
             + (" (stopped by the time budget)" if r.out_of_time else ""))
-    return _result(measured, ranked, slos)
+    result = _result(measured, ranked, slos)
+    if result.best is not None:
+        result.repeats = _repeat(evaluator, result.best, repeats)
+    return result
+
+
+def _repeat(ev: Evaluator, best: RateSearch, times: int) -> list[Measurement]:
+    """The best answer measured ``times`` more, as it was found (its rate, or its concurrency).
+    Past the deadline too: an answer nobody checked is worth less than the probes it costs."""
+    out: list[Measurement] = []
+    for _ in range(times):
+        if best.concurrency is not None:
+            out.append(ev.measure(best.setting, math.inf, best.concurrency))
+        else:
+            out.append(ev.measure(best.setting, best.rate))
+    return out
 
 
 def _result(measured: list[RateSearch], ranked: list[RateSearch], slos: list[SLO]) -> TuneResult:
@@ -432,11 +454,35 @@ class EngineEvaluator:
             self._setting = None
 
 
-# ------------------------------------------------------------------- vLLM flags
+# ------------------------------------------------------------------- commands to run
+def vllm_model_name(model: str | None, model_size: str | None = None) -> str | None:
+    """The name ``vllm serve`` loads the tuned model by: the model given (carpool's own names
+    turned into the Hugging Face one), else the repo of the simulated model size, else the
+    engine's default; None for a model vLLM has no counterpart of (tiny-random)."""
+    from carpool.engine.model_names import SMOLLM2_HF_NAME, is_smollm2
+    from carpool.tune import models
+
+    if model:
+        if is_smollm2(model):
+            return SMOLLM2_HF_NAME
+        return None if model.startswith("tiny-random") else model
+    if model_size:
+        return models.get(model_size).hf_id or None
+    return SMOLLM2_HF_NAME
+
+
+def carpool_command(setting: Setting, model: str) -> str:
+    """The ``carpool serve`` command line that runs carpool's engine with ``setting``."""
+    return " ".join(["carpool", "serve", "--model", shlex.quote(model), f"--max-num-seqs {setting.max_num_seqs}",
+                     f"--max-num-batched-tokens {setting.max_num_batched_tokens}",
+                     f"--scheduling-policy {setting.scheduling_policy}",
+                     "--enable-prefix-caching" if setting.enable_prefix_caching else "--no-enable-prefix-caching"])
+
+
 def vllm_command(setting: Setting, model: str = "MODEL", tensor_parallel: int = 1,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None) -> str:
     """A ``vllm serve`` command line with the chosen settings (vLLM's flag names)."""
-    parts = ["vllm", "serve", model, f"--max-num-seqs {setting.max_num_seqs}",
+    parts = ["vllm", "serve", shlex.quote(model), f"--max-num-seqs {setting.max_num_seqs}",
              f"--max-num-batched-tokens {setting.max_num_batched_tokens}"]
     policy = setting.scheduling_policy
     if policy == "lof":  # vLLM has no aging policy; priority with client-set priorities is closest

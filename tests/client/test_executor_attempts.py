@@ -66,3 +66,29 @@ def test_an_answer_from_the_hook_sends_nothing():
     out = asyncio.run(_executor(backend, limiter).execute(Request("r", "chat", {}), _Hook(kept)))
     assert out.result is kept and out.attempts == 0 and backend.given == []
     assert limiter.in_flight == 0
+
+
+class _Same:
+    """Answers every call with the one result it was given (as a cache of answers would)."""
+
+    name = "same"
+    engine_start_s = engine_start_overlap_s = None
+
+    def __init__(self, res: CallResult) -> None:
+        self.res = res
+
+    async def call(self, request, *, prepared=None, on_first_token=None):
+        return self.res
+
+    async def close(self) -> None:
+        return None
+
+
+def test_the_final_word_on_a_failure_is_a_new_result_not_the_backends_rewritten():
+    """A request that may have run is not retried, and its outcome says so; the result the
+    backend handed back stays as it was (another request may hold the same one)."""
+    given = CallResult(ok=False, status_code=500, error_kind=ErrorKind.SERVER_ERROR, error_message="HTTP 500: boom")
+    out = asyncio.run(_executor(_Same(given), FixedLimiter(1)).execute(Request("r", "chat", {}, idempotent=False)))
+    assert out.attempts == 1 and out.result.error_kind == ErrorKind.MAYBE_EXECUTED
+    assert "may already have run (HTTP 500: boom)" in out.result.error_message
+    assert given.error_kind == ErrorKind.SERVER_ERROR and given.error_message == "HTTP 500: boom"

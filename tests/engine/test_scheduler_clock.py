@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from carpool.engine.block_manager import BlockManager
 from carpool.engine.protocol import SamplingParams
-from carpool.engine.scheduler import Scheduler
+from carpool.engine.scheduler import SampledToken, Scheduler
 from carpool.engine.sequence import Sequence
 
 
@@ -20,7 +20,7 @@ def test_a_given_now_times_the_queue_waits():
     out = sch.schedule(now=5.0)
     assert [s.request_id for s, _ in out.scheduled] == ["a"]
     assert first.first_scheduled_time == 5.0 and first.wait_accum == 4.0
-    sch.finish(first)
+    sch.finish(first, "length")
     sch.schedule(now=9.5)
     assert second.first_scheduled_time == 9.5 and second.wait_accum == 7.5
 
@@ -34,9 +34,7 @@ def test_a_preempted_sequence_waits_from_the_given_now():
     sch.add(a)
     sch.add(b)
     out = sch.schedule(now=1.0)
-    for s, n in out.scheduled:  # as the engine's step: the prompt computed, a token sampled
-        s.num_computed_tokens += n
-        s.token_ids.append(7)
+    sch.update_from_output(out.scheduled, [SampledToken(s, 7) for s in out.sampling()], now=1.5)
     out = sch.schedule(now=2.5)
     assert [s.request_id for s, _ in out.scheduled] == ["a"] and out.preempted == [b]
     assert b.waiting_since == 2.5 and b.wait_accum == 1.0 and sch.num_preemptions == 1

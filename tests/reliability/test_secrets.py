@@ -273,3 +273,19 @@ def test_the_python_api_refuses_an_unsendable_header_before_sending(logging_faul
     assert named in str(refused.value) and "line break" in str(refused.value)
     assert "abc" not in str(refused.value)
     assert srv.server.total_requests == 0
+
+
+def test_the_remembered_start_limit_is_keyed_without_the_url_password(tmp_path, monkeypatch):
+    from carpool.client.limiter import AdaptiveLimiter
+    from carpool.client.start_limit import STORE_NAME, remember_limit, store_key, stored_limit
+
+    monkeypatch.setenv("CARPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    store = tmp_path / "cache" / STORE_NAME
+    store.parent.mkdir(parents=True)
+    old_key = f"http://{USER}:{PASSWORD}@127.0.0.1:9/v1 model=m"  # as an older carpool wrote it
+    store.write_text(json.dumps({old_key: {"limit": 9, "batch": 1, "at": 0}}))
+    settled = AdaptiveLimiter(initial=44)
+    settled.phase = "steady"
+    remember_limit(store_key([f"http://{USER}:{PASSWORD}@127.0.0.1:8/v1"], "m"), settled)
+    assert _leaks(tmp_path) == []
+    assert stored_limit(store_key(["http://127.0.0.1:8/v1"], "m")) == 44  # the same server, whoever asks

@@ -41,3 +41,19 @@ def server(tiny_engine):
 def openai_client(server):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def batch_server(tiny_engine, tmp_path_factory):
+    """A server with the Files and Batches API on a directory of its own, one per test module."""
+    cfg = ServerConfig(engine=TINY, port=0, embedding_model=None, batch_dir=str(tmp_path_factory.mktemp("batches")),
+                       max_batch_requests=300, batch_max_inflight=4)
+    with start_server(cfg, engine=tiny_engine) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def client(batch_server):
+    """The openai SDK's client of ``batch_server``."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=batch_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -9,52 +9,10 @@ import time
 import pytest
 
 from carpool.server import ServerConfig, start_server
-from carpool.server.batches import RUNNER
+from carpool.server.batches import BATCHES
+from carpool.testing.batch_client import output_lines, request_line, upload, wait_final
 
 openai = pytest.importorskip("openai")
-
-FINAL = ("completed", "failed", "cancelled", "expired")
-
-
-@pytest.fixture(scope="module")
-def batch_server(tiny_engine, tiny_config, tmp_path_factory):
-    cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None,
-                       batch_dir=str(tmp_path_factory.mktemp("batches")), max_batch_requests=300,
-                       batch_max_inflight=4)
-    with start_server(cfg, engine=tiny_engine) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def client(batch_server):
-    return openai.OpenAI(base_url=batch_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def request_line(i: int, max_tokens: int = 3, **over) -> dict:
-    line = {"custom_id": f"task-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny-random", "messages": [{"role": "user", "content": f"Say {i}"}],
-                     "max_tokens": max_tokens}}
-    line.update(over)
-    return line
-
-
-def upload(client, lines: list, name: str = "in.jsonl"):
-    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n"
-    return client.files.create(file=(name, io.BytesIO(text.encode())), purpose="batch")
-
-
-def wait_final(client, batch_id: str, timeout_s: float = 240):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in FINAL:
-            return b
-        assert time.monotonic() < deadline, f"batch still {b.status} ({b.request_counts})"
-        time.sleep(0.1)
-
-
-def output_lines(client, file_id: str) -> list[dict]:
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
 
 
 def test_sdk_workflow_one_line_per_custom_id(client):
@@ -206,7 +164,7 @@ def test_cancel_keeps_the_answers_so_far(client, batch_server):
     assert 3 <= b.request_counts.completed < 200
     out = output_lines(client, b.output_file_id)
     assert len(out) == b.request_counts.completed == len({x["custom_id"] for x in out})
-    assert batch_server.app[RUNNER].inflight == 0
+    assert batch_server.app[BATCHES].require().inflight == 0
     stats = batch_server.engine.stats()
     assert stats["num_requests_running"] + stats["num_requests_waiting"] == 0  # aborted, not left running
     with pytest.raises(openai.ConflictError):
@@ -226,7 +184,7 @@ def test_batch_waits_while_an_online_request_waits(client, batch_server):
         time.sleep(0.5)
         held = client.batches.retrieve(b.id)
         assert held.status == "in_progress" and held.request_counts.completed == 0
-        assert batch_server.app[RUNNER].inflight == 0
+        assert batch_server.app[BATCHES].require().inflight == 0
     finally:
         batch_server.call(_release(ticket))
     assert wait_final(client, b.id).request_counts.completed == 5

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import pytest
 
 from carpool.server import start_server_process
+from carpool.testing.batch_client import wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -32,16 +32,6 @@ def _lines() -> bytes:
     return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
 
-def _wait(client, batch_id: str, until, timeout_s: float = 240):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if until(b):
-            return b
-        assert time.monotonic() < deadline, f"batch {b.status} {b.request_counts}"
-        time.sleep(0.05)
-
-
 def test_kill_9_mid_batch_then_restart_completes_without_loss_or_duplicates(tmp_path):
     batch_dir = str(tmp_path / "store")
     kills = []
@@ -50,14 +40,15 @@ def test_kill_9_mid_batch_then_restart_completes_without_loss_or_duplicates(tmp_
         f = client.files.create(file=("in.jsonl", io.BytesIO(_lines())), purpose="batch")
         batch_id = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                          completion_window="24h").id
-        b = _wait(client, batch_id, lambda b: b.request_counts.completed >= 20)
+        b = wait_until(client, batch_id, lambda b: b.request_counts.completed >= 20)
         assert srv.process is not None
         srv.process.kill()  # SIGKILL: no shutdown hook runs
         srv.process.wait()
         kills.append(b.request_counts.completed)
     with start_server_process(_serve_args(batch_dir)) as srv:
         client = _client(srv)
-        b = _wait(client, batch_id, lambda b: b.request_counts.completed >= kills[0] + 20 or b.status == "completed")
+        b = wait_until(client, batch_id,
+                       lambda b: b.request_counts.completed >= kills[0] + 20 or b.status == "completed")
         assert b.status == "in_progress", "the batch must still be running at the second kill"
         assert srv.process is not None
         srv.process.kill()
@@ -65,7 +56,7 @@ def test_kill_9_mid_batch_then_restart_completes_without_loss_or_duplicates(tmp_
         kills.append(b.request_counts.completed)
     with start_server_process(_serve_args(batch_dir)) as srv:
         client = _client(srv)
-        b = _wait(client, batch_id, lambda b: b.status not in ("validating", "in_progress", "finalizing"))
+        b = wait_until(client, batch_id, lambda b: b.status not in ("validating", "in_progress", "finalizing"))
         assert b.status == "completed"
         assert b.request_counts.total == LINES and b.request_counts.completed == LINES
         assert b.request_counts.failed == 0 and b.error_file_id is None
@@ -91,7 +82,7 @@ def test_restart_keeps_journaled_answers_and_cuts_a_half_written_line(tiny_engin
                                 purpose="batch")
         batch_id = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                          completion_window="24h").id
-        _wait(client, batch_id, lambda b: b.status == "in_progress")
+        wait_until(client, batch_id, lambda b: b.status == "in_progress")
         assert ticket is not None  # never released: the server stops with the batch held back
     journal = tmp_path / "work" / batch_id / "output.jsonl"
     before = [{"custom_id": f"t{i}", "error": None, "id": f"batch_req_before{i}",
@@ -99,7 +90,7 @@ def test_restart_keeps_journaled_answers_and_cuts_a_half_written_line(tiny_engin
     journal.write_text("".join(json.dumps(x) + "\n" for x in before) + '{"custom_id":"t5","error":null,"id":"b')
     with start_server(cfg, engine=tiny_engine) as srv:
         client = _client(srv)
-        b = _wait(client, batch_id, lambda b: b.status == "completed")
+        b = wait_until(client, batch_id, lambda b: b.status == "completed")
         out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
     assert sorted(x["custom_id"] for x in out) == sorted(f"t{i}" for i in range(20))
     assert [x["id"] for x in out[:5]] == [f"batch_req_before{i}" for i in range(5)]  # kept, not redone
@@ -126,18 +117,18 @@ def test_past_its_window_a_batch_expires_with_an_error_line_per_unanswered_reque
                                 purpose="batch")
         batch_id = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                          completion_window="24h").id
-        _wait(client, batch_id, lambda b: b.status == "in_progress")
+        wait_until(client, batch_id, lambda b: b.status == "in_progress")
     (tmp_path / "work" / batch_id / "output.jsonl").write_text(json.dumps(
         {"custom_id": "t0", "error": None, "id": "batch_req_x", "response": {"status_code": 200, "body": {}}}) + "\n")
     store = BatchStore(tmp_path)  # the window passed while the server was down
-    doc = store.get_batch(batch_id)
-    assert doc is not None
-    doc["expires_at"] = doc["created_at"] - 1
-    store.save_batch(doc)
+    batch = store.get_batch(batch_id)
+    assert batch is not None
+    batch.expires_at = batch.created_at - 1
+    store.save_batch(batch)
     store.close()
     with start_server(cfg, engine=tiny_engine) as srv:
         client = _client(srv)
-        b = _wait(client, batch_id, lambda b: b.status not in ("in_progress", "finalizing"))
+        b = wait_until(client, batch_id, lambda b: b.status not in ("in_progress", "finalizing"))
         assert b.status == "expired" and b.expired_at is not None
         assert (b.request_counts.completed, b.request_counts.failed) == (1, 5)
         errors = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]

@@ -11,10 +11,11 @@ import pytest
 
 from carpool.engine.block_manager import BlockManager
 from carpool.engine.protocol import BACKGROUND_PRIORITY, SamplingParams
-from carpool.engine.scheduler import BACKGROUND_CHUNK, Scheduler
+from carpool.engine.scheduler import BACKGROUND_CHUNK, SampledToken, Scheduler
 from carpool.engine.sequence import Sequence
+from carpool.testing.batch_sim import BatchServerSim, ClientRequest
 from carpool.tune.cost import ProfiledCost, StepShape
-from carpool.tune.engine_load import num_sampling_rows, prompt_token_ids
+from carpool.tune.engine_load import prompt_token_ids
 from carpool.tune.simulator import SimConfig, Simulator, simulate
 from carpool.tune.workload import SimRequest, synthetic
 
@@ -47,16 +48,14 @@ def replay_with_tokens(requests: list[SimRequest], cfg: SimConfig, cost, num_blo
                       "num_seqs": len(out.scheduled)})
         if not out.scheduled:
             continue
+        sampling = out.sampling()
         now += cost.step_time(StepShape.of([(s.num_computed_tokens, n) for s, n in out.scheduled],
-                                           out.num_decode_tokens, num_sampling_rows(out.scheduled)))
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            bm.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(7 + seq.num_output_tokens % 1000)  # a token, whatever its value
-                if seq.num_output_tokens >= want[seq.request_id]:
-                    finish[seq.request_id] = now
-                    sch.finish(seq)
+                                           out.num_decode_tokens, len(sampling)))
+        sampled = [SampledToken(seq, 7 + seq.num_output_tokens % 1000,  # a token, whatever its value
+                                "length" if seq.num_output_tokens + 1 >= want[seq.request_id] else None)
+                   for seq in sampling]
+        for seq in sch.update_from_output(out.scheduled, sampled, now):
+            finish[seq.request_id] = now
     return {"steps": steps, "finish": finish, "num_preemptions": sch.num_preemptions}
 
 
@@ -105,6 +104,37 @@ def test_foreground_prompt_steps_leave_background_work_out(linear_cost):
     ttft = {q["id"]: q["first_token"] - q["submit"] for q in both.requests}
     longest_step = max(s["dt"] for s in both.steps if s["num_prefill_tokens"] == BACKGROUND_CHUNK)
     assert ttft["fg"] <= alone.ttft_s["p50"] + longest_step + 1e-9
+
+
+def _first_token_after(server: BatchServerSim, prompt: int, now: float) -> tuple[float, float]:
+    """Send one request of ``prompt`` tokens and step the server until it is answered: (time to
+    its first token, the time it ended)."""
+    server.submit(ClientRequest(prompt, 2), now)
+    ttft = None
+    while server.busy:
+        now, first, _ = server.step(now)
+        ttft = first[0] if first and ttft is None else ttft
+    assert ttft is not None
+    return ttft, now
+
+
+def test_the_limiters_simulated_server_caches_full_blocks_as_the_engine_does():
+    """The limiter's simulated server moves its steps on through the engine's own bookkeeping:
+    with prefix caching on, a prompt it computed before comes out of the cache."""
+    server = BatchServerSim(max_num_seqs=4, step_s=0.01, decode_s=0.001, prefill_s=0.001, prefix_caching=True)
+    cold, now = _first_token_after(server, 600, 0.0)
+    warm, _ = _first_token_after(server, 600, now)
+    assert server.sched.bm.prefix_hits == 512  # two 256-token blocks, the last token computed anew
+    assert warm == pytest.approx(cold - 0.001 * 512)
+
+
+def test_the_limiters_simulated_server_takes_any_cost_model():
+    """Its linear step cost is one cost model among the others: a profiled one times its steps too."""
+    profiled = ProfiledCost({"base": 0.5, "prefill": 0.01})
+    ttft, end = _first_token_after(BatchServerSim(cost=profiled), 100, 0.0)
+    assert ttft == pytest.approx(0.5 + 0.01 * 100) and end == pytest.approx(ttft + 0.5)
+    slower = BatchServerSim(cost=profiled, slowdown=2.0)
+    assert _first_token_after(slower, 100, 0.0)[0] == pytest.approx(2 * ttft)
 
 
 def test_the_simulator_needs_no_torch():

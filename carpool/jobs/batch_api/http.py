@@ -4,6 +4,10 @@ Reads (status, results, listing) and uploads are retried on 429, 5xx and lost co
 with the server's ``retry-after`` when it gives one.  A batch *create* is retried only
 when it certainly did not happen (a 429, a connection never made): after a timeout or a
 5xx the batch may exist, so the caller is told (``MaybeCreated``) and looks it up first.
+
+A URL's ``user:password@`` leaves the URL before anything is sent or said: it becomes the
+``Authorization: Basic`` header it means, unless an Authorization header is given (the more
+explicit of the two wins), so no message or error names it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from carpool.client.endpoints import has_authorization, split_credentials
 from carpool.client.retry import parse_retry_after
 
 
@@ -68,13 +73,16 @@ class Http:
         results file can be larger than memory should hold); ``data`` makes a fresh body for each
         attempt (a multipart form is used up by one).  Raises ``BatchApiError`` /
         ``MaybeCreated`` (``create``) as the module says."""
+        url, basic = split_credentials(url)
+        headers = self.headers if basic is None or has_authorization(self.headers) else \
+            {**self.headers, "Authorization": basic}
         wait = self.first_wait_s
         for attempt in range(1, self.attempts + 1):
             delay: float | None = None
             try:
                 if data is not None:
                     kw["data"] = data()
-                async with self.session().request(method, url, headers=self.headers, **kw) as resp:
+                async with self.session().request(method, url, headers=headers, **kw) as resp:
                     if resp.status < 300 and into is not None:
                         with open(into, "wb") as f:
                             async for chunk in resp.content.iter_chunked(1 << 20):

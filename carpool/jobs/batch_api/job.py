@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from carpool.jobs.batch_api.anthropic_shapes import Untranslatable
 from carpool.jobs.batch_api.http import BatchApiError, MaybeCreated
-from carpool.jobs.batch_api.ids import anthropic_id
+from carpool.jobs.batch_api.ids import RepeatNames, anthropic_id
 from carpool.jobs.batch_api.limits import Chunk
 from carpool.jobs.batch_api.options import BatchOptions
 from carpool.jobs.batch_api.provider import Outcome, Provider, Status
@@ -154,12 +155,13 @@ class BatchJob:
         seen = SeenIds()
         source = self.source if self.source is not None else \
             Reader(self.opts.input, self.opts.fmt, self.opts.template, job_defaults(self.opts))
+        repeats = RepeatNames(copy.copy(source))
         counted = self.stats.total is None
         total = 0
         for item in source:
             total += 1
             if not seen.add(item.custom_id):
-                item = BadLine(item.line_no, f"{item.custom_id}#line-{item.line_no}", "custom_id",
+                item = BadLine(item.line_no, repeats.name(item.custom_id, item.line_no), "custom_id",
                                f"duplicate custom_id {item.custom_id!r}: it was used on an earlier line; "
                                "custom_ids must be unique in a file")
             if self._is_done(item.custom_id):
