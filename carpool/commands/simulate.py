@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from carpool.commands import flags
 from carpool.extras import require
-from carpool.tune import hardware, models
+from carpool.tune import gpu_file, hardware, hf_config, models
 from carpool.tune.cost import CostModel, ProfiledCost, RooflineCost, ScaledCost
 from carpool.tune.simulator import BATCHING, POLICIES, SimConfig, SimResult, Simulator
 from carpool.tune.workload import SimRequest, from_jsonl, synthetic
@@ -37,16 +37,20 @@ def _bool(v: str) -> bool:
     raise ValueError(f"expected on/off, got {v!r}")
 
 
-SIZE_HELP = "model size for the roofline cost model: 0.5b 1.5b 7b 8b 14b 32b 70b 72b 135m (default 7b)"
+SIZE_HELP = ("model for the roofline cost model: a size (0.5b 1.5b 7b 8b 14b 32b 70b 72b 405b 135m) or a name "
+             "(llama-3.1-8b, mistral-7b, mixtral-8x7b, qwen3-8b, qwen3-30b-a3b, ...; default 7b)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, profile: bool = True) -> None:
     """``profile``: this verb's ``--model`` is the old spelling of ``--model-size`` (simulate);
     tune has a ``--model`` of its own (the model name, as in every other verb)."""
     g = p.add_argument_group("hardware and cost model")
-    g.add_argument("--gpu", default="a10", help=f"accelerator: {', '.join(hardware.names())} (default a10)")
+    g.add_argument("--gpu", default="a10", help=f"accelerator: {', '.join(hardware.names())} (default a10), or a "
+                   "YAML/JSON file with its datasheet figures (memory_gb, mem_bandwidth_gbs, bf16_tflops, ...)")
     g.add_argument("--gpus", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     g.add_argument("--model-size", default=None, metavar="SIZE", help=SIZE_HELP)
+    g.add_argument("--model-config", default=None, metavar="FILE",
+                   help="the model's Hugging Face config.json (or its folder): its shape instead of --model-size")
     g.add_argument("--cost", choices=("roofline", "profiled"), default="roofline",
                    help="roofline (named accelerator) or profiled (fitted on carpool's engine; needs --cost-profile)")
     if profile:
@@ -109,13 +113,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ builders
+def build_accelerator(a: argparse.Namespace) -> hardware.Accelerator:
+    return gpu_file.load(a.gpu) if gpu_file.looks_like_file(a.gpu) else hardware.get(a.gpu)
+
+
+def build_model(a: argparse.Namespace) -> models.ModelSpec:
+    if getattr(a, "model_config", None):
+        return hf_config.load(a.model_config)
+    return models.get(a.model_size or "7b")
+
+
 def build_cost(a: argparse.Namespace) -> CostModel:
     if a.cost == "profiled":
         if not a.profile:
             raise ValueError("--cost profiled needs --cost-profile PATH (a fitted profile JSON)")
         return ProfiledCost.load(a.profile)
-    return RooflineCost(hardware.get(a.gpu), models.get(a.model_size or "7b"), a.gpus, a.mem_eff, a.compute_eff,
-                        a.overhead_ms)
+    return RooflineCost(build_accelerator(a), build_model(a), a.gpus, a.mem_eff, a.compute_eff, a.overhead_ms)
 
 
 def build_config(a: argparse.Namespace) -> SimConfig:

@@ -4,6 +4,7 @@
     carpool tune --serve --slo p99_e2e_ms=2000                  # `carpool serve` subprocesses, over HTTP
     carpool tune --engine --search concurrency --slo p99_e2e_ms=5000   # a batch job's client concurrency
     carpool tune --simulate --gpu h100 --model-size 8b --slo p99_ttft_ms=500 --emit vllm
+    carpool tune --simulate --gpu a10 --gpus 4 --slo p99_e2e_ms=2000 --traffic day.csv --emit k8s   # replicas per hour
     carpool tune --endpoint http://127.0.0.1:8000/v1 --model NAME --slo p99_e2e_ms=2000   # rate only
 """
 
@@ -16,6 +17,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from carpool.commands import capacity as capacity_cli
 from carpool.commands import flags
 from carpool.commands import simulate as sc
 from carpool.tune.measure import SLO
@@ -28,7 +30,6 @@ from carpool.tune.tuner import (
     grid,
     tune,
     vllm_command,
-    vllm_model_name,
 )
 
 if TYPE_CHECKING:
@@ -98,8 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_model_arguments(p, profile=False)
     sc.add_workload_arguments(p)
     # --engine/--serve draw CPU-sized requests unless told otherwise (see ENGINE_WORKLOAD).
-    p.set_defaults(num_requests=None, prompt_len=None, output_len=None)
-    p.add_argument("--emit", choices=("vllm",), help="print a vLLM command line with the chosen settings")
+    p.set_defaults(num_requests=None, prompt_len=None, output_len=None, prefix_len=None)
+    p.add_argument("--emit", choices=("vllm", "k8s", "keda"),
+                   help="vllm: the `vllm serve` line with the chosen settings; k8s / keda (with --traffic): that "
+                        "line, a Deployment and a HorizontalPodAutoscaler / KEDA ScaledObject on "
+                        "vllm:num_requests_waiting")
+    capacity_cli.add_arguments(p)
     flags.add_json_flag(p, "the full result")
 
 
@@ -107,8 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # simulator's defaults (64-1024 prompt, 16-256 output tokens) are sized for a GPU: on a CPU
 # a lone 256-token answer takes longer than the README's 2 s SLO, so no setting could meet
 # it at any rate.  Short prompts and answers are what a batch job on a CPU engine sends.
-ENGINE_WORKLOAD = {"prompt_len": "uniform:32,256", "output_len": "uniform:8,32"}
-SIM_WORKLOAD = {"prompt_len": "uniform:64,1024", "output_len": "uniform:16,256"}
+ENGINE_WORKLOAD = {"prompt_len": "uniform:32,256", "output_len": "uniform:8,32", "prefix_len": 0}
+# --simulate/--endpoint plan a GPU service: a chat-style one whose requests share a
+# 150-token system prompt, with prompts of 20-2000 tokens (most short) and short answers.
+# An SLO in seconds is only reachable with answers of tens of tokens: a 256-token answer
+# alone takes 2-4 s on A10s.
+SIM_WORKLOAD = {"prompt_len": "lognormal:100,1,20,2000", "output_len": "lognormal:24,0.6,4,256", "prefix_len": 150}
 
 
 def settings_from(args: argparse.Namespace) -> list[Setting]:
@@ -142,6 +151,7 @@ def _log(msg: str) -> None:
 def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
     t0 = time.monotonic()
     slos = [SLO.parse(s) for s in args.slo]
+    capacity_cli.check(args)
     engine = bool(args.engine or args.serve)
     if args.simulate and args.model and not args.model_size:
         _model_as_size(args)
@@ -225,9 +235,35 @@ def _profile(args: argparse.Namespace, fitting_evaluator):
     return cost
 
 
+def _print_results(args: argparse.Namespace, res: TuneResult, run_it: str | None) -> None:
+    print(f"SLO: {', '.join(str(s) for s in res.slos)}")
+    rows = res.measured or res.pruned
+    for r in rows:
+        label = "the endpoint, as configured" if args.endpoint else r.setting.label()
+        raise_flag = "--max-concurrency" if args.search == "concurrency" else "--max-probes"
+        status = ("SLO never met" if not r.feasible
+                  else f"ok, or more (raise {raise_flag})" if r.lower_bound else "ok")
+        found = (f"concurrency {r.concurrency:4d}, {r.rate:8.3f} req/s" if r.concurrency is not None
+                 else f"max rate {r.rate:8.3f} req/s")
+        print(f"  {label:<45} {found}  {status}  ({len(r.probes)} runs)")
+    if res.best is None:
+        print("no setting meets the SLO at any rate tried: relax the SLO or shorten the workload")
+    else:
+        m = res.best.measurement
+        assert m is not None  # a best setting was measured
+        label = "the endpoint" if args.endpoint else res.best.setting.label()
+        at = "at that concurrency" if res.best.concurrency is not None else "at that rate"
+        print(f"best: {label}: goodput {res.best.goodput_rps:.3f} req/s; {at} "
+              f"p99 E2E {m.e2e_s['p99'] * 1e3:.0f} ms, p99 TTFT {m.ttft_s['p99'] * 1e3:.0f} ms; "
+              f"client concurrency {res.recommended_concurrency}")
+        if run_it:
+            print(f"run it: {run_it}")
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         res, info = run(args)
+        day = capacity_cli.plan(args, res, info) if args.traffic and res.best is not None else None
     except (ValueError, OSError) as e:
         print(f"carpool tune: {e}", file=sys.stderr)
         return 2
@@ -235,47 +271,34 @@ def main(args: argparse.Namespace) -> int:
     steady = None if args.simulate else assess(res, info.get("cost_model"))
     run_it = carpool_command(res.best.setting, args.model or "smollm2") if res.best and (args.engine or args.serve) \
         else None
-    out = {**info, **res.summary(), "steadiness": steady.summary() if steady else None, "run": run_it}
+    out = {**info, **res.summary(), "steadiness": steady.summary() if steady else None, "run": run_it,
+           **({"plan": day.summary()} if day else {})}
     if args.json_out:
         flags.write_json(json.dumps(out, default=str), args.json_out)
     if args.json_out != "-":
-        print(f"SLO: {', '.join(str(s) for s in res.slos)}")
-        rows = res.measured or res.pruned
-        for r in rows:
-            label = "the endpoint, as configured" if args.endpoint else r.setting.label()
-            raise_flag = "--max-concurrency" if args.search == "concurrency" else "--max-probes"
-            status = ("SLO never met" if not r.feasible
-                      else f"ok, or more (raise {raise_flag})" if r.lower_bound else "ok")
-            found = (f"concurrency {r.concurrency:4d}, {r.rate:8.3f} req/s" if r.concurrency is not None
-                     else f"max rate {r.rate:8.3f} req/s")
-            print(f"  {label:<45} {found}  {status}  ({len(r.probes)} runs)")
-        if res.best is None:
-            print("no setting meets the SLO at any rate tried: relax the SLO or shorten the workload")
-        else:
-            m = res.best.measurement
-            assert m is not None  # a best setting was measured
-            label = "the endpoint" if args.endpoint else res.best.setting.label()
-            at = "at that concurrency" if res.best.concurrency is not None else "at that rate"
-            print(f"best: {label}: goodput {res.best.goodput_rps:.3f} req/s; {at} "
-                  f"p99 E2E {m.e2e_s['p99'] * 1e3:.0f} ms, p99 TTFT {m.ttft_s['p99'] * 1e3:.0f} ms; "
-                  f"client concurrency {res.recommended_concurrency}")
-            if run_it:
-                print(f"run it: {run_it}")
+        _print_results(args, res, run_it)
         if steady is not None and warning_text(steady):  # "no setting meets it" may be the machine's doing too
             print(warning_text(steady))
+        if day:
+            capacity_cli.print_plan(day)
+    if args.emit and res.best is None:
+        print("carpool tune: no setting met the SLO; nothing to emit", file=sys.stderr)
+        return 1
     if args.emit == "vllm":
         if args.endpoint:
             print("carpool tune: --emit vllm needs --engine, --serve or --simulate "
                   "(an endpoint's settings are its own)",
                   file=sys.stderr)
             return 2
-        if res.best is None:
-            print("carpool tune: no setting met the SLO; nothing to emit", file=sys.stderr)
-            return 1
-        name = vllm_model_name(args.model, info.get("cost_model", {}).get("model") if args.simulate else None)
+        assert res.best is not None
+        name = capacity_cli.model_name(args)
         if name is None:
             print(f"carpool tune: --emit vllm: {args.model} has no vLLM counterpart, so no vLLM command "
                   "(tune a model vLLM can load: --model NAME, a Hugging Face name or folder)", file=sys.stderr)
         else:
             print(vllm_command(res.best.setting, name, getattr(args, "gpus", 1)))
+    elif day and args.emit:
+        capacity_cli.emit(args, day)
+    if day and args.report:
+        capacity_cli.write_report(args.report, day)
     return 0 if res.best is not None else 1

@@ -98,6 +98,7 @@ class RooflineCost:
 
     Tensor parallel over ``num_gpus`` splits weights, KV heads and FLOPs evenly and adds
     two ring all-reduces of the activations per layer (after attention and after the MLP).
+    A mixture of experts reads only the experts its step's tokens were routed to.
     """
 
     accel: Accelerator
@@ -106,7 +107,18 @@ class RooflineCost:
     mem_efficiency: float = 0.8  # fraction of datasheet bandwidth a GEMV/attention kernel reaches
     compute_efficiency: float = 0.6  # fraction of datasheet FLOPs a large GEMM reaches (MFU)
     overhead_ms: float | None = None  # None: the accelerator's step_overhead_ms
-    bytes_per_param: float = 2.0
+    # Each layer's dozen kernels start and drain around the weights they stream (a ramp and a
+    # tail even inside a CUDA graph): a fixed cost per layer per step that a bandwidth roofline
+    # misses, and what keeps a small model on a fast part from reaching its bandwidth bound.
+    # Set, with seq_overhead_us, from the published measurements in benchmarks/published
+    # (the ones marked calibration: vLLM's CI latency runs on H200, an A100 concurrency sweep,
+    # and AMD's 70B throughput row); see docs/tune.md.
+    layer_overhead_us: float = 55.0
+    # Host work per running sequence per step (scheduling it, preparing its inputs, handling
+    # its token) that the GPU waits for; it is what holds a batch of thousands of sequences
+    # well under the GPU's roofline, and costs a batch of tens a few percent.
+    seq_overhead_us: float = 40.0
+    bytes_per_param: float | None = None  # None: the model's (2 for bf16, 1 for an fp8 checkpoint)
     kv_bytes_per_elem: float = 2.0
     gpu_memory_utilization: float = 0.9  # as vLLM: fraction of memory for weights + KV
     activation_reserve_gb: float = 1.0  # per GPU, for activations and CUDA graphs
@@ -125,24 +137,34 @@ class RooflineCost:
         heads = max(self.model.num_kv_heads / self.num_gpus, 1.0)
         return self.model.kv_bytes_per_token(self.kv_bytes_per_elem) * heads / self.model.num_kv_heads
 
-    def weight_bytes_per_gpu(self) -> float:
-        return self.model.weight_bytes(self.bytes_per_param) / self.num_gpus
+    @property
+    def _param_bytes(self) -> float:
+        return self.model.bytes_per_param if self.bytes_per_param is None else self.bytes_per_param
+
+    def weight_bytes_per_gpu(self, num_tokens: int | None = None) -> float:
+        """Weights one GPU reads for a step of ``num_tokens`` (None: all the experts)."""
+        return self.model.weight_bytes(self._param_bytes, num_tokens) / self.num_gpus
+
+    def resident_bytes_per_gpu(self) -> float:
+        """Weights one GPU holds: all of them, the embedding table (gathered, not read) too."""
+        return self.model.num_params * self._param_bytes / self.num_gpus
 
     def parts(self, s: StepShape) -> dict:
         m, n = self.model, self.num_gpus
-        bytes_ = self.weight_bytes_per_gpu() + s.kv_tokens_read * self._kv_bytes_per_token_per_gpu()
+        bytes_ = self.weight_bytes_per_gpu(s.num_tokens) + s.kv_tokens_read * self._kv_bytes_per_token_per_gpu()
         flops = (
             s.num_tokens * m.flops_per_token() + s.num_seqs * m.lm_head_flops()
             + s.attn_pairs * m.attn_flops_per_pair()
         ) / n
         t_mem = bytes_ / (self.accel.bytes_per_s * self.mem_efficiency)
-        t_compute = flops / (self.accel.flops_per_s * self.compute_efficiency)
+        t_compute = flops / (self.accel.matmul_flops_per_s(self._param_bytes) * self.compute_efficiency)
         t_comm = 0.0
         if n > 1 and s.num_tokens:
             msg = s.num_tokens * m.hidden_size * 2.0  # bf16 activations
             ring = 2.0 * (n - 1) / n * msg / (self.accel.link_bandwidth_gbs * 1e9)
             t_comm = 2 * m.num_layers * (ring + self.accel.link_latency_us * 1e-6)
         overhead = (self.accel.step_overhead_ms if self.overhead_ms is None else self.overhead_ms) / 1e3
+        overhead += (m.num_layers * self.layer_overhead_us + s.num_seqs * self.seq_overhead_us) * 1e-6
         return {"memory_s": t_mem, "compute_s": t_compute, "comm_s": t_comm, "overhead_s": overhead}
 
     def step_time(self, shape: StepShape) -> float:
@@ -155,7 +177,7 @@ class RooflineCost:
 
     def kv_capacity_tokens(self) -> int | None:
         per_gpu = self.accel.memory_gb * 1e9 * self.gpu_memory_utilization
-        free = per_gpu - self.weight_bytes_per_gpu() - self.activation_reserve_gb * 1e9
+        free = per_gpu - self.resident_bytes_per_gpu() - self.activation_reserve_gb * 1e9
         if free <= 0:
             return 0
         return int(free / self._kv_bytes_per_token_per_gpu())
@@ -165,7 +187,7 @@ class RooflineCost:
             "kind": "roofline", "accelerator": self.accel.name, "model": self.model.name,
             "num_gpus": self.num_gpus, "mem_efficiency": self.mem_efficiency,
             "compute_efficiency": self.compute_efficiency,
-            "weights_gb_per_gpu": round(self.weight_bytes_per_gpu() / 1e9, 2),
+            "weights_gb_per_gpu": round(self.resident_bytes_per_gpu() / 1e9, 2),
             "kv_capacity_tokens": self.kv_capacity_tokens(),
         }
 

@@ -1,9 +1,10 @@
 """Named accelerators with their published figures, plus this machine measured.
 
 The GPU figures are the vendors' datasheet numbers: HBM/GDDR bandwidth, dense
-(not 2:4-sparse) bf16 tensor-core throughput, memory, and the per-GPU link used by
-tensor-parallel all-reduces (NVLink where the part has it, PCIe otherwise).
-Datasheet peaks are never reached; ``cost.py`` applies efficiency factors.
+(not 2:4-sparse) bf16 and fp8 tensor-core throughput, memory, and the per-GPU link used
+by tensor-parallel all-reduces (NVLink or Infinity Fabric where the part has it, PCIe
+otherwise).  Datasheet peaks are never reached; ``cost.py`` applies efficiency factors.
+Any other part is described in a file (``gpu_file.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ class Accelerator:
     memory_gb: float  # GB (1e9 bytes) of device memory
     link_bandwidth_gbs: float  # per-GPU bandwidth for all-reduce traffic
     link_latency_us: float  # per all-reduce launch + sync cost
-    step_overhead_ms: float  # scheduler + launch cost of one engine step
+    step_overhead_ms: float  # fixed host cost of one engine step the GPU waits for
     note: str = ""
+    fp8_tflops: float = 0.0  # dense fp8, TFLOP/s; 0: no fp8 tensor cores (fp8 weights run in bf16)
+    vendor: str = "nvidia"  # whose device plugin schedules it on Kubernetes: nvidia | amd
 
     @property
     def bytes_per_s(self) -> float:
@@ -34,15 +37,36 @@ class Accelerator:
     def flops_per_s(self) -> float:
         return self.bf16_tflops * 1e12
 
+    def matmul_flops_per_s(self, weight_bytes: float) -> float:
+        """Peak for weights of that width: fp8 weights use fp8 tensor cores where the part has
+        them; elsewhere (Ampere) vLLM upcasts them and the bf16 peak applies."""
+        if weight_bytes <= 1.0 and self.fp8_tflops:
+            return self.fp8_tflops * 1e12
+        return self.flops_per_s
 
-# Datasheet values (NVIDIA product briefs).  Overheads are typical of a CUDA-graph engine.
+
+# Datasheet values.  NVIDIA: the A10, L4, A100, H100 and H200 product briefs; the Ada
+# architecture whitepaper for the RTX 4090 (bf16 and fp8 with fp32 accumulate, which is what
+# PyTorch runs; GeForce parts run those at half the rate of fp16 accumulate); the L40S
+# product brief.  AMD: the Instinct MI300X data sheet (CDNA 3, 5.3 TB/s HBM3, Infinity
+# Fabric: seven links of 64 GB/s each way to the other GPUs of the node).  No fixed step
+# overhead: vLLM's V1 engine prepares the next step while the GPU runs this one (what it
+# still costs is per layer and per sequence, in cost.RooflineCost).  PCIe parts have no
+# NVLink; a GeForce card also has no peer-to-peer copies, so its all-reduce goes through
+# host memory (about half PCIe rate).
 ACCELERATORS: dict[str, Accelerator] = {
-    "a10": Accelerator("A10", 600, 125, 24, 25, 30, 2.0, "24 GB GDDR6, PCIe Gen4, no NVLink"),
-    "l4": Accelerator("L4", 300, 121, 24, 25, 30, 2.0, "24 GB GDDR6, PCIe Gen4"),
-    "a100-40gb": Accelerator("A100 40GB", 1555, 312, 40, 300, 10, 1.5, "SXM, NVLink 600 GB/s bidir"),
-    "a100-80gb": Accelerator("A100 80GB", 2039, 312, 80, 300, 10, 1.5, "SXM, NVLink 600 GB/s bidir"),
-    "h100": Accelerator("H100 SXM", 3350, 989, 80, 450, 8, 1.2, "SXM5, NVLink 900 GB/s bidir"),
-    "h200": Accelerator("H200", 4800, 989, 141, 450, 8, 1.2, "SXM, 141 GB HBM3e"),
+    "a10": Accelerator("A10", 600, 125, 24, 25, 30, 0.0, "24 GB GDDR6, PCIe Gen4, no NVLink"),
+    "l4": Accelerator("L4", 300, 121, 24, 25, 30, 0.0, "24 GB GDDR6, PCIe Gen4", fp8_tflops=242.5),
+    "a100-40gb": Accelerator("A100 40GB", 1555, 312, 40, 300, 10, 0.0, "SXM, NVLink 600 GB/s bidir"),
+    "a100-80gb": Accelerator("A100 80GB", 2039, 312, 80, 300, 10, 0.0, "SXM, NVLink 600 GB/s bidir"),
+    "h100": Accelerator("H100 SXM", 3350, 989, 80, 450, 8, 0.0, "SXM5, NVLink 900 GB/s bidir", fp8_tflops=1979),
+    "h200": Accelerator("H200", 4800, 989, 141, 450, 8, 0.0, "SXM, 141 GB HBM3e", fp8_tflops=1979),
+    "rtx4090": Accelerator("RTX 4090", 1008, 165.2, 24, 12, 40, 0.0,
+                           "24 GB GDDR6X, PCIe Gen4, no NVLink, no peer-to-peer", fp8_tflops=330.3),
+    "l40s": Accelerator("L40S", 864, 362.05, 48, 25, 30, 0.0, "48 GB GDDR6, PCIe Gen4, no NVLink",
+                        fp8_tflops=733),
+    "mi300x": Accelerator("MI300X", 5300, 1307.4, 192, 448, 10, 0.0, "OAM, 192 GB HBM3, Infinity Fabric",
+                          fp8_tflops=2614.9, vendor="amd"),
 }
 ALIASES = {
     "a100": "a100-80gb",
@@ -50,6 +74,10 @@ ALIASES = {
     "a100-80": "a100-80gb",
     "h100-sxm": "h100",
     "h100sxm": "h100",
+    "4090": "rtx4090",
+    "rtx-4090": "rtx4090",
+    "geforce-rtx-4090": "rtx4090",
+    "mi300": "mi300x",
     "cpu": "cpu-local",
     "local": "cpu-local",
 }
@@ -68,7 +96,8 @@ def get(name: str) -> Accelerator:
     if key == "cpu-local":
         return measure_cpu()
     if key not in ACCELERATORS:
-        raise ValueError(f"unknown accelerator {name!r}: choose one of {', '.join(names())}")
+        raise ValueError(f"unknown accelerator {name!r}: choose one of {', '.join(names())}, "
+                         "or describe it in a YAML/JSON file (--gpu FILE)")
     return ACCELERATORS[key]
 
 

@@ -7,6 +7,7 @@ import json
 import math
 
 from carpool import report
+from carpool.tune.capacity import DayPlan
 from carpool.tune.simulator import SimResult
 
 ROWS = [
@@ -100,3 +101,45 @@ def html_report(results: list[SimResult], title: str, meta: dict | None = None) 
     if meta:
         parts.append(f"<pre>{html.escape(json.dumps(meta, indent=2, default=str))}</pre>")
     return report.page(title, *parts)
+
+
+def day_plot(plan: DayPlan) -> bytes:
+    """Load and capacity (top) and replicas with the predicted tail latency (bottom), by hour."""
+    plt = report.pyplot()
+    hours = [h.hour for h in plan.hours]
+    fig, ax = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    ax[0].bar(hours, [h.rate for h in plan.hours], color="tab:gray", alpha=0.6, label="mean load")
+    ax[0].step(hours, [h.demand for h in plan.hours], where="mid", color="tab:orange", label="planned for")
+    ax[0].step(hours, [h.replicas * plan.goodput_rps for h in plan.hours], where="mid", color="tab:blue",
+               label="capacity (replicas x goodput)")
+    ax[0].set_ylabel("requests/s")
+    ax[0].legend(fontsize=7)
+    metric = plan.slos[0].metric if plan.slos else ""
+    ax[1].plot(hours, [h.slo_metrics.get(metric, math.nan) for h in plan.hours], "o-", color="tab:red",
+               label=f"predicted {metric}")
+    if plan.slos:
+        ax[1].axhline(plan.slos[0].limit, color="tab:red", ls="--", lw=0.8, label="SLO")
+    ax[1].set_ylabel(metric)
+    ax[1].set_xlabel("hour of day")
+    twin = ax[1].twinx()
+    twin.step(hours, [h.replicas for h in plan.hours], where="mid", color="tab:blue")
+    twin.set_ylabel("replicas", color="tab:blue")
+    ax[1].legend(fontsize=7, loc="upper left")
+    return report.png(fig)
+
+
+def plan_html(plan: DayPlan) -> str:
+    metric = plan.slos[0].metric if plan.slos else ""
+    rows = [[f"{h.hour:02d}:00", f"{h.rate:.1f}", f"{h.demand:.1f}", str(h.replicas), f"{h.per_replica_rps:.2f}",
+             _fmt("{:.0f}", h.slo_metrics.get(metric, math.nan)),
+             "-" if math.isinf(h.headroom) else f"{h.headroom:.0%}", f"{h.cost:.2f}"] for h in plan.hours]
+    header = ["hour", "req/s", "planned req/s", "replicas", "req/s per replica", f"{metric} (predicted)",
+              "headroom", "cost $"]
+    summary = (f"<p>{html.escape(plan.setting.label())}: {plan.goodput_rps:.3g} req/s per replica of "
+               f"{plan.gpus_per_replica} GPU(s); {plan.gpu_hours} GPU-hours, ${plan.cost_per_day:,.2f} a day at "
+               f"${plan.price_per_gpu_hour:.2f}/GPU-hour ({html.escape(plan.price_source)}); one deployment sized "
+               f"for the peak: ${plan.static_cost_per_day:,.2f}.  Autoscaler target: vllm:num_requests_waiting = "
+               f"{plan.queue_target:.3g} per replica.</p>")
+    return report.page("carpool tune: a day's replicas", summary, report.figure("day", day_plot(plan)),
+                       report.table(rows, header=header),
+                       f"<pre>{html.escape(json.dumps(plan.summary(), indent=2, default=str))}</pre>")

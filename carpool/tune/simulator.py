@@ -179,7 +179,12 @@ class Simulator:
         if self.cfg.batching == "continuous":
             # The engine's own block manager and scheduler decide each step.  A cache of no
             # blocks still gets a manager of one: every request is refused before it.
-            self.bm = BlockManager(max(self.n_blocks, 1), self.cfg.block_size, self.cfg.enable_prefix_caching)
+            # A cache larger than all the requests' blocks together decides as one of exactly
+            # that size (the free list hands out never-used blocks first, so nothing is evicted
+            # either way), and costs far less to build: a GPU's cache has 10^5-10^6 blocks.
+            everything = sum(ceil_div(r.prompt_len + r.output_len, self.cfg.block_size) for r in reqs) + 1
+            self.bm = BlockManager(max(min(self.n_blocks, everything), 1), self.cfg.block_size,
+                                   self.cfg.enable_prefix_caching)
             self.sched = Scheduler(self.bm, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens,
                                    self.cfg.scheduling_policy, self.cfg.enable_chunked_prefill)
 

@@ -66,6 +66,10 @@ def probe_requests(requests: list[SimRequest], rate: float, base_rate: float = 1
     """
     if concurrency and math.isinf(rate) and duration_s is not None:
         requests = requests[:max(min_requests, 4 * concurrency)]
+    elif duration_s is not None and not math.isinf(rate):
+        # Rescale only what the window can hold: the pool is drawn many probes long.
+        last = duration_s * rate / base_rate
+        requests = requests[:max(min_requests, sum(1 for r in requests if r.arrival <= last))]
     reqs = at_rate(requests, rate, base_rate)
     if duration_s is None or math.isinf(rate):
         return reqs
@@ -451,21 +455,6 @@ class EngineEvaluator:
 
 
 # ------------------------------------------------------------------- commands to run
-# The Hugging Face repos of the model shapes the simulator knows (carpool.tune.models), the
-# instruct variants a batch job runs, so that the vLLM command printed names a real model.
-HF_NAMES = {
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct",
-    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
-    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
-    "qwen2.5-14b": "Qwen/Qwen2.5-14B-Instruct",
-    "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct",
-    "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct",
-    "llama-3-8b": "meta-llama/Meta-Llama-3-8B-Instruct",
-    "llama-3-70b": "meta-llama/Meta-Llama-3-70B-Instruct",
-}
-
-
 def vllm_model_name(model: str | None, model_size: str | None = None) -> str | None:
     """The name ``vllm serve`` loads the tuned model by: the model given (carpool's own names
     turned into the Hugging Face one), else the repo of the simulated model size, else the
@@ -478,7 +467,7 @@ def vllm_model_name(model: str | None, model_size: str | None = None) -> str | N
             return SMOLLM2_HF_NAME
         return None if model.startswith("tiny-random") else model
     if model_size:
-        return HF_NAMES.get(models.get(model_size).name.lower())
+        return models.get(model_size).hf_id or None
     return SMOLLM2_HF_NAME
 
 

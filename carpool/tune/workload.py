@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -47,7 +48,8 @@ class LengthDist:
     """Parse and sample a length spec.
 
     ``200`` or ``fixed:200``; ``uniform:50,500``; ``normal:200,50``; ``lognormal:200,0.8``
-    (median, sigma); ``choice:32,512`` (equal odds); ``mix:32x0.8,1024x0.2`` (weights).
+    (median, sigma) or ``lognormal:100,1,20,2000`` (kept within 20..2000); ``choice:32,512``
+    (equal odds); ``mix:32x0.8,1024x0.2`` (weights).
     """
 
     def __init__(self, spec: str | int):
@@ -66,8 +68,8 @@ class LengthDist:
                 self.values = [float(v) for v in rest.split(",")]
         except ValueError:
             raise ValueError(f"bad length spec {self.spec!r}: {self.__doc__}") from None
-        need = {"fixed": 1, "uniform": 2, "normal": 2, "lognormal": 2}
-        if (self.kind in need and len(self.values) != need[self.kind]) or self.kind not in {*need, "choice", "mix"}:
+        need = {"fixed": (1,), "uniform": (2,), "normal": (2,), "lognormal": (2, 4)}
+        if (self.kind in need and len(self.values) not in need[self.kind]) or self.kind not in {*need, "choice", "mix"}:
             raise ValueError(f"bad length spec {self.spec!r}: {' '.join(self.__doc__.split())}")
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -80,6 +82,8 @@ class LengthDist:
             x = rng.normal(v[0], v[1], n)
         elif self.kind == "lognormal":
             x = v[0] * np.exp(rng.normal(0, v[1], n))
+            if len(v) == 4:
+                x = np.clip(x, v[2], v[3])
         elif self.kind == "choice":
             x = rng.choice(np.array(v), n)
         else:
@@ -119,6 +123,19 @@ def at_rate(requests: list[SimRequest], rate: float, base_rate: float = 1.0) -> 
     return [replace(r, arrival=r.arrival * f) for r in requests]
 
 
+def jsonl_values(lines: Iterable[str], where: str,
+                 error: type[ValueError] = ValueError) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) for every non-blank line; a line that is not JSON raises
+    ``error`` naming ``where`` and the line."""
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{where}:{n}: not JSON ({e.msg}); each line must be one JSON value") from None
+
+
 def from_jsonl(path: str, rate: float, seed: int = 0, chars_per_token: float = 4.0) -> list[SimRequest]:
     """Requests from a task file: ``prompt_tokens``/``output_tokens`` fields if present, else
     lengths estimated from ``messages``/``prompt`` text and ``max_tokens`` (default 16)."""
@@ -126,13 +143,9 @@ def from_jsonl(path: str, rate: float, seed: int = 0, chars_per_token: float = 4
     out: list[SimRequest] = []
     t = 0.0
     with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg}); each line must be one JSON object") from None
+        for n, d in jsonl_values(f, path):
+            if not isinstance(d, dict):
+                raise ValueError(f"{path}:{n}: each line must be one JSON object")
             body = d.get("body", d)  # OpenAI Batch lines wrap the request in "body"
             if "prompt_tokens" in d:
                 plen = int(d["prompt_tokens"])
