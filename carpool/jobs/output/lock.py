@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from carpool.errors import StartRefused
+from carpool.jobs.options import FLAGS, Naming
 
 LOCK_SUFFIX = ".carpool.lock"
 
@@ -57,8 +58,10 @@ class OutputLock:
     ``OutputLocked`` when another process holds it.  Where the file system cannot lock
     (some network file systems), the job runs unlocked and ``note`` says so."""
 
-    def __init__(self, output: str | os.PathLike):
+    def __init__(self, output: str | os.PathLike, naming: Naming = FLAGS):
+        """``naming``: how the refusal names the output setting (``-o``, ``output=``)."""
         self.output = Path(output)
+        self.naming = naming
         self.path = lock_path(output)
         self.note: str | None = None
         self._fd: int | None = None
@@ -93,7 +96,8 @@ class OutputLock:
             raise OutputLocked(
                 f"{str(self.output)!r} is being written by another carpool run ({who}; lock file "
                 f"{str(self.path)!r}). Two runs on one output would send its tasks twice: wait for "
-                "that run to end (the same command then resumes), or write to another -o") from None
+                f"that run to end (the same command then resumes), or write to another {self.naming('output')}"
+            ) from None
         except OSError as e:
             os.close(fd)
             with contextlib.suppress(OSError):  # nothing can hold it: it only litters the directory
