@@ -71,7 +71,7 @@ class Naming:
     def __call__(self, name: str, value: object = None) -> str:
         if self.keywords:
             placeholder = isinstance(value, str) and value.isalpha() and value.isupper()
-            return f"{name}=" if value is None else f"{name}={value if placeholder else repr(value)}"
+            return name if value is None else f"{name}={value if placeholder else repr(value)}"
         flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
         return flag if value is None else f"{flag} {shlex.quote(str(value))}"
 
