@@ -136,7 +136,7 @@ def summary_rows(stats: JobStats) -> list[tuple[str, str | None]]:
         ("output token throughput", _n(d["output_tokens_per_s"], "tokens/s", 1)),
         ("prompt tokens", _n(d["prompt_tokens"])),
         ("completion tokens", _n(d["completion_tokens"])),
-        ("prompt tokens served from the server's prefix cache", _n(d["cached_prompt_tokens"])),
+        stats.prompt_reuse.summary_row(d["backend"]),
     ]
     for name, key in (("time to first token", "ttft"), ("time per output token", "tpot"),
                       ("end-to-end latency", "e2e")):
