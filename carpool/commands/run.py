@@ -564,6 +564,10 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_row("throughput", f"{f(d['requests_per_s'])} req/s, {f(d['tokens_per_s'])} tok/s "
                             f"({f(d['output_tokens_per_s'])} out tok/s)")
     t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
+    for name, text in (("answers cut at max_tokens", stats.answers.cut_text()),
+                       ("structured answers failing their schema", stats.answers.parse_error_text())):
+        if text:  # said only when it happened: each means answers that may be of no use
+            t.add_row(f"[yellow]{name}", f"[yellow]{text}")
     t.add_row(*stats.prompt_reuse.summary_row(d["backend"]))
     po = stats.prefix_order
     if po is not None and po["mode"] == "planned":

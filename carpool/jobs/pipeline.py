@@ -496,8 +496,10 @@ class Pipeline:
         if res.ok:
             if answer.reused is None:
                 self.stats.ok += 1
+            structured = check_answer(req.body, res.body)
+            self.stats.answers.add(req.custom_id, res.body, structured)
             out.emit(success_line(req.custom_id, res.status_code or 200, res.request_id, res.body,
-                                  semantic=answer.semantic, structured=check_answer(req.body, res.body)))
+                                  semantic=answer.semantic, structured=structured))
             return
         kind = res.error_kind or ErrorKind.SERVER_ERROR
         self.stats.errors[kind] += 1
