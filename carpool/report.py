@@ -44,10 +44,12 @@ def png(fig: Any, dpi: int = 100, layout: bool = True) -> bytes:
     return buf.getvalue()
 
 
-def figure(title: str, png_bytes: bytes) -> str:
-    """A titled plot, embedded."""
+def figure(title: str, png_bytes: bytes, alt: str | None = None) -> str:
+    """A titled plot, embedded; ``alt``: what it shows in words, for those who cannot see it
+    (default: the title)."""
     t = html.escape(title)
-    return f'<h2>{t}</h2><img alt="{t}" src="data:image/png;base64,{base64.b64encode(png_bytes).decode()}">'
+    a = html.escape(alt if alt is not None else title)
+    return f'<h2>{t}</h2><img alt="{a}" src="data:image/png;base64,{base64.b64encode(png_bytes).decode()}">'
 
 
 def table(rows: Iterable[Iterable[object]], header: Iterable[object] | None = None) -> str:

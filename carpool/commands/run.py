@@ -564,7 +564,11 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     t.add_row("throughput", f"{f(d['requests_per_s'])} req/s, {f(d['tokens_per_s'])} tok/s "
                             f"({f(d['output_tokens_per_s'])} out tok/s)")
     t.add_row("tokens in / out", f"{d['prompt_tokens']:,} / {d['completion_tokens']:,}")
-    t.add_row("prompt tokens cached by the server", stats.prompt_reuse.summary_text())
+    for name, text in (("answers cut at max_tokens", stats.answers.cut_text()),
+                       ("structured answers failing their schema", stats.answers.parse_error_text())):
+        if text:  # said only when it happened: each means answers that may be of no use
+            t.add_row(f"[yellow]{name}", f"[yellow]{text}")
+    t.add_row(*stats.prompt_reuse.summary_row(d["backend"]))
     po = stats.prefix_order
     if po is not None and po["mode"] == "planned":
         t.add_row("prefix order", f"{po['grouped_tasks']:,} tasks in {po['groups']:,} shared-prefix groups sent "
@@ -586,7 +590,7 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     if d["saved_tokens"]:
         t.add_row("saved", f"{d['saved_tokens']:,} tokens, ~{d['saved_time_s']:.1f} s")
     cost = d["cost"]
-    t.add_row("$ spent / saved by the cache", f"{usd(cost['spent_usd'])} / {usd(cost['saved_usd'])}"
+    t.add_row("$ spent / saved by cache and dedup", f"{usd(cost['spent_usd'])} / {usd(cost['saved_usd'])}"
               + ("" if cost["prices"] else " (no prices: --price-in/--price-out or --prices FILE)"))
     if stats.semantic_audit is not None:
         a = stats.semantic_audit

@@ -25,6 +25,24 @@ def is_smollm2(name: str) -> bool:
     return name.strip().lower() in SMOLLM2_NAMES
 
 
+def canonical(name: str) -> str:
+    """The one name a model goes by in the result cache's keys and a run's fingerprint,
+    whichever way it was asked for, so that the same weights asked for under two names share
+    their cached answers and a resume: the shipped SmolLM2 under any of its spellings is
+    ``smollm2``, ``tiny-random:0`` is ``tiny-random``, a folder or ``.gguf`` file is its absolute
+    path (``./m`` from two directories is two models).  Any other name is kept as given."""
+    name = name.strip()
+    if is_smollm2(name):
+        return "smollm2"
+    base, _, seed = name.partition(":")
+    if base == "tiny-random" and seed.isdigit():
+        return base if int(seed) == 0 else f"{base}:{int(seed)}"
+    path = Path(name).expanduser()
+    if name and path.exists():
+        return str(path.resolve())
+    return name
+
+
 def closest(name: str, candidates: tuple[str, ...] = KNOWN) -> list[str]:
     """Known names that look like ``name`` (a typo, another case), best first."""
     by_lower = {c.lower(): c for c in candidates}

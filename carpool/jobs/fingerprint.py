@@ -24,6 +24,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from carpool.client.models import ModelIdentity
+from carpool.engine.model_names import canonical
 
 if TYPE_CHECKING:
     from carpool.engine.protocol import EngineClient
@@ -51,10 +52,14 @@ def job_identity(opts: RunOptions, live: LiveParts | None = None) -> ModelIdenti
 
 
 def engine_model_name(name: str, opts: RunOptions, engine: EngineClient | None = None) -> str:
-    """The in-process engine's model as jobs name it: int8 weights (or an int8 KV cache) answer
-    differently from bf16 ones, so "smollm2+int8" ("smollm2+kv-int8") keeps their cache entries
-    and resumes apart.  ``engine``: the one the job was given, whose settings win."""
+    """The in-process engine's model as jobs name it: by its canonical name (``--model
+    HuggingFaceTB/SmolLM2-135M-Instruct`` and ``--model smollm2`` are one model, one cache,
+    one resume), and int8 weights (or an int8 KV cache) answer differently from bf16 ones, so
+    "smollm2+int8" ("smollm2+kv-int8") keeps their cache entries and resumes apart.  ``engine``:
+    the one the job was given, whose settings win; the name it was asked for, not the one a
+    loaded folder reports (its directory's name, which two folders may share)."""
     config = getattr(engine, "config", None)
+    name = canonical(str(getattr(config, "model", None) or name))
     quantization = getattr(config, "quantization", None) or opts.engine_config.get("quantization")
     kv = getattr(config, "kv_cache_dtype", None) or opts.engine_config.get("kv_cache_dtype") or "auto"
     name = f"{name}+{quantization}" if quantization else name

@@ -14,6 +14,7 @@ running, a shared budget, the model identity the endpoints report at start) is a
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,29 @@ class BatchApiOptions:
     completion_window: str = "24h"
     default_max_tokens: int = 4096  # Anthropic requires max_tokens; tasks that set none get this
     http_attempts: int = 6  # tries of one API call on 429 / 5xx / no connection (--max-attempts)
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How the entry point that started a job spells its settings, so that a message names
+    what the user wrote: ``carpool run``'s flags (``--max-tokens 64``), or the keyword
+    arguments of ``run_batch`` (``max_tokens=64``).  ``name`` is the keyword's; a ``value`` in
+    capitals (``N``, ``NAME``) stands for one the user chooses and is shown as it is."""
+
+    keywords: bool = False
+
+    def __call__(self, name: str, value: object = None) -> str:
+        if self.keywords:
+            placeholder = isinstance(value, str) and value.isalpha() and value.isupper()
+            return name if value is None else f"{name}={value if placeholder else repr(value)}"
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        return flag if value is None else f"{flag} {shlex.quote(str(value))}"
+
+
+# The settings whose flag is not their keyword with dashes.
+_FLAGS = {"fmt": "--format", "output": "-o"}
+FLAGS = Naming()
+KEYWORDS = Naming(keywords=True)
 
 
 @dataclass(frozen=True)
@@ -120,6 +144,7 @@ class RunOptions:
     # --batch-api / an endpoints-file kind *-batch: the job goes through the provider's batch API
     # (carpool.jobs.provider_batch); None: online.
     batch_api: BatchApiOptions | None = None
+    naming: Naming = FLAGS  # how messages name a setting: the entry point's flags or keywords
 
 
 @dataclass(frozen=True)

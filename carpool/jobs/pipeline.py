@@ -477,16 +477,16 @@ class Pipeline:
             return
         if answer.reused is None:
             self.stats.sent += 1
-            self._account(answer.result)
+            self._account(answer.result, task.request.kind)
         self._write_answer(out, task, answer)
 
-    def _account(self, res: CallResult) -> None:
+    def _account(self, res: CallResult, kind: str) -> None:
         st = self.stats
         if res.ok:
             st.prompt_tokens += res.prompt_tokens
             st.completion_tokens += res.completion_tokens
             st.cached_prompt_tokens += res.cached_tokens
-            st.prompt_reuse.add(res.endpoint, res.prompt_tokens, res.cached_tokens, res.cached_reported)
+            st.prompt_reuse.add(res.endpoint, res.prompt_tokens, res.cached_tokens, res.cached_reported, kind)
             st.ttft.add(res.ttft_s)
             st.tpot.add(res.tpot_s)
             st.e2e.add(res.e2e_s)
@@ -496,8 +496,10 @@ class Pipeline:
         if res.ok:
             if answer.reused is None:
                 self.stats.ok += 1
+            structured = check_answer(req.body, res.body)
+            self.stats.answers.add(req.custom_id, res.body, structured)
             out.emit(success_line(req.custom_id, res.status_code or 200, res.request_id, res.body,
-                                  semantic=answer.semantic, structured=check_answer(req.body, res.body)))
+                                  semantic=answer.semantic, structured=structured))
             return
         kind = res.error_kind or ErrorKind.SERVER_ERROR
         self.stats.errors[kind] += 1

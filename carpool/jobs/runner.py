@@ -126,7 +126,7 @@ class Runner:
                 self.notify(f"carpool run: {note}")
         else:
             self.messages += warnings
-        lock = OutputLock(target.journal)
+        lock = OutputLock(target.journal, opts.naming)
         lock.acquire()
         try:
             settled, live, notes = await resolve_target(opts, peek, self.live)

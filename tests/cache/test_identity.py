@@ -171,3 +171,28 @@ def test_cache_clear_model_cli(tmp_path):
     assert cache_cli("stats", "--cache", url, "--model", "x").returncode == 2
     with open_cache(url) as s:
         assert len(s) == 0
+
+
+def test_the_shipped_model_under_its_two_names_shares_the_cache_and_a_resume(tmp_path):
+    # Before: `--model smollm2` and `--model HuggingFaceTB/SmolLM2-135M-Instruct` (the same
+    # weights) made other cache keys and another run fingerprint: no hit, and a resume refused.
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": c, "messages": [{"role": "user", "content": f"Say {c}"}],
+                                       "max_tokens": 2, "temperature": 0}) + "\n" for c in ("hi", "bye")))
+
+    def run(output: str, model: str) -> tuple[subprocess.CompletedProcess, dict]:
+        summary = tmp_path / f"{output}-{model.replace('/', '_')}.json"
+        p = subprocess.run([sys.executable, "-m", "carpool.cli", "run", str(src), "-o", str(tmp_path / output),
+                            "--model", model, "--cache", f"sqlite:///{tmp_path}/c.sqlite", "--quiet",
+                            "--summary-json", str(summary)], capture_output=True, text=True, timeout=600,
+                           check=False)
+        return p, json.loads(summary.read_text()) if summary.exists() else {}
+
+    first, _ = run("a.jsonl", "smollm2")
+    assert first.returncode == 0, first.stderr
+    other, s = run("b.jsonl", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert other.returncode == 0, other.stderr
+    assert s["cache_hits"] == 2
+    resumed, s = run("a.jsonl", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert resumed.returncode == 0, resumed.stderr
+    assert s["skipped_done_before"] == 2 and s["done"] == 0

@@ -58,6 +58,31 @@ def test_an_endpoint_of_the_wrong_shape_is_refused_with_the_fix(server, shape, f
     assert server.server.total_requests == 0
 
 
+def test_messages_name_run_batch_s_arguments_not_the_command_line_s_flags(server):
+    # Before: "pass --endpoint ...", a flag a Python caller has no use for.
+    bare = server.url.removesuffix("/v1")
+    with pytest.raises(StartRefused, match="lacks /v1") as refused:
+        carpool.run_batch(["hello"], endpoint=bare, model="m", max_tokens=4, cache="off", progress=False)
+    assert f"pass endpoint='{bare}/v1'" in str(refused.value) and "--" not in str(refused.value)
+    with pytest.raises(StartRefused, match="is not served") as refused:
+        carpool.run_batch(["hello"], endpoint=server.url, model="n", max_tokens=4, cache="off", progress=False)
+    assert "model='n'" in str(refused.value) and "--" not in str(refused.value)
+    with pytest.raises(StartRefused, match="nothing answers") as refused:
+        carpool.run_batch(["hello"], endpoint=f"http://127.0.0.1:{free_port()}/v1", model="m", max_tokens=4,
+                          cache="off", progress=False)
+    assert "wait_for_endpoint=" in str(refused.value) and "--" not in str(refused.value)
+    assert server.server.total_requests == 0
+
+
+def test_a_table_without_template_and_without_a_prompt_column_is_refused(server):
+    # Before: a bad line per row, returned as errors.
+    with pytest.raises(StartRefused, match=r"no prompt, messages or input column in the rows "
+                                           r"\(its columns: review, stars\)") as refused:
+        carpool.run_batch(REVIEWS, endpoint=server.url, model="m", max_tokens=4, cache="off", progress=False)
+    assert "template='Classify: {review}'" in str(refused.value) and "--" not in str(refused.value)
+    assert server.server.total_requests == 0
+
+
 def test_a_port_where_nothing_listens_is_refused_at_once_not_waited_on():
     # Before: the job paused as if the endpoint were down (--outage-timeout, 15 minutes).
     url = f"http://127.0.0.1:{free_port()}/v1"

@@ -40,3 +40,29 @@ def test_the_summary_table_shows_the_engine_start_inside_elapsed(tmp_path):
     assert p.returncode == 0, p.stderr
     start = json.loads((tmp_path / "s.json").read_text())["engine_start_s"]
     assert start > 0 and f"(engine start {start:.1f} s)" in p.stderr
+
+
+def test_the_progress_bar_names_dedup_for_what_it_is_on_stderr(tmp_path):
+    # Before: "19 cached" with the cache off (those answers were copies of a task of this run),
+    # and the bar drawn on stdout, into the JSON of --summary-json -.
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "same"}], "max_tokens": 2,
+                                       "temperature": 0}) + "\n" for _ in range(20)))
+    p = run_cli(str(src), "-o", str(tmp_path / "o.jsonl"), "--echo-backend", "--cache", "off", "--progress",
+                "--summary-json", "-")
+    assert p.returncode == 0, p.stderr
+    bar = next(line for line in p.stderr.splitlines() if " err " in line)  # 20/20, or 20/? before the count
+    assert "19 deduplicated" in bar and "cached" not in bar
+    assert json.loads(p.stdout)["dedup_fanouts"] == 19  # stdout holds the summary and nothing else
+
+
+def test_an_embedding_job_on_the_engine_gets_no_vllm_advice(tmp_path):
+    # Before: "prompt tokens cached by the server: not reported by the server (vLLM:
+    # --enable-prompt-tokens-details)", for a job that ran no server and has no prefix cache.
+    src = tmp_path / "e.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"e{i}", "input": f"text {i}"}) + "\n" for i in range(2)))
+    p = run_cli(str(src), "-o", str(tmp_path / "o.jsonl"), "--cache", "off", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert "engine's" in p.stderr and "prefix cache" in p.stderr
+    assert "vLLM" not in p.stderr and "--enable-prompt-tokens-details" not in p.stderr
+    assert "by the server" not in p.stderr

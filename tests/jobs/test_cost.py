@@ -170,7 +170,7 @@ def test_the_summary_table_prints_dollars(fault_server, tmp_path):
     s = json.loads((tmp_path / "s.json").read_text())
     expected = (s["prompt_tokens"] * 0.15 + s["completion_tokens"] * 0.60) / 1e6
     assert s["cost"]["spent_usd"] == pytest.approx(expected, abs=1e-6)
-    assert "$ spent / saved by the cache" in p.stderr
+    assert "$ spent / saved by cache and dedup" in p.stderr
     assert s["cost"]["prices"]["source"].startswith("built-in table (gpt-4o-mini")
 
 

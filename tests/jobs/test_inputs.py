@@ -4,7 +4,9 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
+from carpool.errors import StartRefused
 from carpool.jobs.python_api.run import run_batch
 
 
@@ -82,6 +84,7 @@ def test_csv_without_template_says_what_to_do(tmp_path):
     src = tmp_path / "r.csv"
     src.write_text("review\nnice\n")
     out = tmp_path / "out.jsonl"
-    run_batch(src, out, echo=True, cache="off")
-    (d,) = lines(out)
-    assert d["error"]["field"] == "template" and "--template" in d["error"]["message"]
+    with pytest.raises(StartRefused, match=r"no prompt, messages or input column in r.csv \(its columns: review\)"
+                                           r".*template='Classify: \{review\}'"):
+        run_batch(src, out, echo=True, cache="off")
+    assert not out.exists()

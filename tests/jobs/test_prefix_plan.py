@@ -165,7 +165,7 @@ def test_summary_says_when_the_server_reports_no_cached_tokens(fault_server, tmp
     assert s["prompt_cache"]["answers"] == 4 and s["prompt_cache"]["cached_share"] is None
     reuse = PromptReuse()
     reuse.add(srv.url, 100, 0, False)
-    assert "not reported" in reuse.summary_text() and reuse.progress_text() == ""
+    assert "not reported" in reuse.summary_row(f"http {srv.url}")[1] and reuse.progress_text() == ""
 
 
 def test_ordered_output_keeps_input_order_while_windows_group(fault_server, tmp_path):

@@ -94,6 +94,23 @@ def test_a_template_column_that_is_not_there_is_refused_with_the_close_match(fau
     assert dry.returncode == ExitCode.REFUSED and "did you mean {review}?" in dry.stderr
 
 
+def test_a_csv_without_template_and_without_a_prompt_column_is_refused_at_start(fault_server, tmp_path):
+    # Before: every row became an invalid_input line (exit 3, "rerun with --retry-errors").
+    srv = fault_server(FaultConfig(models=["m"]))
+    src, out = tmp_path / "reviews.csv", tmp_path / "out.jsonl"
+    src.write_text("id,review\nr1,great\nr2,awful\n")
+    for extra in ([], ["--dry-run"]):
+        p = cli(src, "-o", out, "--endpoint", srv.url, "--model", "m", "--max-tokens", "4", "--cache", "off", *extra,
+                timeout=30)
+        assert p.returncode == ExitCode.REFUSED, p.stderr
+        assert "no prompt, messages or input column in reviews.csv (its columns: id, review)" in p.stderr
+        assert "--template 'Classify: {review}'" in p.stderr and "--retry-errors" not in p.stderr
+        assert posts(srv) == [] and not out.exists()
+    ok = cli(src, "-o", out, "--endpoint", srv.url, "--model", "m", "--max-tokens", "4", "--cache", "off",
+             "--template", "Classify: {review}", timeout=60)
+    assert ok.returncode == 0, ok.stderr
+
+
 def test_negative_max_tokens_is_refused_at_parse_also_by_dry_run(tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_tasks(src, 2)

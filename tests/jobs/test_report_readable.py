@@ -2,7 +2,13 @@
 table (no raw dicts), a throughput plot without an end spike, and a concurrency reason that
 names what set it."""
 
+import base64
+import html
+import io
+import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -56,3 +62,80 @@ def test_render_html_without_plots_data():
 
     page = render_html(JobStats(total=0))
     assert "<table>" in page and "{'" not in page
+
+
+def _task(cid: str, content: str, **extra) -> dict:
+    return {"custom_id": cid, "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0,
+            **extra}
+
+
+def test_the_report_shows_the_answers_labels_and_parse_errors(fault_server, tmp_path):
+    # Before: nothing of the answers, only how fast they came.  The echo server answers each
+    # task with its own text, so the answers are known.
+    pytest.importorskip("matplotlib")
+    srv = fault_server(FaultConfig(models=["m"], echo=True))
+    schema = {"type": "json_schema", "json_schema": {"name": "l", "schema": {
+        "type": "object", "properties": {"label": {"enum": ["positive", "negative"]}}, "required": ["label"]}}}
+    labels = [_task(f"c{i}", word) for i, word in enumerate(["positive"] * 3 + ["negative"] * 2 + ["Positive."])]
+    structured = [_task("s0", '{"label": "positive"}', response_format=schema),
+                  _task("s1", "positive", response_format=schema)]
+    rep = tmp_path / "r.html"
+    carpool.run_batch(labels + structured, endpoint=srv.url, model="m", cache="off", progress=False,
+                      report=str(rep))
+    page = rep.read_text()
+    assert "<h2>Answers</h2>" in page and "<td>stop</td><td>8</td>" in page
+    assert "Label distribution" in page
+    for label, n in (("'positive'", 4), ("'negative'", 2), ("'Positive.'", 1)):  # s1 answered "positive" too
+        assert f"<td>{html.escape(label)}</td><td>{n}</td>" in page
+    assert "1 of 2 answers that asked for JSON" in page and "<td>s1</td><td>the answer is not JSON" in page
+
+
+def test_answers_cut_at_max_tokens_are_said_in_the_summary_and_the_report(fault_server, tmp_path):
+    # Before: the README's job had all its answers cut at max_tokens and nothing said so.
+    pytest.importorskip("matplotlib")
+    srv = fault_server(FaultConfig(models=["m"]))  # answers max_tokens words, finish_reason "length"
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(_task(f"t{i}", f"classify {i}")) + "\n" for i in range(3)))
+    rep = tmp_path / "r.html"
+    p = subprocess.run([sys.executable, "-m", "carpool.cli", "run", str(src), "-o", str(tmp_path / "o.jsonl"),
+                        "--endpoint", srv.url, "--model", "m", "--cache", "off", "--no-progress", "--report",
+                        str(rep)], capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    assert "answers cut at max_tokens" in p.stderr and "3 of 3" in p.stderr
+    page = rep.read_text()
+    assert "<td>length</td><td>3</td>" in page and "3 of 3 answers were cut at max_tokens" in page
+
+
+def test_each_task_is_one_outcome_bar(fault_server, tmp_path):
+    # Before: a deduplicated task was drawn twice, as "ok" and as a "dedup fan-out".
+    pytest.importorskip("matplotlib")
+    srv = fault_server(FaultConfig(models=["m"], echo=True))
+    tasks = [_task(f"d{i}", "same question") for i in range(5)] + [_task(f"u{i}", f"question {i}") for i in range(3)]
+    rep = tmp_path / "r.html"
+    carpool.run_batch(tasks, endpoint=srv.url, model="m", cache="off", progress=False, report=str(rep))
+    alt = re.search(r'alt="tasks by outcome: ([^"]+)"', rep.read_text())
+    assert alt is not None
+    counts = {k: int(n) for n, k in (part.split(" ", 1) for part in alt.group(1).split(", "))}
+    assert counts == {"answered": 4, "deduplicated": 4} and sum(counts.values()) == len(tasks)
+
+
+def test_requests_and_tokens_per_second_are_drawn_on_panels_of_their_own():
+    # Before: tokens/s on a second y-axis over requests/s, the two lines crossing each other.
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    from carpool.jobs.summary.stats import JobStats
+
+    stats = JobStats(total=90)
+    stats.timeline = [{"t": float(i), "done": 10 * i, "tokens": 1000 * i + (i % 3) * 300} for i in range(10)]
+    page = render_html(stats)
+    png = re.search(r'<h2>Throughput over time</h2><img alt="[^"]*" src="data:image/png;base64,([^"]+)"', page)
+    assert png is not None
+    pixels = imread(io.BytesIO(base64.b64decode(png.group(1))))[..., :3]
+
+    def rows_of(rgb: tuple[int, int, int]) -> np.ndarray:
+        return np.nonzero((np.abs(pixels * 255 - np.array(rgb)) < 8).all(axis=2))[0]
+
+    blue, orange = rows_of((31, 119, 180)), rows_of((255, 127, 14))  # matplotlib's first two colours
+    assert len(blue) and len(orange)
+    assert blue.max() < orange.min()  # requests/s wholly above tokens/s: two panels, nothing crossing

@@ -90,15 +90,16 @@ def test_exact_cache_across_runs(fault_server, tmp_path):
 
 
 def test_endpoint_tasks_need_a_model(fault_server, tmp_path):
-    """No --model and an endpoint that cannot say what it serves: refused before anything is
-    sent or written (it used to write an invalid_input line for every task, all "done")."""
+    """No model and an endpoint that cannot say what it serves: refused before anything is
+    sent or written (it used to write an invalid_input line for every task, all "done"),
+    naming run_batch's argument."""
     from carpool.errors import StartRefused
 
     srv = fault_server(FaultConfig())
     src = tmp_path / "in.jsonl"
     write_tasks(src, 2)
     out = tmp_path / "out.jsonl"
-    with pytest.raises(StartRefused, match="--model"):
+    with pytest.raises(StartRefused, match="pass model=NAME"):
         run_batch(src, out, endpoints=[srv.url], cache="off")
     assert srv.server.total_requests == 0 and not out.exists()
 
@@ -260,11 +261,11 @@ def test_a_crash_inside_one_task_is_an_error_line_and_the_job_goes_on(fault_serv
     real = Pipeline._account
     calls = {"n": 0}
 
-    def flaky_account(self, res):
+    def flaky_account(self, *args):
         calls["n"] += 1
         if calls["n"] % 3 == 0:
             raise RuntimeError("bookkeeping bug")
-        return real(self, res)
+        return real(self, *args)
 
     monkeypatch.setattr(Pipeline, "_account", flaky_account)
     srv = fault_server(FaultConfig())

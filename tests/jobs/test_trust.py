@@ -62,7 +62,7 @@ def test_exit_2_refused_starts(fault_server, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_tasks(src, 2)
     p = cli(src, "-o", out, "--endpoint", srv.url, "--model", "c", "--cache", "off")
-    assert p.returncode == ExitCode.REFUSED and "'c' is not served" in p.stderr and "a, b" in p.stderr
+    assert p.returncode == ExitCode.REFUSED and "--model c is not served" in p.stderr and "a, b" in p.stderr
     p = cli(src, "-o", out, "--endpoint", srv.url, "--cache", "off")  # several served, none chosen
     assert p.returncode == ExitCode.REFUSED and "pass --model" in p.stderr
     assert cli(tmp_path / "missing.jsonl", "-o", out).returncode == ExitCode.REFUSED

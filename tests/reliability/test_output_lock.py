@@ -4,10 +4,14 @@ Before: two identical ``carpool run ... -o same.jsonl`` started 0.5-2 s apart bo
 with 144-160 lines for 80 ids, every task sent (and paid) twice.  Now the second run is
 refused at once (exit 2) naming the run that holds the output; the first completes with one
 line per id.  The lock is the OS's (``flock``): a killed holder leaves nothing stale.
+
+Before, too: ``<output>.carpool.lock`` stayed in the user's directory after every job.  Now
+the run that holds it removes it when it ends, whichever way it ends.
 """
 
 from __future__ import annotations
 
+import fcntl
 import signal
 import subprocess
 import sys
@@ -19,7 +23,7 @@ from reliability_helpers import chat_task, complete_ids, read_jsonl, run_cli, ru
 
 from carpool.jobs.output.lock import OutputLock, OutputLocked, lock_path
 from carpool.jobs.python_api.run import run_batch
-from carpool.testing.fault_server import FaultConfig
+from carpool.testing.fault_server import Fault, FaultConfig
 
 N = 60
 
@@ -125,3 +129,58 @@ def test_the_lock_is_released_when_a_run_ends_and_in_process_too(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import sys; from carpool.jobs.output.lock import OutputLock; "
                         f"OutputLock({str(out)!r}).acquire()"], capture_output=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr.decode()
+
+
+@pytest.mark.parametrize("ending", ["done", "tasks_failed", "interrupted", "refused_after_the_lock"])
+def test_no_lock_file_is_left_when_a_run_ends(logging_fault_server, tmp_path, ending):
+    faults = [Fault("400", times=0)] if ending == "tasks_failed" else []
+    srv = logging_fault_server(FaultConfig(models=["m"], latency_s=0.5 if ending == "interrupted" else 0.0,
+                                           faults=faults))
+    args, out = _job(srv, tmp_path)
+    if ending == "refused_after_the_lock":  # the model is settled with /models once the lock is held
+        args[args.index("m")] = "not-served"
+    if ending == "interrupted":
+        run = subprocess.Popen(run_cmd(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _wait_until(lambda: len(complete_ids(out)) >= 2, run, "two lines")
+            run.send_signal(signal.SIGINT)
+            code = run.wait(timeout=300)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    else:
+        code = run_cli(args).returncode
+    assert code == {"done": 0, "tasks_failed": 3, "interrupted": 130, "refused_after_the_lock": 2}[ending]
+    assert not lock_path(out).exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if "lock" in p.name) == []
+
+
+def test_a_run_that_opened_the_lock_file_as_its_holder_removed_it_does_not_share_the_output(tmp_path,
+                                                                                            monkeypatch):
+    # The race removing the file opens: a second run opens the lock file, the holder lets go
+    # and removes it, the second run then locks a file that has no name any more, while a
+    # third run would create and lock a new one.  The second must take the named file.
+    from carpool.jobs.output import lock as lock_module
+
+    out = tmp_path / "out.jsonl"
+    holder = OutputLock(out)
+    holder.acquire()
+    real_flock = fcntl.flock
+    opened: list[int] = []
+
+    def holder_ends_between_open_and_flock(fd: int, op: int) -> None:
+        if not opened:
+            opened.append(fd)
+            holder.release()
+        real_flock(fd, op)
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", holder_ends_between_open_and_flock)
+    second = OutputLock(out)
+    second.acquire()
+    monkeypatch.setattr(lock_module.fcntl, "flock", real_flock)
+    assert opened and lock_path(out).exists()
+    with pytest.raises(OutputLocked):  # a third run is refused: the second holds the named file
+        OutputLock(out).acquire()
+    second.release()
+    assert not lock_path(out).exists()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from carpool.jobs.input.tasks import TaskDefaults, Template
-from carpool.jobs.options import LIVE_NAMES, LiveParts, RunOptions
+from carpool.jobs.options import KEYWORDS, LIVE_NAMES, LiveParts, RunOptions
 
 _OPTION_NAMES = ({f.name for f in dataclasses.fields(RunOptions)} | set(LIVE_NAMES)) - {"input", "output"}
 _SHORTCUTS = ("model", "max_tokens", "temperature", "idempotent")
@@ -44,6 +44,7 @@ def make_job(input: str, output: str, **options) -> tuple[RunOptions, LiveParts]
     if isinstance(options.get("template"), str):
         options["template"] = Template(options["template"])
     defaults = dataclasses.replace(defaults, **{k: v for k, v in shortcuts.items() if v is not None})
+    options.setdefault("naming", KEYWORDS)  # a message names run_batch's arguments, not carpool run's flags
     return RunOptions(input=str(input), output=str(output), defaults=defaults, **options), live
 
 

@@ -145,15 +145,36 @@ def _columns(source: TaskSource) -> tuple[list[str] | None, str]:
     return None, "the tasks"
 
 
+# What makes a row a task without a template: its prompt, in one of these columns (a record in
+# memory may also be an OpenAI Batch line, its request in ``body``).
+_TASK_COLUMNS = ("messages", "prompt", "input")
+
+
+def _example_column(columns: list[str]) -> str:
+    """The column a template example names: the first that does not look like an id."""
+    for c in columns:
+        if c.lower() not in ("id", "custom_id") and not c.lower().endswith("_id"):
+            return c
+    return columns[0] if columns else "text"
+
+
 def check_template(opts: RunOptions, source: TaskSource) -> None:
-    """Every column the template (and its id column) names is in the input, else refused."""
+    """Every column the template (and its id column) names is in the input, else refused; a
+    table without a template must hold its prompts in a column of their own, else refused."""
     template = opts.template
-    if template is None:
-        return
+    flag = opts.naming
     columns, where = _columns(source)
+    if template is None:
+        task_columns = _TASK_COLUMNS if isinstance(source, Reader) else (*_TASK_COLUMNS, "body")
+        if columns and not any(c in columns for c in task_columns):  # no rows: nothing to run
+            example = flag("template", f"Classify: {{{_example_column(columns)}}}")
+            raise StartRefused(f"no prompt, messages or input column in {where} (its columns: "
+                               f"{', '.join(map(str, columns))}): build the prompt from the columns with "
+                               f"{flag('template')}, e.g. {example}; nothing was sent")
+        return
     if columns is None:
-        raise StartRefused(f"--template builds tasks from the columns of a CSV or Parquet file; {where!r} is "
-                           "read as JSONL: drop --template or pass --format csv")
+        raise StartRefused(f"{flag('template')} builds tasks from the columns of a CSV or Parquet file; {where!r} "
+                           f"is read as JSONL: drop {flag('template')} or pass {flag('fmt', 'csv')}")
     named = [(c, "template") for c in template.columns]
     if template.id_column:
         named.append((template.id_column, "id column"))
@@ -196,7 +217,8 @@ def check_tasks(opts: RunOptions, source: TaskSource) -> list[str]:
              for key, line in unknown.items()]
     if unlimited and not opts.echo:
         notes.append(f"warning: {unlimited:,} of the first {looked:,} tasks set no max_tokens: a chat answer "
-                     "without one may run to the model's context limit; pass --max-tokens N (or set it per task)")
+                     "without one may run to the model's context limit; pass "
+                     f"{opts.naming('max_tokens', 'N')} (or set it per task)")
     return notes
 
 
@@ -218,5 +240,6 @@ async def check_start(opts: RunOptions, live: LiveParts, spread: Spread, source:
         notes += check_tasks(opts, source)
     if probe and opts.endpoints and not opts.echo and spread.probes(opts):
         connect_s = min(opts.timeouts.connect_s, 10.0)
-        notes += await probe_endpoints(job_endpoints(opts), opts.wait_for_endpoint, connect_s, say)
+        notes += await probe_endpoints(job_endpoints(opts), opts.wait_for_endpoint, connect_s, say,
+                                       naming=opts.naming)
     return notes

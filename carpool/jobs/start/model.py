@@ -96,19 +96,20 @@ def settle_model(opts: RunOptions, lists: list[ModelList], source: TaskSource | 
         for m in answered:
             if m.card(model) is None:
                 served = ", ".join(m.ids) or "none"
-                raise StartRefused(f"--model {model!r} is not served by {m.url} (it serves: {served}); "
-                                   "pass one of those names")
+                raise StartRefused(f"{opts.naming('model', model)} is not served by {m.url} (it serves: "
+                                   f"{served}); pass one of those names")
     else:
         names = sorted({i for m in answered for i in m.ids})
         if len(names) == 1 and answered:
             model = names[0]
-            notes.append(f"--model not given: {', '.join(m.url for m in answered)} serves only {model!r}; using it")
+            notes.append(f"{opts.naming('model')} not given: {', '.join(m.url for m in answered)} serves only "
+                         f"{model!r}; using it")
         elif _first_task_model(opts, source) is None:
             if answered:
-                raise StartRefused(f"no --model given and {answered[0].url} serves several models "
-                                   f"({', '.join(names) or 'none'}): pass --model NAME")
-            raise StartRefused("no --model given and the endpoint's models could not be listed "
-                               f"({lists[0].error if lists else 'no endpoint'}): pass --model NAME")
+                raise StartRefused(f"no {opts.naming('model')} given and {answered[0].url} serves several models "
+                                   f"({', '.join(names) or 'none'}): pass {opts.naming('model', 'NAME')}")
+            raise StartRefused(f"no {opts.naming('model')} given and the endpoint's models could not be listed "
+                               f"({lists[0].error if lists else 'no endpoint'}): pass {opts.naming('model', 'NAME')}")
     if not model:
         return None, ModelIdentity(""), notes
     cards = [(m.url, m.card(model)) for m in answered if m.card(model) is not None]
@@ -139,8 +140,8 @@ async def resolve_target(opts: RunOptions, source: TaskSource | None = None, liv
         return opts, dataclasses.replace(live, identity=identity), notes
     if not asked:  # only Azure endpoints: --model (the deployment) is sent as given
         if not opts.defaults.model and _first_task_model(opts, source) is None:
-            raise StartRefused("no --model given: an Azure OpenAI endpoint needs the deployment name "
-                               "(--model DEPLOYMENT)")
+            raise StartRefused(f"no {opts.naming('model')} given: an Azure OpenAI endpoint needs the deployment "
+                               f"name ({opts.naming('model', 'DEPLOYMENT')})")
         return opts, dataclasses.replace(live, identity=job_identity(opts, live)), []
     lists = await fetch_model_lists(opts, asked)
     model, identity, notes = settle_model(opts, lists, source)

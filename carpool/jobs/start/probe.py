@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from carpool.client.endpoints import EndpointSpec
 from carpool.errors import StartRefused
+from carpool.jobs.options import FLAGS, Naming
 
 
 @dataclass
@@ -67,7 +68,8 @@ def _missing_v1(spec: EndpointSpec) -> bool:
     return spec.kind != "azure" and not spec.url.rstrip("/").endswith("/v1")
 
 
-async def _route_problems(specs: list[EndpointSpec], probes: list[Probe], timeout_s: float) -> list[str]:
+async def _route_problems(specs: list[EndpointSpec], probes: list[Probe], timeout_s: float,
+                          naming: Naming) -> list[str]:
     """Refuses a base URL that lacks ``/v1`` when ``/v1`` answers; warnings for other 404s."""
     import dataclasses
 
@@ -80,17 +82,18 @@ async def _route_problems(specs: list[EndpointSpec], probes: list[Probe], timeou
             again = (await _ask_all([with_v1], timeout_s))[0]
             if again.status is not None and again.status < 400:
                 raise StartRefused(
-                    f"--endpoint {spec.url}: no route there (GET {probe.url}: HTTP 404) but "
-                    f"{again.url} answers: the base URL lacks /v1; pass --endpoint {with_v1.url}")
+                    f"{naming('endpoint', spec.url)}: no route there (GET {probe.url}: HTTP 404) but "
+                    f"{again.url} answers: the base URL lacks /v1; pass {naming('endpoint', with_v1.url)}")
             notes.append(f"warning: GET {probe.url}: HTTP 404; OpenAI-compatible servers serve under /v1 "
                          f"(e.g. {with_v1.url}): if every task fails with HTTP 404, add /v1 to the URL")
     return notes
 
 
 async def probe_endpoints(specs: list[EndpointSpec], wait_s: float = 0.0, timeout_s: float = 5.0,
-                          say=None) -> list[str]:
+                          say=None, *, naming: Naming = FLAGS) -> list[str]:
     """Ask each endpoint's ``/models``; refuse (``StartRefused``) when nothing answers after
-    ``wait_s`` seconds, or when a base URL lacks ``/v1``.  Returns warnings for the user."""
+    ``wait_s`` seconds, or when a base URL lacks ``/v1``.  Returns warnings for the user;
+    ``naming``: how the messages name a setting (the job's entry point's flags or keywords)."""
     if not specs:
         return []
     deadline = time.monotonic() + wait_s
@@ -101,21 +104,22 @@ async def probe_endpoints(specs: list[EndpointSpec], wait_s: float = 0.0, timeou
             break
         left = deadline - time.monotonic()
         if left <= 0:
-            raise StartRefused(_nothing_answers(specs, probes, wait_s))
+            raise StartRefused(_nothing_answers(specs, probes, wait_s, naming))
         if say is not None and not told:
-            say(f"waiting up to {left:.0f} s for {specs[0].url} to answer (--wait-for-endpoint) ...")
+            say(f"waiting up to {left:.0f} s for {specs[0].url} to answer ({naming('wait_for_endpoint')}) ...")
             told = True
         await asyncio.sleep(min(1.0, left))
     notes = [f"warning: {spec.name} does not answer ({probe.error})"
              + ("" if probe.listening else "; the job starts with the endpoints that do")
              for spec, probe in zip(specs, probes, strict=True) if probe.status is None]
-    return notes + await _route_problems(specs, probes, timeout_s)
+    return notes + await _route_problems(specs, probes, timeout_s, naming)
 
 
-def _nothing_answers(specs: list[EndpointSpec], probes: list[Probe], wait_s: float) -> str:
+def _nothing_answers(specs: list[EndpointSpec], probes: list[Probe], wait_s: float, naming: Naming) -> str:
     urls = ", ".join(s.url for s in specs)
     why = "; ".join(f"GET {p.url}: {p.error}" for p in probes)
     waited = f" after waiting {wait_s:g} s" if wait_s else ""
+    wait = naming("wait_for_endpoint", 120 if naming.keywords else "2m")  # seconds in Python, as the field is
     hint = ("is the server running, on that host and port? Start it or fix the URL; for a server that is "
-            "still starting pass --wait-for-endpoint 2m")
+            f"still starting pass {wait}")
     return f"nothing answers at {urls}{waited} ({why}): {hint}. Nothing was sent"

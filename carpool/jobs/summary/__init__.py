@@ -2,5 +2,6 @@
 
 ``stats.JobStats``: the statistics, in bounded memory; ``progress``: the live bar;
 ``prompt_reuse``: the prompt tokens the servers said they served from their prefix cache;
+``answers``: what the answers say (why they stopped, the labels, parse errors);
 ``html_report``: the ``--report`` page; ``exit_codes``: the exit code a script reads.
 """

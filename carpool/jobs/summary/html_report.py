@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from carpool import report
+from carpool.jobs.summary.answers import LABEL_CHARS
 from carpool.jobs.summary.stats import JobStats
 
 if TYPE_CHECKING:
@@ -31,44 +32,85 @@ def rate_points(t: Any) -> Any:
     return np.array(idx)
 
 
-def _plots(stats: JobStats) -> list[tuple[str, bytes]]:
+def _throughput(plt: Any, tl: list[dict]) -> bytes:
+    """Requests/s over tokens/s, each on a panel of its own with its own scale (on one axis
+    the smaller would be a flat line; on a second y-axis, hard to tell which line is which)."""
+    import numpy as np
+
+    t = np.array([r["t"] for r in tl])
+    keep = rate_points(t)
+    tr = t[keep]
+    done = np.array([r["done"] for r in tl], dtype=float)[keep]
+    toks = np.array([r["tokens"] for r in tl], dtype=float)[keep]
+    dt = np.maximum(np.diff(tr), 1e-9)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.8), sharex=True)
+    # Each rate is drawn over the interval it was measured in (a step), not as a point.
+    for ax, values, what, color in ((top, done, "requests/s", "tab:blue"), (bottom, toks, "tokens/s", "tab:orange")):
+        ax.step(tr[1:], np.diff(values) / dt, where="pre", color=color)
+        ax.set_ylabel(what)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    top.set_title("Throughput")
+    bottom.set_xlabel("time since the start (s)")
+    return report.png(fig)
+
+
+def _concurrency(plt: Any, tl: list[dict]) -> bytes:
+    import numpy as np
+
+    t = np.array([r["t"] for r in tl])
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ax.plot(t, [r.get("limit") or 0 for r in tl], label="concurrency limit")
+    ax.plot(t, [r.get("in_flight") or 0 for r in tl], label="in flight")
+    drops = np.array([r.get("drops") or 0 for r in tl], dtype=float)
+    if drops.any():
+        new = np.diff(drops, prepend=0)
+        ax.scatter(t[new > 0], np.zeros(int((new > 0).sum())), color="red", marker="x", label="429/503 received")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("requests")
+    ax.set_title("Concurrency")
+    ax.legend()
+    return report.png(fig)
+
+
+def _bars(plt: Any, counts: dict[str, int], title: str, colors: list[str] | None = None) -> bytes:
+    """Horizontal bars, one row per name, each with its count at its end; the figure grows
+    with the rows so that bars and names never overlap."""
+    names = list(counts)[::-1]  # the first at the top
+    values = [counts[n] for n in names]
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.4 * len(names)))
+    bars = ax.barh(range(len(names)), values, height=0.6, color=colors[::-1] if colors else "tab:blue")
+    ax.set_yticks(range(len(names)), [n if len(n) <= 40 else n[:39] + "..." for n in names])
+    ax.bar_label(bars, labels=[f"{v:,}" for v in values], padding=3)
+    ax.set_xlim(0, max(values) * 1.15 or 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # tasks come whole
+    ax.set_xlabel("tasks")
+    ax.set_title(title)
+    return report.png(fig)
+
+
+def _outcomes(stats: JobStats) -> dict[str, int]:
+    """Each task written this run in one bar: ``ok`` counts dedup fan-outs too (they share an
+    answer the backend gave), so they are taken out of "answered" and shown as their own."""
+    counts = {"answered": stats.ok - stats.dedup_fanouts, **dict(stats.errors), "cache hits": stats.cache_hits,
+              "semantic cache hits": stats.semantic_hits, "deduplicated": stats.dedup_fanouts}
+    return {k: v for k, v in counts.items() if v}
+
+
+def _plots(stats: JobStats) -> list[tuple[str, bytes, str | None]]:
+    """(title, PNG, what it shows in words or None) for each plot there is data for."""
     import numpy as np
 
     plt = report.pyplot()
-    out: list[tuple[str, bytes]] = []
+    out: list[tuple[str, bytes, str | None]] = []
     tl = stats.timeline
     if len(tl) >= 2:
-        t = np.array([r["t"] for r in tl])
-        keep = rate_points(t)
-        tr = t[keep]
-        done = np.array([r["done"] for r in tl], dtype=float)[keep]
-        toks = np.array([r["tokens"] for r in tl], dtype=float)[keep]
-        dt = np.maximum(np.diff(tr), 1e-9)
-        fig, ax = plt.subplots(figsize=(8, 3.2))
-        # Each rate is drawn over the interval it was measured in (a step), not as a point.
-        ax.step(tr[1:], np.diff(done) / dt, where="pre", label="requests/s")
-        ax.set_xlabel("time since the start (s)")
-        ax.set_ylabel("requests/s")
-        ax2 = ax.twinx()
-        ax2.step(tr[1:], np.diff(toks) / dt, where="pre", color="tab:orange", label="tokens/s")
-        ax2.set_ylabel("tokens/s")
-        ax.set_title("Throughput")
-        fig.legend(loc="upper right")
-        out.append(("Throughput over time", report.png(fig, layout=False)))
+        out.append(("Throughput over time", _throughput(plt, tl),
+                    "requests/s (top) and tokens/s (bottom) over time since the start"))
         if any(r.get("limit") is not None for r in tl):
-            fig, ax = plt.subplots(figsize=(8, 3.2))
-            ax.plot(t, [r.get("limit") or 0 for r in tl], label="concurrency limit")
-            ax.plot(t, [r.get("in_flight") or 0 for r in tl], label="in flight")
-            drops = np.array([r.get("drops") or 0 for r in tl], dtype=float)
-            if drops.any():
-                new = np.diff(drops, prepend=0)
-                ax.scatter(t[new > 0], np.zeros(int((new > 0).sum())), color="red", marker="x",
-                           label="429/503 received")
-            ax.set_xlabel("time (s)")
-            ax.set_ylabel("requests")
-            ax.set_title("Concurrency")
-            ax.legend()
-            out.append(("Concurrency limit and requests in flight", report.png(fig, layout=False)))
+            out.append(("Concurrency limit and requests in flight", _concurrency(plt, tl), None))
     series = [(name, r.values) for name, r in (("TTFT", stats.ttft), ("TPOT", stats.tpot), ("end to end", stats.e2e))
               if r.values]
     if series:
@@ -79,18 +121,13 @@ def _plots(stats: JobStats) -> list[tuple[str, bytes]]:
             ax.set_title(name)
             ax.set_xlabel("ms")
             ax.set_ylabel("requests")
-        out.append(("Latency distributions", report.png(fig, layout=False)))
-    counts = {"ok": stats.ok, **dict(stats.errors), "cache hits": stats.cache_hits,
-              "semantic hits": stats.semantic_hits, "dedup fan-outs": stats.dedup_fanouts}
-    counts = {k: v for k, v in counts.items() if v}
+        out.append(("Latency distributions", report.png(fig), None))
+    counts = _outcomes(stats)
     if counts:
-        fig, ax = plt.subplots(figsize=(8, 0.5 + 0.4 * len(counts)))
-        ax.barh(list(counts), list(counts.values()), color=["tab:green" if k == "ok" else "tab:blue"
-                                                            if "hit" in k or "dedup" in k else "tab:red"
-                                                            for k in counts])
-        ax.set_xlabel("tasks")
-        ax.set_title("Outcomes")
-        out.append(("Outcomes by kind", report.png(fig, layout=False)))
+        colors = ["tab:green" if k == "answered" else "tab:blue" if "hit" in k or k == "deduplicated" else "tab:red"
+                  for k in counts]
+        out.append(("Outcomes by kind", _bars(plt, counts, "Outcomes", colors),
+                    "tasks by outcome: " + ", ".join(f"{n:,} {k}" for k, n in counts.items())))
     return out
 
 
@@ -136,8 +173,11 @@ def summary_rows(stats: JobStats) -> list[tuple[str, str | None]]:
         ("output token throughput", _n(d["output_tokens_per_s"], "tokens/s", 1)),
         ("prompt tokens", _n(d["prompt_tokens"])),
         ("completion tokens", _n(d["completion_tokens"])),
-        ("prompt tokens served from the server's prefix cache", _n(d["cached_prompt_tokens"])),
+        stats.prompt_reuse.summary_row(d["backend"]),
+        ("answers cut at max_tokens", stats.answers.cut_text() or "0"),
     ]
+    if stats.answers.structured:
+        rows.append(("structured answers failing their schema", stats.answers.parse_error_text() or "0"))
     for name, key in (("time to first token", "ttft"), ("time per output token", "tpot"),
                       ("end-to-end latency", "e2e")):
         p50, p99 = d[f"{key}_ms_p50"], d[f"{key}_ms_p99"]
@@ -168,14 +208,56 @@ def _limiter_line(limiter: FixedLimiter) -> str:
             f"{s['drops']} answered 429/503")
 
 
+def _answers(stats: JobStats) -> list[str]:
+    """The answers section: why they stopped, the labels they gave, the structured answers
+    that failed their schema."""
+    a = stats.answers
+    if not a.answers:
+        return []
+    parts = ["<h2>Answers</h2>", report.paragraph(f"{a.answers:,} answers written this run (cache answers included)"
+                                                   ", by why they stopped (finish_reason):"),
+             report.table([(reason, f"{n:,}", f"{n / a.answers:.0%}", _REASONS.get(reason))
+                           for reason, n in a.finish_reasons.most_common()],
+                          header=("finish_reason", "answers", "share", "meaning"))]
+    if a.cut:
+        parts.append(report.paragraph(f"{a.cut:,} of {a.answers:,} answers were cut at max_tokens: their text is "
+                                      "unfinished. Raise max_tokens, or ask the model for a shorter answer."))
+    if a.label_like():
+        labels = {repr(k): v for k, v in a.labels.most_common()}  # quoted: "Positive." and "positive" show apart
+        parts.append(report.figure("Label distribution (the distinct short answers)",
+                                   _bars(report.pyplot(), labels, "Answers")))
+        parts.append(report.table([(k, f"{v:,}", f"{v / a.answers:.0%}") for k, v in labels.items()],
+                                  header=("answer", "answers", "share")))
+    else:
+        distinct = f"more than {len(a.labels):,}" if a.other_labels else f"{len(a.labels):,}"
+        parts.append(report.paragraph(
+            f"No label distribution: the answers read as free text ({a.long_answers:,} of {a.answers:,} longer "
+            f"than {LABEL_CHARS} characters or on several lines; {distinct} distinct short ones)."))
+    if a.structured:
+        parts.append("<h2>Structured answers</h2>")
+        parts.append(report.paragraph(f"{a.parse_errors:,} of {a.structured:,} answers that asked for JSON "
+                                      "(response_format) failed to parse or to match their schema"
+                                      + (f"; the first {len(a.parse_error_examples)}:" if a.parse_errors else ".")))
+        if a.parse_error_examples:
+            parts.append(report.table(a.parse_error_examples, header=("custom_id", "parse_error")))
+    return parts
+
+
+# What each finish_reason means, as OpenAI and vLLM use them.
+_REASONS = {"stop": "the model ended its answer (or hit a stop string)",
+            "length": "cut at max_tokens (or the context limit)",
+            "tool_calls": "the model called a tool", "content_filter": "withheld by a content filter"}
+
+
 def render_html(stats: JobStats, limiter: FixedLimiter | None = None) -> str:
     parts = [report.paragraph(cost_line(stats)), report.table(summary_rows(stats), header=("", "this run"))]
     if limiter is not None:
         parts.append(report.paragraph(_limiter_line(limiter)))
+    parts += _answers(stats)
     if stats.semantic_similarities:
         parts.append("<h2>Semantic cache hits</h2>"
                      + report.table(stats.semantic_similarities[:200], header=("custom_id", "similarity")))
-    parts += [report.figure(title, png) for title, png in _plots(stats)]
+    parts += [report.figure(title, png, alt) for title, png, alt in _plots(stats)]
     return report.page("carpool run", *parts)
 
 

@@ -1,4 +1,9 @@
-"""The live progress bar: done/total, req/s, tok/s, errors, cache hits, ETA.
+"""The live progress bar: done/total, req/s, tok/s, errors, answers reused, ETA.
+
+Reused answers are named by where they came from, since each says something else: the
+result cache (``cached``: an earlier run paid for it), the semantic cache (``semantic``)
+and dedup (``deduplicated``: a copy of an identical task of this run, which happens with
+the cache off too).
 
 In Jupyter (an IPython kernel) it is a tqdm bar (``tqdm.auto``: the ipywidgets bar when
 ipywidgets is installed, text otherwise), since rich's live display and stderr status
@@ -26,6 +31,18 @@ def in_notebook() -> bool:
         return False
     ip = sys.modules["IPython"].get_ipython()
     return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
+
+
+def reuse_text(stats: JobStats) -> str:
+    """``12 cached, 3 deduplicated``: the answers of this run that were not sent for, by their
+    source; ``cached`` shows while the result cache is on (a 0 there says it is on and missed),
+    the others once they happened; "" when there is nothing to say."""
+    cache_on = not stats.cache_backend.startswith("off")
+    parts = [f"{n:,} {what}" for n, what, show in (
+        (stats.cache_hits, "cached", cache_on or stats.cache_hits),
+        (stats.semantic_hits, "semantic", stats.semantic_hits),
+        (stats.dedup_fanouts, "deduplicated", stats.dedup_fanouts)) if show]
+    return ", ".join(parts)
 
 
 class Progress:
@@ -59,6 +76,7 @@ class Progress:
         if self.notebook:
             self._tqdm = self._tqdm_cls(total=None, desc="carpool run", unit="task", file=sys.stderr)
             return
+        from rich.console import Console
         from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as RichProgress
 
@@ -68,12 +86,13 @@ class Progress:
             TextColumn("{task.completed:,.0f}/{task.fields[total_s]}"),
             TextColumn("{task.fields[rates]}"),
             TextColumn("[red]{task.fields[errors]} err"),
-            TextColumn("[green]{task.fields[hits]} cached"),
+            TextColumn("[green]{task.fields[reused]}"),
             TimeRemainingColumn(),
-            transient=False, refresh_per_second=4,
+            # stderr, as every message of a job: stdout is the caller's (--summary-json -).
+            console=Console(stderr=True), transient=False, refresh_per_second=4,
         )
         self._bar.start()
-        self._task = self._bar.add_task("run", total=None, total_s="?", rates="", errors=0, hits=0)
+        self._task = self._bar.add_task("run", total=None, total_s="?", rates="", errors=0, reused="")
 
     def _rates(self) -> tuple[float, float]:
         now = time.monotonic()
@@ -91,23 +110,23 @@ class Progress:
         s = self.stats
         rps, tps = self._rates()
         completed = s.done + s.skipped
-        hits = s.cache_hits + s.semantic_hits + s.dedup_fanouts
+        reused = reuse_text(s)
         extra = s.prompt_reuse.progress_text() + extra
         if self._tqdm is not None:
             if s.total is not None and self._tqdm.total != s.total:
                 self._tqdm.total = s.total
             self._tqdm.n = completed
-            self._tqdm.set_postfix_str(f"{rps:,.1f} req/s, {tps:,.0f} tok/s, {s.n_errors} err, {hits} cached{extra}",
-                                       refresh=True)
+            self._tqdm.set_postfix_str(f"{rps:,.1f} req/s, {tps:,.0f} tok/s, {s.n_errors} err"
+                                       f"{', ' + reused if reused else ''}{extra}", refresh=True)
         elif self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=completed, total=s.total,
                              total_s=f"{s.total:,}" if s.total is not None else "?",
-                             rates=f"{rps:,.1f} req/s {tps:,.0f} tok/s{extra}", errors=s.n_errors, hits=hits)
+                             rates=f"{rps:,.1f} req/s {tps:,.0f} tok/s{extra}", errors=s.n_errors, reused=reused)
         elif self.log_lines and time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
             total = "?" if s.total is None else f"{s.total:,}"
             print(f"carpool run: {completed:,}/{total} done, {rps:,.1f} req/s, {tps:,.0f} tok/s, "
-                  f"{s.n_errors} errors, {hits} cached{extra}", file=sys.stderr, flush=True)
+                  f"{s.n_errors} errors{', ' + reused if reused else ''}{extra}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self._tqdm is not None:

@@ -6,6 +6,11 @@ whether the order of the job (``carpool.jobs.input.prefix_order``) and the routi
 groups (``carpool.client.affinity``) paid, so the progress line and the summary show it,
 with the share of all prompt tokens, for each endpoint.  A server that does not report it
 (vLLM before ``--enable-prompt-tokens-details``) is told apart from one that cached nothing.
+
+Only chat and completion answers count: an embedding has no prefix cache to take tokens
+from, and no server reports one for it, so counting it would shrink the share and make a
+job of embeddings read as a server that keeps its figure back.  The summary names what
+cached for the backend that ran: the server's prefix cache, or the embedded engine's.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ class EndpointReuse:
 
 @dataclass
 class PromptReuse:
-    """Per endpoint (its URL; "" for the in-process engine) and in all."""
+    """Per endpoint (its URL; "engine" for the in-process engine) and in all."""
 
     endpoints: dict[str, EndpointReuse] = field(default_factory=dict)
 
-    def add(self, endpoint: str, prompt_tokens: int, cached_tokens: int, reported: bool) -> None:
+    def add(self, endpoint: str, prompt_tokens: int, cached_tokens: int, reported: bool, kind: str = "chat") -> None:
+        """One answer the backend gave; ``kind``: its task's (embeddings are not counted)."""
+        if kind == "embedding":
+            return
         e = self.endpoints.get(endpoint)
         if e is None:
             e = self.endpoints[endpoint] = EndpointReuse()
@@ -68,13 +76,22 @@ class PromptReuse:
             text += f" ({' '.join(each)})"
         return text
 
-    def summary_text(self) -> str:
-        """The summary's row: in all, then per endpoint when there are several."""
+    def summary_row(self, backend: str) -> tuple[str, str]:
+        """The summary's row, named for the ``backend`` that ran (``JobStats.backend``): in all,
+        then per endpoint when there are several."""
+        if backend.startswith("engine"):
+            return "prompt tokens from the engine's prefix cache", self._text("not reported by the engine")
+        if backend == "echo":  # no model, no cache
+            return "prompt tokens from a prefix cache", "-"
+        return "prompt tokens cached by the server", \
+            self._text("not reported by the server (vLLM: --enable-prompt-tokens-details)")
+
+    def _text(self, unreported: str) -> str:
         t = self.total()
         if not t.answers:
             return "-"
         if not t.reported:
-            return "not reported by the server (vLLM: --enable-prompt-tokens-details)"
+            return unreported
         text = f"{t.cached_tokens:,} of {t.prompt_tokens:,} ({t.share:.0%})"
         if len(self.endpoints) > 1:
             text += "; " + ", ".join(f"{url or 'engine'} {e.share:.0%}" if e.share is not None

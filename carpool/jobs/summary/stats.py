@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from carpool.jobs.cost.prices import Prices, cost_doc
+from carpool.jobs.summary.answers import AnswerTally
 from carpool.jobs.summary.prompt_reuse import PromptReuse
 from carpool.redact import redact_text
 
@@ -89,6 +90,7 @@ class JobStats:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     prompt_reuse: PromptReuse = field(default_factory=PromptReuse)  # the servers' prefix-cache reuse
+    answers: AnswerTally = field(default_factory=AnswerTally)  # why answers stopped, labels, parse errors
     retries: Counter = field(default_factory=Counter)
     ttft: Reservoir = field(default_factory=Reservoir)
     tpot: Reservoir = field(default_factory=Reservoir)
@@ -181,6 +183,7 @@ class JobStats:
             "output_tokens_per_s": round(self.completion_tokens / el, 1) if el else None,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens, "prompt_cache": self.prompt_reuse.to_dict(),
+            "answers": self.answers.to_dict(),
             "sent": self.sent, "retries": dict(self.retries),
             "ttft_ms_p50": ms(self.ttft, 50), "ttft_ms_p99": ms(self.ttft, 99),
             "tpot_ms_p50": ms(self.tpot, 50), "tpot_ms_p99": ms(self.tpot, 99),
