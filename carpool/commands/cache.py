@@ -9,6 +9,15 @@ import sys
 from pathlib import Path
 
 
+def _clear(store, model: str | None, namespace: str | None) -> int:
+    """Entries removed: a model asked for under another of its names (the shipped SmolLM2 by its
+    Hugging Face name) is the one its answers were stored under, so both are cleared."""
+    from carpool.engine.model_names import canonical
+
+    names = {model} if model is None else {model, canonical(model)}
+    return sum(store.clear(model=name, namespace=namespace) for name in names)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["stats", "clear"], help="show the figures, or delete every entry")
     parser.add_argument(
@@ -59,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
         sem_dir = _semantic_dir(args, store)
         if args.action == "clear":
             selected = args.model is not None or args.namespace is not None
-            report: dict = {"cleared": {"exact": store.clear(model=args.model, namespace=args.namespace)}}
+            report: dict = {"cleared": {"exact": _clear(store, args.model, args.namespace)}}
             if selected:
                 report["selected"] = {k: v for k, v in (("model", args.model), ("namespace", args.namespace))
                                       if v is not None}

@@ -173,6 +173,20 @@ def test_cache_clear_model_cli(tmp_path):
         assert len(s) == 0
 
 
+def test_cache_clear_finds_the_shipped_model_under_its_hugging_face_name(tmp_path):
+    # The answers of the shipped model are stored under its canonical name; a user who ran it
+    # as HuggingFaceTB/SmolLM2-135M-Instruct clears it by that name.
+    url = f"sqlite:///{tmp_path}/c.sqlite"
+    with open_cache(url) as s:
+        s.put("a", ANSWER, model="smollm2")
+        s.put("b", ANSWER, model="model-b")
+    p = cache_cli("clear", "--cache", url, "--model", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["cleared"]["exact"] == 1
+    with open_cache(url) as s:
+        assert len(s) == 1
+
+
 def test_the_shipped_model_under_its_two_names_shares_the_cache_and_a_resume(tmp_path):
     # Before: `--model smollm2` and `--model HuggingFaceTB/SmolLM2-135M-Instruct` (the same
     # weights) made other cache keys and another run fingerprint: no hit, and a resume refused.
