@@ -65,7 +65,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from carpool.extras import MissingExtra
+    from carpool.errors import MissingExtra
 
     argv = sys.argv[1:] if argv is None else argv
     # Before any verb imports torch: the OpenMP wait policy is read when torch loads.

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from carpool.errors import MissingExtra
+
 # extra -> the import names it must make importable (pip names differ: faiss is faiss-cpu).
 EXTRAS: dict[str, tuple[str, ...]] = {
     "engine": ("torch", "transformers", "tokenizers", "safetensors", "gguf", "llguidance"),
@@ -23,15 +25,6 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "report": ("matplotlib",),
     "parquet": ("pyarrow",),
 }
-
-
-class MissingExtra(ImportError):
-    """A feature was asked for whose extra is not installed; the message says how to add it."""
-
-    def __init__(self, extra: str, feature: str, missing: list[str]) -> None:
-        self.extra, self.feature, self.missing = extra, feature, missing
-        super().__init__(f"{feature} needs carpool's {extra!r} extra ({', '.join(missing)} not installed): "
-                         f"pip install 'carpool[{extra}]'")
 
 
 def missing(extra: str) -> list[str]:

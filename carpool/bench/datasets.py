@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from carpool.errors import DatasetError
+
 # Short, common English words: each is a single token in GPT-2/Llama/SmolLM2 style vocabularies,
 # so a prompt of N words is close to N tokens even without a tokenizer.
 _WORD_TEXT = (
@@ -35,10 +37,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
-
-
-class DatasetError(ValueError):
-    """A dataset file or option that cannot be used; the message says where and what to do."""
 
 
 @dataclass

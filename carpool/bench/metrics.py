@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from carpool.bench.loadgen import BenchRun, RequestRecord
+from carpool.errors import MetricsError
 
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
@@ -35,10 +36,6 @@ HEADERS = {
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
 }
-
-
-class MetricsError(ValueError):
-    """A metric option that cannot be parsed; the message says which and how to write it."""
 
 
 def parse_goodput(pairs: Iterable[str] | None) -> dict[str, float]:

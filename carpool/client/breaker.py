@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from carpool.client.retry import ErrorKind
 from carpool.compat import StrEnum
+from carpool.errors import OutageTimeout
 
 # Failures where the endpoint did not answer at all (no HTTP status): an outage looks like these.
 NO_ANSWER = frozenset({ErrorKind.CONNECT, ErrorKind.RESET, ErrorKind.TRUNCATED, ErrorKind.READ_TIMEOUT,
@@ -51,11 +52,6 @@ class BreakerPolicy:
     probe_first_s: float = 0.5  # first probe this long after the breaker opens
     probe_cap_s: float = 5.0  # probes back off (doubling) up to this interval: at most this late after recovery
     probe_timeout_s: float = 5.0  # a probe with no answer within this is a failed probe
-
-
-class OutageTimeout(Exception):
-    """Every endpoint has been down for longer than the outage timeout: the job stops
-    (exit code 4) and this request, not sent, runs again on resume."""
 
 
 class CircuitBreaker:

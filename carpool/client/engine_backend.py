@@ -18,10 +18,10 @@ from typing import Any
 
 from carpool.client.base import CallResult, Refused, Request
 from carpool.client.retry import ErrorKind
-from carpool.embed.dynamic_batcher import DynamicBatcher, QueueFullError, QueueTimeoutError
+from carpool.embed.dynamic_batcher import DynamicBatcher
 from carpool.engine.protocol import EngineClient, TokenDelta
-from carpool.openai.errors import OpenAIError
-from carpool.openai.generation import EngineAborted, run_request
+from carpool.errors import EngineAborted, OpenAIError, QueueFullError, QueueTimeoutError
+from carpool.openai.generation import run_request
 from carpool.openai.requests import Prepared, Translator
 from carpool.openai.responses import Choice, embedding_body
 

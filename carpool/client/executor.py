@@ -27,6 +27,7 @@ from carpool.client.budget import Budget, NoBudget
 from carpool.client.limiter import FixedLimiter
 from carpool.client.retry import ErrorKind, RetryPolicy, decide
 from carpool.client.slot import LimiterSlot
+from carpool.errors import Stopped
 
 
 class ReuseHook(Protocol):
@@ -38,10 +39,6 @@ class ReuseHook(Protocol):
     async def lookup(self) -> CallResult | None: ...
 
     async def store(self, res: CallResult) -> None: ...
-
-
-class Stopped(Exception):
-    """The job is stopping: this request was not sent (it runs again on resume)."""
 
 
 class Executor:

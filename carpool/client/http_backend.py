@@ -34,8 +34,9 @@ from carpool.client.breaker import NO_ANSWER, BreakerPolicy, OutageGate, State
 from carpool.client.endpoints import EndpointSpec, auth_headers, plain_specs
 from carpool.client.pool import Timeouts, make_session
 from carpool.client.retry import ErrorKind, parse_retry_after
-from carpool.client.sse_reader import EventTooLarge, SSEReader
+from carpool.client.sse_reader import SSEReader
 from carpool.compat import timeout
+from carpool.errors import EventTooLarge
 from carpool.openai.accumulator import StreamAccumulator
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode

@@ -12,11 +12,9 @@ the last event with a blank line).
 
 from __future__ import annotations
 
+from carpool.errors import EventTooLarge
+
 MAX_EVENT_BYTES = 64 * 1024 * 1024  # far above any real chunk; a bound against a runaway server
-
-
-class EventTooLarge(ValueError):
-    pass
 
 
 class SSEReader:

@@ -22,15 +22,9 @@ import numpy as np
 
 from carpool.bench import datasets
 from carpool.bench.loadgen import BenchRun, engine_load_client, http_load_client, run_benchmark
-from carpool.bench.metrics import (
-    MetricsError,
-    format_result,
-    parse_goodput,
-    parse_metric_names,
-    parse_percentiles,
-    result_json,
-)
+from carpool.bench.metrics import format_result, parse_goodput, parse_metric_names, parse_percentiles, result_json
 from carpool.commands import flags
+from carpool.errors import DatasetError, MetricsError
 from carpool.extras import require
 
 
@@ -272,6 +266,6 @@ def main(args: argparse.Namespace) -> int:
         require("report", "--report")
     try:
         return asyncio.run(_run(args))
-    except (datasets.DatasetError, MetricsError, ValueError) as e:
+    except (DatasetError, MetricsError, ValueError) as e:
         print(f"carpool bench: {e}", file=sys.stderr)
         return 2

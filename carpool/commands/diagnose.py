@@ -7,9 +7,10 @@ import asyncio
 import json
 import sys
 
-from carpool.bench.datasets import DatasetError, load_jsonl
+from carpool.bench.datasets import load_jsonl
 from carpool.bench.diagnose import Diagnoser, Diagnosis
 from carpool.commands import flags
+from carpool.errors import DatasetError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

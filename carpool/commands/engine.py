@@ -78,7 +78,7 @@ def render(plan: Any) -> str:
 def main(args: argparse.Namespace) -> int:
     from carpool.engine import EngineConfig
     from carpool.engine.llm_engine import LLMEngine
-    from carpool.engine.protocol import EngineError
+    from carpool.errors import EngineError
 
     setting = ",".join(s for s in (args.force, "remeasure" if args.remeasure else None) if s) or None
     extra: dict[str, Any] = {"attention": "kernel"}

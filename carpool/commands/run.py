@@ -237,7 +237,8 @@ def _headers(values: list[str]) -> dict[str, str]:
 
 def _endpoint_specs(args: argparse.Namespace) -> list:
     """The endpoints of ``--endpoints FILE`` (empty without it); refuses flags it replaces."""
-    from carpool.jobs.endpoints_file import EndpointsFileError, load_endpoints
+    from carpool.errors import EndpointsFileError
+    from carpool.jobs.endpoints_file import load_endpoints
 
     if not args.endpoints:
         return []
@@ -331,7 +332,7 @@ def write_summary_json(doc: dict, target: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """The job, and its exit code (``carpool.jobs.summary.exit_codes``: the table is in docs/run.md)."""
-    from carpool.extras import MissingExtra
+    from carpool.errors import MissingExtra
     from carpool.jobs.summary.exit_codes import ExitCode
 
     try:
@@ -425,7 +426,7 @@ def _ended_early(error: Exception, command: str = "carpool run") -> int:
     from the error tree (``carpool.jobs.summary.exit_codes.code_for_error``); what the tree calls a
     crash (an engine failure, an unexpected error) is raised on to ``main``, which says so
     with the traceback."""
-    from carpool.jobs.pipeline import OutputError
+    from carpool.errors import OutputError
     from carpool.jobs.summary.exit_codes import ExitCode, code_for_error
 
     code = code_for_error(error)

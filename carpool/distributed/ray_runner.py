@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from carpool.distributed.shards import PlanMismatch, Shard, load_or_make_plan, merge_files
-from carpool.errors import StartRefused
+from carpool.distributed.shards import Shard, load_or_make_plan, merge_files
+from carpool.errors import PlanMismatch, RayRunError
 from carpool.extras import require
 from carpool.jobs.summary.stats import JobStats, ShardsRun
 from carpool.redact import redact_url
@@ -64,10 +64,6 @@ class RayOptions:
     rpm_burst_s: float = 1.0  # burst allowed, in seconds of traffic (capped at half the window)
     keep_workdir: bool = False  # keep the shard files after a successful merge
     init_kwargs: dict = field(default_factory=dict)  # extra ray.init arguments (tests: num_cpus)
-
-
-class RayRunError(StartRefused):
-    """A ``--ray`` run asked for something it cannot do (exit 2)."""
 
 
 def _plan(input_path: Path, fmt: str, workdir: Path, n_shards: int) -> list[Shard]:

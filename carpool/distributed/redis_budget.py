@@ -32,7 +32,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from carpool.distributed.redis_client import RedisUser
-from carpool.errors import StartRefused
+from carpool.errors import BudgetClosed, BudgetUnavailable, StartRefused
 
 # KEYS[1]: the budget's hash.  ARGV: mode ("acquire" | "adjust"), request amount,
 # request rate/s, request capacity, token amount, token rate/s, token capacity, ttl ms.
@@ -103,14 +103,6 @@ class _RedisBucket:
 def _per(limit: float | None, factor: float) -> float | None:
     # Rounded so that e.g. 360 rpm over a 1 s window is exactly 6, not 5.999999.
     return None if not limit else round(limit * factor, 9)
-
-
-class BudgetClosed(RuntimeError):
-    pass
-
-
-class BudgetUnavailable(RuntimeError):
-    pass
 
 
 class RedisBudget(RedisUser):

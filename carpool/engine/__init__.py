@@ -29,8 +29,8 @@ _EXPORTS = {
     "TokenDelta": ".protocol",
     "RequestOutput": ".protocol",
     "Usage": ".protocol",
-    "EngineError": ".protocol",
-    "EngineSettingsError": ".protocol",
+    "EngineError": "carpool.errors",  # public names here too: users catch them from carpool.engine
+    "EngineSettingsError": "carpool.errors",
 }
 
 __all__ = list(_EXPORTS)

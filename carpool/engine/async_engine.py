@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from carpool.compat import Self
+from carpool.errors import EngineError
 from carpool.extras import require
 
 from .config import EngineConfig
-from .protocol import BACKGROUND_PRIORITY, EngineError, GenerateRequest, StructuredOutputs, TokenDelta
+from .protocol import BACKGROUND_PRIORITY, GenerateRequest, StructuredOutputs, TokenDelta
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine

@@ -13,6 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from carpool.errors import GGUFError
+
 # GGUF tensor name (inside a block) -> HF name (inside model.layers.N.)
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -36,10 +38,6 @@ _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 # Architectures whose Q/K rows llama.cpp's converter permuted for its rotary layout.
 _PERMUTED_ARCHS = {"llama"}
 SUPPORTED_ARCHS = {"llama", "qwen2"}
-
-
-class GGUFError(ValueError):
-    """A GGUF file carpool cannot use; the message says which field and why."""
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict:

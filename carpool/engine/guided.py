@@ -37,7 +37,9 @@ import llguidance
 import numpy as np
 import torch
 
-from .protocol import EngineError, GrammarError, StructuredOutputs
+from carpool.errors import EngineError, GrammarError
+
+from .protocol import StructuredOutputs
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -16,27 +16,19 @@ from typing import Any
 
 import torch
 
+from carpool.errors import EngineError, EngineSettingsError, ModelLoadError, StepInterrupted
+
 from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .guided import GrammarCompiler, TokenVocabulary
 from .kv_quant import bytes_per_head_vector, check_kv_cache_dtype
-from .loader import ModelLoadError
 from .loader import resolve_dtype as loader_dtype
-from .model import LlamaModel, StepInterrupted
+from .model import LlamaModel
 from .model_runner import PREFILL_MODES, ModelRunner
 from .ops.build import ISA_NAMES
 from .process import configure_process
-from .protocol import (
-    BACKGROUND_PRIORITY,
-    EngineError,
-    EngineSettingsError,
-    GenerateRequest,
-    TokenDelta,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-)
+from .protocol import BACKGROUND_PRIORITY, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
 from .quant import calibration_ids, check_quantization
 from .sampler import RawLogprobs, SampleResult
 from .scheduler import SampledToken, Scheduler

@@ -30,7 +30,7 @@ import torch
 
 from carpool.engine import cpu, model_names
 from carpool.engine.config import ModelConfig
-from carpool.errors import ModelUnavailable
+from carpool.errors import ModelLoadError
 from carpool.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -43,10 +43,6 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 CACHE_FORMAT = 1
 TINY_RANDOM_SHAPE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                          "num_attention_heads": 4, "num_key_value_heads": 2}
-
-
-class ModelLoadError(ModelUnavailable):
-    """A model carpool cannot load; the message says what is wrong and what to do."""
 
 
 @dataclass

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 import torch.nn.functional as F
 
+from carpool.errors import StepInterrupted
+
 from . import decode_gemm, kv_quant, quant
 from .config import ModelConfig
 from .plan import PACKED_ROUTES, Plan, RouteTable, default_plan, route_for
@@ -35,13 +37,6 @@ from .quant import Int8Linear, linear
 
 if TYPE_CHECKING:
     from .ops import Kernels
-
-
-class StepInterrupted(Exception):
-    """A step stopped between two layers because ``meta.interrupt`` was set.  Nothing it
-    computed is used: the caller leaves its sequences as they were, and the keys and values
-    it already wrote are written again, to the same slots and with the same values, when the
-    step is run again."""
 
 
 def _check_interrupt(meta: AttentionMetadata) -> None:

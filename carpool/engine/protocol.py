@@ -13,8 +13,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from carpool.errors import EngineFailure, StartRefused
-
 
 @dataclass
 class StructuredOutputs:
@@ -197,32 +195,6 @@ class RequestOutput:
     e2e_s: float | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     error: str | None = None  # finish_reason "error": why
-
-
-class EngineError(EngineFailure):
-    """A request the engine cannot run (prompt past the context, bad parameter).
-
-    The message says which field and why; the server maps it to a 400.
-    """
-
-
-class EngineSettingsError(EngineError, StartRefused):
-    """The engine cannot start with the settings it was given (dtype, quantization, max_model_len,
-    ``extra.*``, a forced plan): the user's to fix, so a refused start (exit 2), not a crash."""
-
-
-class GrammarError(EngineError):
-    """A grammar refused when compiled or at its first tokens.
-
-    ``field`` is the ``StructuredOutputs`` field that holds it ("json", "choice", ...) and
-    ``reason`` says what is wrong in words, with no llguidance state or backtrace, so a
-    server can put both in a 400 under the body's own field name."""
-
-    def __init__(self, field: str, reason: str, rid: str = "") -> None:
-        where = f"request {rid}: " if rid else ""
-        super().__init__(f"{where}structured_outputs.{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 class EngineClient(Protocol):

@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .protocol import EngineError, StructuredOutputs
+from carpool.errors import EngineError
+
+from .protocol import StructuredOutputs
 
 
 @dataclass

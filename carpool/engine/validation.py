@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from typing import TypeGuard
 
-from .protocol import EngineError, SamplingParams, StructuredOutputs
+from carpool.errors import EngineError
+
+from .protocol import SamplingParams, StructuredOutputs
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (and vLLM's default max_logprobs)
 MAX_STOP_TOKEN_IDS = 1024

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from carpool.client.endpoints import EndpointSpec, auth_headers, header_problem, is_azure_url, plain_specs
-from carpool.errors import StartRefused
+from carpool.errors import EndpointsFileError, StartRefused
 from carpool.jobs.options import KINDS
 
 if TYPE_CHECKING:
@@ -49,10 +49,6 @@ FIELDS = ("name", "base_url", "url", "kind", "model", "deployment", "api_version
           "headers_env", "weight", "priority", "fallback", "rpm", "tpm", "max_completion_tokens")
 _SECRET_HEADERS = {"authorization", "api-key", "x-api-key"}
 BATCH_KINDS = tuple(KINDS)
-
-
-class EndpointsFileError(StartRefused):
-    """The endpoints file cannot be used (exit 2); the message names the entry and the field."""
 
 
 def load_endpoints(path: str, environ: Mapping[str, str] | None = None) -> list[EndpointSpec]:

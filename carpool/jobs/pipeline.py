@@ -31,10 +31,9 @@ from collections.abc import Callable
 from carpool import redact
 from carpool.cache.audit import AuditItem, SemanticAudit
 from carpool.client.base import CallResult, Refused
-from carpool.client.breaker import OutageTimeout
-from carpool.client.executor import Executor, Stopped
+from carpool.client.executor import Executor
 from carpool.client.retry import ErrorKind, RetryPolicy
-from carpool.errors import CarpoolError
+from carpool.errors import OutageTimeout, OutputError, Stopped
 from carpool.jobs.input.prefix_order import PlannedSource, WindowOrder
 from carpool.jobs.input.readers import TaskSource
 from carpool.jobs.input.tasks import BadLine, Task, prefix_key, repeat_id, repeat_reason
@@ -48,13 +47,6 @@ from carpool.jobs.summary.stats import JobStats
 from carpool.jobs.task_slots import TaskSlot, TaskSlots
 from carpool.journal.done import DoneSet, SeenIds
 from carpool.journal.writer import ResultWriter, error_line, line_tail, success_line, with_tail
-
-
-class OutputError(CarpoolError, OSError):
-    """The output could not be written; the message says which file, why, and how to resume."""
-
-    def __str__(self) -> str:
-        return self.strerror or super().__str__()
 
 
 class _TaskWriter:

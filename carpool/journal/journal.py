@@ -16,15 +16,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from carpool.errors import StartRefused
+from carpool.errors import FingerprintMismatch
 from carpool.journal.done import DoneSet, id_hash
 from carpool.journal.recovery import Recovered, compact, recover
 from carpool.journal.writer import Appender, ResultWriter
 from carpool.redact import redact_argv
-
-
-class FingerprintMismatch(StartRefused):
-    """A resume that would mix answers made another way into the output (exit 2)."""
 
 
 def _flat(doc: dict, prefix: str = "") -> dict:

@@ -14,7 +14,8 @@ whichever way it runs.  Nothing here knows HTTP.
   engine output; ``embedding_body`` for ``/v1/embeddings``.
 - ``schema`` / ``validation`` / ``openapi``: the request schemas (strict for carpool's engine,
   lenient for any endpoint: ``check_body``), their validator, the ``/openapi.json`` document.
-- ``errors``: ``OpenAIError``, an error answer (status + OpenAI error body).
+- The error answer itself, ``OpenAIError`` (status + OpenAI error body), is in ``carpool.errors``
+  with every other exception carpool defines.
 - ``accumulator``: the other direction, for clients: ``StreamAccumulator`` rebuilds the
   non-streamed body from a server's SSE chunks, field for field.
 

@@ -18,9 +18,8 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
-from carpool.engine.protocol import EngineClient, EngineError, TokenDelta
-from carpool.errors import CarpoolError
-from carpool.openai.errors import OpenAIError
+from carpool.engine.protocol import EngineClient, TokenDelta
+from carpool.errors import EngineAborted, EngineError, OpenAIError
 from carpool.openai.requests import Prepared
 from carpool.openai.responses import Choice, ResponseBuilder
 
@@ -128,11 +127,6 @@ def engine_failure(e: Exception, engine: EngineClient) -> OpenAIError:
         return OpenAIError(400, str(e))
     log.error("engine failed: %r", e)
     return OpenAIError(500, f"engine error: {e}", type="server_error")
-
-
-class EngineAborted(OpenAIError, CarpoolError):
-    """The engine aborted a choice (it is shutting down): no answer, retry elsewhere or later.
-    Apart from the other 503s so a caller can tell "not run to its end" from "failed"."""
 
 
 def aborted_error() -> EngineAborted:

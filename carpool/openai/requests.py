@@ -38,13 +38,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from carpool.engine.protocol import EngineClient, EngineError, GenerateRequest, SamplingParams, StructuredOutputs
+from carpool.engine.protocol import EngineClient, GenerateRequest, SamplingParams, StructuredOutputs
 from carpool.engine.tool_calls import tool_call_constraint
+from carpool.errors import EngineError, OpenAIError, SchemaError
 from carpool.openai import tools as T
-from carpool.openai.errors import OpenAIError
 from carpool.openai.responses import Choice
 from carpool.openai.schema import chat_request_schema, completion_request_schema
-from carpool.openai.validation import SchemaError, check_choice_count, validate
+from carpool.openai.validation import check_choice_count, validate
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions API and vLLM
 # No token of the byte-level BPE vocabularies carpool runs is longer than this many characters

@@ -30,8 +30,8 @@ import numpy as np
 
 from carpool.engine.protocol import GenerateRequest, TokenDelta, TokenLogprob, Usage
 from carpool.engine.tool_calls import ToolCall, parse_tool_calls
+from carpool.errors import OpenAIError
 from carpool.openai import tools as T
-from carpool.openai.errors import OpenAIError
 from carpool.openai.logprobs import CompletionLogprobs, chat_content, chat_logprobs
 
 

@@ -17,7 +17,8 @@ the server accepts.
 
 from __future__ import annotations
 
-from carpool.openai.validation import HINT, UNSUPPORTED, SchemaError, validate
+from carpool.errors import SchemaError
+from carpool.openai.validation import HINT, UNSUPPORTED, validate
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 
 # Only a JSON escape can put a surrogate in a string (the UTF-8 decoder refuses encoded
 # ones), so the body is walked only when one of these is in the raw bytes.

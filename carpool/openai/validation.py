@@ -11,24 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from carpool.errors import SchemaError
+
 # A schema key marking a parameter carpool does not implement; its value says what, for the error.
 UNSUPPORTED = "x-carpool-unsupported"
 # A schema key whose text is added to the error when a value breaks that schema: why, and the fix.
 HINT = "x-carpool-hint"
-
-
-class SchemaError(ValueError):
-    """A body that does not match its schema.
-
-    ``param`` is the dotted path of the culprit (``messages[0].role``), ``reason`` what is
-    wrong with it, ``message`` both together.
-    """
-
-    def __init__(self, param: str, reason: str) -> None:
-        self.param = param
-        self.reason = reason
-        self.message = f"'{param}': {reason}"
-        super().__init__(self.message)
 
 
 _JSON_TYPE_NAMES = {

@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from carpool.errors import NotAnswered
 from carpool.journal.writer import error_line, success_line
 from carpool.openai.surrogates import surrogate_error
 from carpool.server.batch_budget import WorkBudget
@@ -48,7 +49,7 @@ from carpool.server.batch_disk import BatchDisk
 from carpool.server.batch_input import ENDPOINTS, BatchLine, check_input, iter_requests, shown
 from carpool.server.batch_journal import BatchJournal, count_answers, journal_paths, open_journal
 from carpool.server.batch_object import UNFINISHED, Batch, BatchError, RequestCounts
-from carpool.server.batch_requests import NotAnswered, answer
+from carpool.server.batch_requests import answer
 from carpool.server.batch_store import BatchStore
 from carpool.server.state import ServerState
 

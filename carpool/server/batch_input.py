@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from carpool.openai.errors import bounded
+from carpool.errors import bounded
 from carpool.openai.surrogates import SURROGATE_ESCAPE, lone_surrogate_path
 from carpool.server.batch_journal import journal_id
 from carpool.server.batch_object import BatchError

@@ -26,9 +26,8 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 from carpool.engine.protocol import BACKGROUND_PRIORITY
-from carpool.errors import CarpoolError
-from carpool.openai.errors import OpenAIError
-from carpool.openai.generation import EngineAborted, run_request
+from carpool.errors import EngineAborted, NotAnswered, OpenAIError
+from carpool.openai.generation import run_request
 from carpool.openai.requests import grammar_param
 from carpool.server.embeddings import embeddings_body
 from carpool.server.state import ServerState
@@ -38,10 +37,6 @@ log = logging.getLogger("carpool.server.batches")
 
 # ``hold(sequences, kv_tokens)``: the batch share a request takes while it runs (``WorkBudget.hold``).
 Hold = Callable[[int, int], AbstractAsyncContextManager[None]]
-
-
-class NotAnswered(CarpoolError):
-    """The engine aborted the request (shutting down): no answer to record."""
 
 
 async def answer(state: ServerState, kind: str, body: dict, hold: Hold) -> tuple[int, dict]:

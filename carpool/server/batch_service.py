@@ -13,7 +13,7 @@ import logging
 import sqlite3
 import time
 
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 from carpool.paths import cache_dir
 from carpool.server.batch_budget import WorkBudget, engine_share
 from carpool.server.batch_disk import BatchDisk

@@ -20,7 +20,7 @@ import time
 
 from aiohttp import web
 
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 from carpool.server.batch_disk import BatchDisk
 from carpool.server.batch_executor import BatchExecutor
 from carpool.server.batch_input import ENDPOINTS, shown

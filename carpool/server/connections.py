@@ -26,7 +26,7 @@ import time
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from carpool.openai.errors import OpenAIError, bounded
+from carpool.errors import OpenAIError, bounded
 
 
 def default_max_connections() -> int:

@@ -7,10 +7,9 @@ import math
 
 from aiohttp import web
 
-from carpool.embed.dynamic_batcher import QueueFullError, QueueTimeoutError
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError, QueueFullError, QueueTimeoutError, SchemaError
 from carpool.openai.responses import embedding_body
-from carpool.openai.validation import SchemaError, validate
+from carpool.openai.validation import validate
 from carpool.server.http import json_response, read_json
 from carpool.server.state import STATE, ServerState
 

@@ -16,7 +16,7 @@ import time
 from aiohttp import web
 
 from carpool.engine.protocol import TokenDelta
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 from carpool.openai.generation import Generation, aborted_error, engine_failure, run_request
 from carpool.openai.requests import Prepared, grammar_param
 from carpool.openai.responses import Choice, ResponseBuilder

@@ -20,8 +20,8 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from carpool.engine.protocol import EngineClient, EngineError, GrammarError, StructuredOutputs
-from carpool.openai.errors import OpenAIError
+from carpool.engine.protocol import EngineClient, StructuredOutputs
+from carpool.errors import EngineError, GrammarError, OpenAIError
 
 
 class GrammarGate:

@@ -8,7 +8,7 @@ import json
 from aiohttp import web
 
 from carpool.compat import timeout
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 from carpool.openai.surrogates import SURROGATE_ESCAPE, lone_surrogate_path, surrogate_error
 
 # Work on a body larger than this (parsing, templating, tokenizing) runs on a worker thread,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 from carpool.server.http import json_response
 from carpool.server.metrics import CONTENT_TYPE
 from carpool.server.state import STATE

@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import web
 
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 from carpool.server.http import error_response
 
 log = logging.getLogger("carpool.server")

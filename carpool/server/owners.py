@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 
 # The request's owner, set by the auth middleware (a typed key where aiohttp has them, 3.12+).
 OWNER: Any = web.RequestKey("carpool_owner", str) if hasattr(web, "RequestKey") else "carpool_owner"

@@ -16,7 +16,7 @@ from aiohttp import web
 from carpool import __version__
 from carpool.embed.dynamic_batcher import DynamicBatcher
 from carpool.engine.protocol import EngineClient
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 from carpool.openai.openapi import openapi_document
 from carpool.openai.requests import Translator
 from carpool.openai.schema import embedding_request_schema

@@ -18,7 +18,7 @@ from pathlib import Path
 from aiohttp import BodyPartReader, MultipartReader
 from aiohttp.http_exceptions import HttpProcessingError
 
-from carpool.openai.errors import OpenAIError
+from carpool.errors import OpenAIError
 from carpool.server.batch_disk import BatchDisk
 
 _CHUNK = 1 << 20

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import BodyPartReader, web
 
-from carpool.errors import CarpoolError
+from carpool.errors import AzureRefusal
 
 from .local_site import LocalAppServer
 from .threaded import ThreadedServer
@@ -49,14 +49,6 @@ class AzureBatchConfig:
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
-
-
-class AzureRefusal(CarpoolError):
-    """What the fake resource answers instead of doing as asked: an HTTP status and Azure's error code."""
-
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code = status, code
 
 
 def _check_lines(content: bytes) -> tuple[bytes, list[str]]:

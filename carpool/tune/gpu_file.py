@@ -18,13 +18,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from carpool.errors import StartRefused
+from carpool.errors import GpuFileError
 from carpool.tune.hardware import Accelerator
 from carpool.tune.spec_file import read_mapping
-
-
-class GpuFileError(StartRefused):
-    """A --gpu file that does not describe an accelerator."""
 
 
 class GpuSpec(BaseModel):

@@ -14,13 +14,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from carpool.errors import StartRefused
+from carpool.errors import ModelConfigError
 from carpool.tune.models import ModelSpec
 from carpool.tune.spec_file import read_mapping
-
-
-class ModelConfigError(StartRefused):
-    """A --model-config file that cannot be read as a model's shape."""
 
 
 class _Quantization(BaseModel):

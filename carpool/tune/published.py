@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from carpool.errors import StartRefused
+from carpool.errors import CaseError
 from carpool.tune import gpu_file, hardware, hf_config, models
 from carpool.tune.cost import RooflineCost
 from carpool.tune.simulator import SimConfig, SimResult, Simulator
@@ -44,10 +44,6 @@ METRICS: dict[str, Callable[[SimResult], float]] = {
     "decode_tok_s": lambda r: 1.0 / r.tpot_s["mean"],
     "mean_batch_size": lambda r: r.mean_batch_size,
 }
-
-
-class CaseError(StartRefused):
-    """A case file that does not describe a published measurement."""
 
 
 class Source(BaseModel):

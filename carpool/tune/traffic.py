@@ -22,16 +22,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from carpool.errors import StartRefused
+from carpool.errors import TrafficFileError
 from carpool.tune.workload import jsonl_values
 
 RATE_KEYS = ("req_s", "rate", "qps", "rps", "requests_per_s", "req_per_s")
 TIME_KEYS = ("timestamp", "arrival", "time", "ts", "arrival_time")
 PEAK_WINDOW_S = 300.0  # the peak of an hour: its busiest five minutes
-
-
-class TrafficFileError(StartRefused):
-    """A --traffic file that does not give a day's traffic."""
 
 
 @dataclass(frozen=True)

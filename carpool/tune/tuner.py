@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
+from carpool.errors import OutOfTime
 from carpool.extras import require
 from carpool.tune.cost import CostModel
 from carpool.tune.measure import SLO, Measurement, margin
@@ -156,10 +157,6 @@ def brent_root(f: Callable[[float], float], a: float, b: float, fa: float, fb: f
             a, fa = s, fs
         if abs(fa) < abs(fb):
             a, b, fa, fb = b, a, fb, fa
-
-
-class OutOfTime(Exception):
-    """The search's time budget is spent: the answer is the best rate probed so far."""
 
 
 def find_max_rate(evaluate: Callable[[float], Measurement], slos: list[SLO], start: float,

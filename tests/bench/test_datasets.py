@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from carpool.bench.datasets import DatasetError, load_jsonl, random_requests, shared_prefix_requests
+from carpool.bench.datasets import load_jsonl, random_requests, shared_prefix_requests
+from carpool.errors import DatasetError
 
 
 def test_random_lengths_stay_in_range_and_ignore_eos():

@@ -9,7 +9,6 @@ import pytest
 
 from carpool.bench.loadgen import BenchRun, RequestRecord
 from carpool.bench.metrics import (
-    MetricsError,
     compute_metrics,
     format_result,
     parse_goodput,
@@ -17,6 +16,7 @@ from carpool.bench.metrics import (
     parse_percentiles,
     result_json,
 )
+from carpool.errors import MetricsError
 
 
 def _rec(rid, start, chunks, latency, out, prompt, success=True, status=200):

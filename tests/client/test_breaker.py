@@ -12,11 +12,12 @@ import pytest
 
 from carpool.client.balancer import Balancer
 from carpool.client.base import Request
-from carpool.client.breaker import BreakerPolicy, CircuitBreaker, OutageGate, OutageTimeout, State
-from carpool.client.executor import Executor, Stopped
+from carpool.client.breaker import BreakerPolicy, CircuitBreaker, OutageGate, State
+from carpool.client.executor import Executor
 from carpool.client.http_backend import HttpBackend
 from carpool.client.limiter import AdaptiveLimiter, FixedLimiter
 from carpool.client.retry import ErrorKind, RetryPolicy, is_idempotent
+from carpool.errors import OutageTimeout, Stopped
 from carpool.testing.fault_server import FaultConfig, FaultServer
 from carpool.testing.fixtures import free_port
 

@@ -178,7 +178,7 @@ def test_connection_refused_pauses_then_gives_up_unsent_after_the_outage_timeout
     # attempt and never a final error line; past the outage timeout the request gives up unsent.
     import socket
 
-    from carpool.client.breaker import OutageTimeout
+    from carpool.errors import OutageTimeout
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

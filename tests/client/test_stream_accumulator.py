@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from carpool.client.sse_reader import EventTooLarge, SSEReader
+from carpool.client.sse_reader import SSEReader
+from carpool.errors import EventTooLarge
 from carpool.openai.accumulator import StreamAccumulator
 
 

@@ -8,15 +8,9 @@ import json
 import pytest
 
 from carpool.commands import run as run_command
-from carpool.distributed.ray_runner import (
-    RayOptions,
-    RayRunError,
-    _parquet_plan,
-    run_batch_on_ray,
-    run_on_ray,
-)
+from carpool.distributed.ray_runner import RayOptions, _parquet_plan, run_batch_on_ray, run_on_ray
 from carpool.distributed.worker import ShardReader
-from carpool.errors import StartRefused
+from carpool.errors import RayRunError, StartRefused
 from carpool.jobs.input.tasks import Template
 from carpool.jobs.options import RunOptions
 from carpool.jobs.python_api.run import run_batch

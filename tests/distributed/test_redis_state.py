@@ -210,7 +210,7 @@ def test_shared_balancer_skips_an_endpoint_another_worker_saw_fail(redis_url, re
 def test_unreachable_redis_is_a_readable_error_not_a_free_pass():
     import socket
 
-    from carpool.distributed.redis_budget import BudgetUnavailable
+    from carpool.errors import BudgetUnavailable
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

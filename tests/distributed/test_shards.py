@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from carpool.distributed import shards as shards_mod
 from carpool.distributed.shards import iter_shard_lines, load_or_make_plan, merge_files, plan_shards
+from carpool.errors import PlanMismatch
 
 lines_st = st.lists(st.text(alphabet="ab{}\"é", max_size=30), min_size=0, max_size=60)
 
@@ -55,7 +56,7 @@ def test_saved_plan_is_reused_and_guards_other_inputs(tmp_path):
     assert load_or_make_plan(path, work, 7) == first
     (work / "shard-00000.jsonl").write_text("partial\n")
     path.write_text("changed\n")
-    with pytest.raises(shards_mod.PlanMismatch, match="remove it"):
+    with pytest.raises(PlanMismatch, match="remove it"):
         load_or_make_plan(path, work, 4)
 
 

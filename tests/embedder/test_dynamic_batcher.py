@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from carpool.embed.dynamic_batcher import DynamicBatcher, QueueFullError, QueueTimeoutError
+from carpool.embed.dynamic_batcher import DynamicBatcher
+from carpool.errors import QueueFullError, QueueTimeoutError
 
 
 class RecordingModel:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from carpool.embed.embedder import Embedder, EmbedderError
+from carpool.embed.embedder import Embedder
+from carpool.errors import EmbedderError
 
 pytestmark = pytest.mark.real_model
 

@@ -15,7 +15,7 @@ import torch
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams, kv_quant
 from carpool.engine.ops import Kernels
-from carpool.engine.protocol import EngineError
+from carpool.errors import EngineError
 
 from .test_kernels import ISA, SEQS, SHAPES, kernels_at, make_batch, reference
 

@@ -335,7 +335,7 @@ def _int8(loaded, h, plan, ps):
 
 
 def test_a_bad_plan_setting_is_refused_before_the_engine_starts(tiny, h):
-    from carpool.engine.protocol import EngineError
+    from carpool.errors import EngineError
 
     _, loaded = tiny
     with pytest.raises(EngineError, match=r"extra\.plan: .*prefill must be one of kernel, flash"):

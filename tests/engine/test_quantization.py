@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
-from carpool.engine.protocol import EngineError
 from carpool.engine.quant import WEIGHT_ONLY_MAX_ROWS, Int8Linear, check_quantization
+from carpool.errors import EngineError
 
 
 def test_bad_quantization_names_the_field_and_the_allowed_values(h, tiny):

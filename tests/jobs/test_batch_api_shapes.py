@@ -8,8 +8,9 @@ import json
 import pytest
 from job_helpers import cli
 
+from carpool.errors import Untranslatable
 from carpool.jobs.cost.prices import builtin_prices
-from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable, chat_to_params, message_to_chat
+from carpool.jobs.provider_batch.anthropic_shapes import chat_to_params, message_to_chat
 from carpool.jobs.provider_batch.ids import anthropic_id, fits_anthropic
 from carpool.jobs.provider_batch.limits import OPENAI, Chunk, effective
 

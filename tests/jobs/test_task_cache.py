@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from carpool.client.base import CallResult, Outcome, Request
-from carpool.client.executor import Stopped
+from carpool.errors import Stopped
 from carpool.jobs.reuse.caches import EXACT_HIT_ID, JobCaches
 from carpool.jobs.reuse.dedup import Dedup
 from carpool.jobs.reuse.task_cache import TaskCache

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from carpool.engine import cpu, loader
-from carpool.engine.loader import ModelLoadError, hf_reference_model, load_model
+from carpool.engine.loader import hf_reference_model, load_model
+from carpool.errors import ModelLoadError
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from carpool.engine import loader
-from carpool.engine.loader import ModelLoadError, load_model, load_tokenizer
+from carpool.engine.loader import load_model, load_tokenizer
+from carpool.errors import ModelLoadError
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from carpool.openai.generation import EngineAborted, run_request
+from carpool.errors import EngineAborted
+from carpool.openai.generation import run_request
 from carpool.openai.requests import Translator
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from carpool.engine.protocol import GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, TopLogprob, Usage
+from carpool.errors import OpenAIError
 from carpool.openai.accumulator import StreamAccumulator
-from carpool.openai.errors import OpenAIError
 from carpool.openai.responses import Choice, ResponseBuilder
 from carpool.testing.body_diff import answer_diff
 

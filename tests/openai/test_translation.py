@@ -7,13 +7,13 @@ import asyncio
 import pytest
 
 from carpool.engine.protocol import TokenDelta, Usage
+from carpool.errors import OpenAIError, SchemaError
 from carpool.openai.accumulator import StreamAccumulator
-from carpool.openai.errors import OpenAIError
 from carpool.openai.generation import Generation
 from carpool.openai.requests import Translator, chat_messages, max_tokens_for
 from carpool.openai.responses import ResponseBuilder
 from carpool.openai.schema import check_body
-from carpool.openai.validation import SchemaError, validate
+from carpool.openai.validation import validate
 from carpool.testing.body_diff import answer_diff
 
 USER = [{"role": "user", "content": "hi"}]

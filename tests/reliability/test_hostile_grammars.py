@@ -16,7 +16,8 @@ import urllib.request
 
 import pytest
 
-from carpool.engine.protocol import GrammarError, StructuredOutputs
+from carpool.engine.protocol import StructuredOutputs
+from carpool.errors import GrammarError
 from carpool.server import ServerConfig, start_server
 
 INTERNALS = ("panic", "backtrace", "<state>", "<non-verbose", "Traceback", "Parser: {", "u16::MAX", "NoExtensionBias")

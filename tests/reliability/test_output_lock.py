@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from reliability_helpers import chat_task, complete_ids, read_jsonl, run_cli, run_cmd, write_jsonl
 
-from carpool.jobs.output.lock import OutputLock, OutputLocked, lock_path
+from carpool.errors import OutputLocked
+from carpool.jobs.output.lock import OutputLock, lock_path
 from carpool.jobs.python_api.run import run_batch
 from carpool.testing.fault_server import Fault, FaultConfig
 

@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from carpool.errors import SchemaError
 from carpool.openai.openapi import openapi_document
 from carpool.openai.schema import chat_request_schema, completion_request_schema, embedding_request_schema
-from carpool.openai.validation import SchemaError, validate
+from carpool.openai.validation import validate
 from carpool.server.admission import AdmissionController, Rejection, Ticket
 
 CHAT = chat_request_schema(["m"], max_model_len=100, max_n=4)

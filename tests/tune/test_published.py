@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from carpool.errors import CaseError
 from carpool.tune import published
 
 CASES = Path(__file__).resolve().parents[2] / "benchmarks" / "published"
@@ -55,5 +56,5 @@ def test_a_case_file_with_an_unknown_figure_is_refused_naming_it(tmp_path):
     bad.write_text("name: x\nsource: {title: t, url: 'https://x', context: c}\ncalibration: false\ngpu: h100\n"
                    "model: 8b\npoints:\n  - label: p\n    workload: {prompt_len: 8, output_len: 8, num_requests: 2}\n"
                    "    published: {goodness: 3}\n")
-    with pytest.raises(published.CaseError, match="goodness"):
+    with pytest.raises(CaseError, match="goodness"):
         published.load_case(bad)

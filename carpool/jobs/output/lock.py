@@ -27,14 +27,10 @@ import socket
 import time
 from pathlib import Path
 
-from carpool.errors import StartRefused
+from carpool.errors import OutputLocked
 from carpool.jobs.options import FLAGS, Naming
 
 LOCK_SUFFIX = ".carpool.lock"
-
-
-class OutputLocked(StartRefused):
-    """Another run holds the output file (exit 2); the message names it and what to do."""
 
 
 def lock_path(output: str | os.PathLike) -> Path:

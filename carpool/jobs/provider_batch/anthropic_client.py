@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
+from carpool.errors import Untranslatable
 from carpool.jobs.input.tasks import Task
 from carpool.jobs.provider_batch import limits
-from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable, chat_to_params, message_to_chat
+from carpool.jobs.provider_batch.anthropic_shapes import chat_to_params, message_to_chat
 from carpool.jobs.provider_batch.http import Http
 from carpool.jobs.provider_batch.provider import RequestResult, Status, read_jsonl
 

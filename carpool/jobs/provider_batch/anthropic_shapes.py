@@ -14,21 +14,13 @@ from __future__ import annotations
 import json
 import time
 
-from carpool.errors import CarpoolError
+from carpool.errors import Untranslatable
 
 # Fields sent on as they are, and fields that change nothing Anthropic would answer.
 _SAME = ("temperature", "top_p", "top_k")
 _IGNORED = {"stream", "stream_options", "seed", "store", "metadata", "parallel_tool_calls", "service_tier"}
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
            "refusal": "content_filter", "pause_turn": "stop"}
-
-
-class Untranslatable(CarpoolError, ValueError):
-    """A chat body with no Anthropic form; ``field`` names the body field at fault."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(reason)
-        self.field = field
 
 
 def chat_to_params(body: dict, model: str | None, default_max_tokens: int) -> dict:

@@ -22,19 +22,7 @@ import aiohttp
 
 from carpool.client.endpoints import has_authorization, split_credentials
 from carpool.client.retry import parse_retry_after
-from carpool.errors import CarpoolError
-
-
-class BatchApiError(CarpoolError, RuntimeError):
-    """The provider refused a call for good (4xx other than 429) or never answered it."""
-
-    def __init__(self, message: str, status: int = 0):
-        super().__init__(message)
-        self.status = status
-
-
-class MaybeCreated(BatchApiError):
-    """A create whose fate is unknown: the batch may exist; look it up before creating again."""
+from carpool.errors import BatchApiError, MaybeCreated
 
 
 def _message(status: int, text: str) -> str:

@@ -24,14 +24,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from carpool.errors import StartRefused
+from carpool.errors import BatchApiError, MaybeCreated, OutputError, StartRefused, Untranslatable
 from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.input.tasks import BadLine, Task
 from carpool.jobs.options import BatchApiOptions, RunOptions
 from carpool.jobs.parts import job_defaults, make_journal
-from carpool.jobs.pipeline import OutputError
-from carpool.jobs.provider_batch.anthropic_shapes import Untranslatable
-from carpool.jobs.provider_batch.http import BatchApiError, MaybeCreated
 from carpool.jobs.provider_batch.ids import RepeatNames, anthropic_id
 from carpool.jobs.provider_batch.limits import Chunk
 from carpool.jobs.provider_batch.provider import Provider, RequestResult, Status

@@ -49,7 +49,7 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from carpool.errors import CarpoolError
+from carpool.errors import JobTerminated
 from carpool.jobs.input.tasks import Template
 from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.output.table import output_target
@@ -201,10 +201,6 @@ class _JobThread:
                 self._loop.call_soon_threadsafe(self._task.cancel)
 
 
-class _Terminated(CarpoolError):
-    """The job was cancelled by SIGTERM (see ``_run_stopped_by_sigterm``)."""
-
-
 def _run_stopped_by_sigterm(job: Coroutine[Any, Any, Any]) -> Any:
     """``asyncio.run(job)``; SIGTERM, when the program left it to the default (which ends the
     process on the spot, with lines still in the writer's buffer), stops the job as Ctrl-C
@@ -229,14 +225,14 @@ def _run_stopped_by_sigterm(job: Coroutine[Any, Any, Any]) -> Any:
             return await job
         except asyncio.CancelledError:
             if terminated:
-                raise _Terminated from None
+                raise JobTerminated from None
             raise
         finally:
             loop.remove_signal_handler(signal.SIGTERM)  # back to the default
 
     try:
         return asyncio.run(main())
-    except _Terminated:
+    except JobTerminated:
         os.kill(os.getpid(), signal.SIGTERM)
         raise SystemExit(128 + signal.SIGTERM) from None  # not reached: the signal ends the process
 

@@ -29,7 +29,8 @@ from typing import Literal
 
 from carpool.cache.audit import AuditItem
 from carpool.client.base import CallResult, Outcome, Request
-from carpool.client.executor import ReuseHook, Stopped
+from carpool.client.executor import ReuseHook
+from carpool.errors import Stopped
 from carpool.jobs.reuse.caches import EXACT_HIT_ID, JobCaches, SemanticProbe
 from carpool.jobs.reuse.dedup import Dedup, Lead
 from carpool.jobs.summary.stats import JobStats

@@ -26,8 +26,8 @@ import dataclasses
 
 from carpool.client.endpoints import EndpointSpec
 from carpool.client.models import ModelIdentity, ModelList, identity_from_card, list_models
-from carpool.errors import StartRefused
-from carpool.jobs.endpoints_file import EndpointsFileError, job_endpoints
+from carpool.errors import EndpointsFileError, StartRefused
+from carpool.jobs.endpoints_file import job_endpoints
 from carpool.jobs.fingerprint import job_identity
 from carpool.jobs.input.readers import Reader, TaskSource
 from carpool.jobs.input.tasks import Task

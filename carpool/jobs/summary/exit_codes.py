@@ -26,7 +26,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from carpool.errors import ModelUnavailable, StartRefused
+from carpool.errors import CarpoolError, ModelUnavailable, OutputError, StartRefused
 
 if TYPE_CHECKING:
     from carpool.jobs.summary.stats import JobStats
@@ -62,6 +62,8 @@ def code_for_error(error: BaseException) -> ExitCode:
     cannot be written is 5, anything else, an engine failure included, is a crash (1)."""
     if isinstance(error, (StartRefused, ModelUnavailable, FileNotFoundError)):
         return ExitCode.REFUSED
-    if isinstance(error, OSError):
+    # Of carpool's own errors only OutputError says the output failed: a queue's
+    # TimeoutError is an OSError too, and no disk is at fault.
+    if isinstance(error, OutputError) or (isinstance(error, OSError) and not isinstance(error, CarpoolError)):
         return ExitCode.OUTPUT_FAILED
     return ExitCode.CRASHED
