@@ -5,6 +5,9 @@ tokens: running decodes first (one token each), then running prefills continue w
 a chunk, then waiting sequences are admitted with a chunk of what is left of the
 budget.  When the KV cache runs out, the lowest-ranked running sequence is preempted
 by recompute: its blocks are freed and it goes back to waiting with all its tokens.
+Foreground work ranks before background work (the server's batch lines) under every
+policy, and a foreground request that finds no seat or no block free preempts the
+last-ranked background sequence, so a batch never holds an online request back.
 
 The waiting queue is a heap keyed by the policy, so a step costs O(admitted x log waiting),
 not O(waiting): a job may hand the engine 100k requests at once
@@ -74,11 +77,14 @@ class WaitingQueue:
         self._count = itertools.count()
 
     def _key(self, seq: Sequence) -> tuple:
+        # Foreground before background under every policy (the first field): a batch line that
+        # waited longer still comes after an online request.
+        background = seq.priority >= BACKGROUND_PRIORITY
         if self.policy == "priority":
-            return (seq.priority, seq.arrival_time)
+            return (background, seq.priority, seq.arrival_time)
         if self.policy == "lof":
-            return (seq.waiting_since - seq.wait_accum, seq.arrival_time)
-        return (seq.arrival_time,)
+            return (background, seq.waiting_since - seq.wait_accum, seq.arrival_time)
+        return (background, seq.arrival_time)
 
     def push(self, seq: Sequence, order: int) -> None:
         """``order``: the scheduler's arrival counter, the tie-break after the policy's key."""
@@ -190,12 +196,15 @@ class Scheduler:
         self.waiting.push(seq, self._order[id(seq)])
 
     def _key(self, now: float):
+        """The running sequences' rank (the waiting queue's order): foreground before background,
+        then the policy's order; the last ranked is the first to give its blocks back."""
         order = self._order
+        bg = BACKGROUND_PRIORITY
         if self.policy == "priority":
-            return lambda s: (s.priority, s.arrival_time, order[id(s)])
+            return lambda s: (s.priority >= bg, s.priority, s.arrival_time, order[id(s)])
         if self.policy == "lof":
-            return lambda s: (-s.current_wait(now), s.arrival_time, order[id(s)])
-        return lambda s: (s.arrival_time, order[id(s)])
+            return lambda s: (s.priority >= bg, -s.current_wait(now), s.arrival_time, order[id(s)])
+        return lambda s: (s.priority >= bg, s.arrival_time, order[id(s)])
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         """End a sequence (``reason``: "stop", "length", "abort", "error"): out of the queues,
@@ -239,6 +248,31 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _evict_background(self, out: SchedulerOutput, now: float) -> int | None:
+        """Preempt the last-ranked running background sequence for a foreground one that has no
+        seat or no blocks: a batch line's sequences hold the engine for minutes, an online
+        request must not wait that long.  The victim leaves this step too; the tokens of the
+        step's budget it held (None: no background sequence runs).  Its full blocks stay in the
+        prefix cache, so taking it up again mostly hits."""
+        victims = [seq for seq in self.running if seq.priority >= BACKGROUND_PRIORITY]
+        if not victims:
+            return None
+        victim = max(victims, key=self._key(now))
+        self.running.remove(victim)
+        freed = 0
+        for i, (seq, n) in enumerate(out.scheduled):
+            if seq is victim:
+                del out.scheduled[i]
+                if _is_decode(seq, n):
+                    out.num_decode_tokens -= 1
+                else:
+                    out.num_prefill_tokens -= n
+                freed = n
+                break
+        self._preempt(victim, now)
+        out.preempted.append(victim)
+        return freed
 
     def _preempt(self, seq: Sequence, now: float) -> None:
         self.bm.free_seq(seq)
@@ -321,8 +355,15 @@ class Scheduler:
         # the prefix cache instead of computing the same block twice in one forward.
         pending = self._pending_blocks(out.scheduled)
         deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting.peek()
+            foreground = seq.priority < BACKGROUND_PRIORITY
+            if len(self.running) >= self.max_num_seqs:
+                freed = self._evict_background(out, now) if foreground else None
+                if freed is None:
+                    break
+                budget += freed
+                continue
             cached = self.bm.match_prefix(seq)
             if pending and self._next_block_pending(seq, len(cached), pending):
                 deferred.append(self.waiting.pop())
@@ -342,7 +383,11 @@ class Scheduler:
             if not self.chunked and n < remaining:
                 break
             if self.bm.blocks_needed(seq, n, cached) > self.bm.num_free_blocks:
-                break
+                freed = self._evict_background(out, now) if foreground else None
+                if freed is None:
+                    break
+                budget += freed
+                continue
             self.waiting.pop()
             self.bm.prefix_queries += seq.num_tokens
             self.bm.prefix_hits += num_cached

@@ -13,8 +13,9 @@ scheduler.py``), so the request's first token comes about as on an idle engine.
 Requests take their share in arrival order, and none is let in while an online request
 waits for its first token (the admission waiting room is not empty): the batch goes on when
 the room empties, woken by it, not by polling.  A request larger than the whole share runs
-when no other batch work is in the engine (else it could never run); the bound is then that
-one request.
+when no other batch work is in the engine (else it could never run); an online request that
+then finds no seat or no KV block free takes one from it (the engine's scheduler preempts
+background sequences for foreground ones), so the bound holds for it too.
 """
 
 from __future__ import annotations

@@ -280,6 +280,44 @@ def test_background_sits_out_the_steps_of_a_foreground_prompt(tiny, h, policy):
     assert len(tokens["fg"]) == 3
 
 
+@pytest.mark.parametrize(("seats", "blocks", "warm"), [(3, 256, 8), (16, 12, 30)])
+def test_a_foreground_request_takes_a_seat_or_blocks_from_background_work(tiny, h, seats, blocks, warm):
+    """Background sequences that hold every seat (or the whole KV cache) for a long output do not
+    make a foreground request wait for them: the last-ranked one is preempted, the foreground
+    request gets its first token within a few steps, and the preempted sequence later gives the
+    tokens it gives alone."""
+    from carpool.engine.protocol import BACKGROUND_PRIORITY
+
+    _, loaded = tiny
+    cfg = h.engine_config(max_num_seqs=seats, num_kv_blocks=blocks, max_num_batched_tokens=64)
+    ps = h.prompts(12, [20, 24, 18])
+    alone_llm = LLM(cfg, loaded=loaded)
+    alone = [o.token_ids for o in alone_llm.generate(reqs_for(ps, 40))]
+    assert alone_llm.engine.scheduler.num_preemptions == 0  # they fit the engine by themselves
+    eng = LLMEngine(cfg, loaded=loaded)
+    for i, p in enumerate(ps):
+        eng.add_request(GenerateRequest(request_id=f"bg{i}", prompt_token_ids=p, params=greedy(40),
+                                        priority=BACKGROUND_PRIORITY))
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for d in eng.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+
+    for _ in range(warm):  # the background requests are in and decoding: all seats or blocks taken
+        step()
+    eng.add_request(GenerateRequest(request_id="fg", prompt_token_ids=[9] * 30, params=greedy(2)))
+    waited = 0
+    while "fg" not in tokens:
+        step()
+        waited += 1
+        assert waited <= 3, "the foreground request waited for background work to finish"
+    while eng.has_unfinished():
+        step()
+    assert eng.scheduler.num_preemptions >= 1
+    assert [tokens[f"bg{i}"] for i in range(3)] == alone and len(tokens["fg"]) == 2
+
+
 def test_background_prefill_is_computed_in_small_chunks(tiny, h):
     """A step holds at most BACKGROUND_CHUNK prompt tokens of background work (an online
     request arriving mid-step waits for that step), while a foreground prompt takes the whole
