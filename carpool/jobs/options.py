@@ -73,7 +73,7 @@ class Naming:
             placeholder = isinstance(value, str) and value.isalpha() and value.isupper()
             return name if value is None else f"{name}={value if placeholder else repr(value)}"
         flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
-        return flag if value is None else f"{flag} {shlex.quote(str(value))}"
+        return flag if value is None or value is True else f"{flag} {shlex.quote(str(value))}"
 
 
 # The settings whose flag is not their keyword with dashes.

@@ -243,7 +243,7 @@ def endpoint_identity(opts: RunOptions, live: LiveParts | None = None) -> str:
 
 def make_journal(opts: RunOptions, live: LiveParts | None = None) -> Journal:
     return Journal(output_target(opts.output).journal, opts.errors, fingerprint=make_fingerprint(opts, live),
-                   force=opts.force, retry_errors=opts.retry_errors, read_only=opts.dry_run)
+                   force=opts.force, retry_errors=opts.retry_errors, read_only=opts.dry_run, spell=opts.naming)
 
 
 def wants_plan(opts: RunOptions) -> bool:

@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from carpool.errors import FingerprintMismatch
@@ -56,10 +57,18 @@ def differences(old: dict, new: dict) -> list[str]:
     return out
 
 
-def mismatch_message(output: str, diffs: list[str]) -> str:
+def flag_spelling(setting: str, value: object = None) -> str:
+    """A setting as ``carpool run`` spells it (``force`` -> ``--force``); the Python API passes
+    its own spelling (``force=True``) to ``Journal``."""
+    flag = "-o" if setting == "output" else "--" + setting.replace("_", "-")
+    return flag if value is None or value is True else f"{flag} {value}"
+
+
+def mismatch_message(output: str, diffs: list[str], spell: Callable[..., str] = flag_spelling) -> str:
     return (f"{output} was started with another setup ({'; '.join(diffs)}). Resuming would mix answers "
-            "made two ways in one file. Run with the same settings to resume, --force to resume anyway "
-            "(the new setup is recorded), or --fresh (or another -o) to start over.")
+            f"made two ways in one file. Run with the same settings to resume, {spell('force', True)} to "
+            f"resume anyway (the new setup is recorded), or {spell('fresh', True)} (or another "
+            f"{spell('output')}) to start over.")
 
 
 class Journal:
@@ -72,8 +81,10 @@ class Journal:
 
     def __init__(self, output: str | os.PathLike, errors: str | os.PathLike | None = None, *,
                  fingerprint: dict | None = None, force: bool = False, retry_errors: bool = False,
-                 read_only: bool = False):
+                 read_only: bool = False, spell: Callable[..., str] = flag_spelling):
+        """``spell``: how the caller names a setting in a message (``--force`` or ``force=True``)."""
         self.output = str(output)
+        self.spell = spell
         self.paths = [Path(output)] + ([Path(errors)] if errors else [])
         self.state_path = Path(str(output) + ".carpool.json")
         self.fingerprint = fingerprint
@@ -144,7 +155,7 @@ class Journal:
         if not diffs:
             return []
         if not self.force:
-            raise FingerprintMismatch(mismatch_message(self.output, diffs))
+            raise FingerprintMismatch(mismatch_message(self.output, diffs, self.spell))
         return [f"warning: --force: resuming {self.output}, started with another setup ({'; '.join(diffs)})"]
 
     def open_writer(self, ordered: bool) -> ResultWriter:

@@ -74,6 +74,26 @@ def test_messages_name_run_batch_s_arguments_not_the_command_line_s_flags(server
     assert server.server.total_requests == 0
 
 
+def test_a_resume_with_other_settings_names_run_batch_s_arguments(server, tmp_path):
+    # The journal's refusal offered "--force" and "--fresh" to a Python caller.
+    out = tmp_path / "out.jsonl"
+    carpool.run_batch(["hello"], out, endpoint=server.url, model="m", max_tokens=4, cache="off", progress=False)
+    with pytest.raises(StartRefused, match="another setup") as refused:
+        carpool.run_batch(["hello"], out, endpoint=server.url, model="m", max_tokens=8, cache="off", progress=False)
+    message = str(refused.value)
+    assert "force=True" in message and "fresh=True" in message and "--" not in message
+
+
+def test_a_broken_price_file_is_named_as_run_batch_s_argument(server, tmp_path):
+    prices = tmp_path / "prices.json"
+    prices.write_text("{not json")
+    with pytest.raises(StartRefused, match="not valid JSON") as refused:
+        carpool.run_batch(["hello"], endpoint=server.url, model="m", max_tokens=4, cache="off", progress=False,
+                          prices=str(prices))
+    assert f"prices='{prices}'" in str(refused.value) and "--" not in str(refused.value)
+    assert server.server.total_requests == 0
+
+
 def test_a_table_without_template_and_without_a_prompt_column_is_refused(server):
     # Before: a bad line per row, returned as errors.
     with pytest.raises(StartRefused, match=r"no prompt, messages or input column in the rows "

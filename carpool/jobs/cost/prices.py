@@ -25,14 +25,12 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from carpool.errors import StartRefused
-
-if TYPE_CHECKING:
-    from carpool.jobs.options import RunOptions
+from carpool.jobs.options import FLAGS, RunOptions
 
 # $ per million tokens (input, output): OpenAI's standard (not Batch API) list prices as
 # published on openai.com/api/pricing, August 2025.  Dated snapshots ("gpt-4o-2024-08-06")
@@ -125,38 +123,40 @@ def _per_token(path: str, model: str, entry: dict, name: str, required: bool) ->
     return float(value)
 
 
-def _parse(path: str, text: str) -> object:
+def _parse(path: str, text: str, where: str) -> object:
     if path.lower().endswith((".yaml", ".yml")):
         import yaml
 
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise StartRefused(f"--prices {path}: not valid YAML: {e}") from e
+            raise StartRefused(f"{where}: not valid YAML: {e}") from e
     try:
         return json.loads(text)
     except ValueError as e:
-        raise StartRefused(f"--prices {path}: not valid JSON ({e}); a .yaml/.yml file is read as YAML") from e
+        raise StartRefused(f"{where}: not valid JSON ({e}); a .yaml/.yml file is read as YAML") from e
 
 
-def load_price_file(path: str | Path) -> dict[str, tuple[float, float]]:
+def load_price_file(path: str | Path, spell: Callable[..., str] = FLAGS) -> dict[str, tuple[float, float]]:
     """Model name (lower case) -> ($ per million input, $ per million output) from a JSON or
-    YAML file in LiteLLM's model-prices shape; ValueError names the file, model and field."""
+    YAML file in LiteLLM's model-prices shape; ValueError names the file, model and field
+    (the setting as ``spell`` writes it: ``--prices FILE`` or ``prices='FILE'``)."""
     path = str(path)
+    where = spell("prices", path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise StartRefused(f"--prices {path}: cannot read it ({e.strerror or e})") from e
-    doc = _parse(path, text)
+        raise StartRefused(f"{where}: cannot read it ({e.strerror or e})") from e
+    doc = _parse(path, text, where)
     if not isinstance(doc, dict):
-        raise StartRefused(f"--prices {path}: must map model names to their prices, e.g. "
+        raise StartRefused(f"{where}: must map model names to their prices, e.g. "
                          '{"my-model": {"input_cost_per_token": 1e-07, "output_cost_per_token": 4e-07}}')
     table: dict[str, tuple[float, float]] = {}
     for model, entry in doc.items():
         if model == "sample_spec":  # LiteLLM's file documents its fields under this key
             continue
         if not isinstance(entry, dict):
-            raise StartRefused(f"--prices {path}: model {model!r}: must be an object with input_cost_per_token "
+            raise StartRefused(f"{where}: model {model!r}: must be an object with input_cost_per_token "
                              "and output_cost_per_token")
         if "input_cost_per_token" not in entry:
             continue  # priced otherwise (per image, per second...): not a token model carpool can price
@@ -166,37 +166,37 @@ def load_price_file(path: str | Path) -> dict[str, tuple[float, float]]:
     return table
 
 
-def table_prices(model: str | None, price_file: str | None) -> Prices | None:
+def table_prices(model: str | None, price_file: str | None, spell: Callable[..., str] = FLAGS) -> Prices | None:
     """The price file's prices for ``model``, else the built-in table's, else None."""
     if price_file and model:
-        found = _lookup(load_price_file(price_file), model)
+        found = _lookup(load_price_file(price_file, spell), model)
         if found is not None:
             key, (pin, pout) = found
             return Prices(pin, pout, f"price file {price_file} ({key})")
     elif price_file:
-        load_price_file(price_file)  # checked even when no model needs it: a broken file refuses the start
+        load_price_file(price_file, spell)  # checked even when no model needs it: a broken file refuses the start
     return builtin_prices(model)
 
 
 def resolve_prices(model: str | None, price_in: float | None, price_out: float | None,
-                   price_file: str | None = None) -> Prices | None:
+                   price_file: str | None = None, spell: Callable[..., str] = FLAGS) -> Prices | None:
     """The flags when given (a missing one from the tables), else the price file, else the
     built-in table; None: unknown.
 
     Raises ValueError when only one flag is given for a model no table knows, or the price
     file is broken."""
-    for flag, value in (("--price-in", price_in), ("--price-out", price_out)):
+    for name, value in (("price_in", price_in), ("price_out", price_out)):
         if value is not None and not value >= 0:
-            raise StartRefused(f"{flag} {value}: a price is $ per million tokens, 0 or more")
-    table = table_prices(model, price_file)
+            raise StartRefused(f"{spell(name, value)}: a price is $ per million tokens, 0 or more")
+    table = table_prices(model, price_file, spell)
     if price_in is None and price_out is None:
         return table
     if price_in is not None and price_out is not None:
         return Prices(price_in, price_out, "--price-in/--price-out")
     if table is None:
-        missing = "--price-out" if price_out is None else "--price-in"
+        missing = spell("price_out" if price_out is None else "price_in")
         raise StartRefused(f"{missing} is missing: model {model!r} is not in the price tables, so give "
-                         "both --price-in and --price-out ($ per million tokens; 0 for none)")
+                         f"both {spell('price_in')} and {spell('price_out')} ($ per million tokens; 0 for none)")
     return Prices(price_in if price_in is not None else table.input_per_m,
                   price_out if price_out is not None else table.output_per_m,
                   f"--price-in/--price-out, the rest from the {table.source}",
@@ -208,7 +208,7 @@ def job_prices(opts: RunOptions) -> Prices | None:
     table (an endpoint's model name; the embedded engine is in no table), else None (unknown);
     through a provider's batch API, at its batch rate."""
     prices = resolve_prices(opts.defaults.model if opts.endpoints else None, opts.price_in, opts.price_out,
-                            opts.prices)
+                            opts.prices, opts.naming)
     return prices.at_batch_rate() if prices is not None and opts.batch_api is not None else prices
 
 
