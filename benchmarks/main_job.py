@@ -1,6 +1,7 @@
 """The main job at engine speed: ``carpool run`` beside ``LLM.generate`` on the same tasks.
 
     python benchmarks/main_job.py [--quick] [--workloads-dir DIR] [--paths generate,inprocess,endpoint]
+                                  [--repeat N] [--tree OTHER_CHECKOUT]...
 
 On each workload (classify-512, reviews-128 from the shared workloads folder, and a long
 mixed one made here: prompts of 20-2000 tokens, max_tokens 16-128) it runs, one after the
@@ -24,12 +25,18 @@ Besides the ratios each path is checked against ``generate``: the same prompt an
 token counts, and the share of tasks with the same text (greedy, but bf16 sums in another
 batch order can tip a near-tie, so a text may differ where the counts match).
 
-Prints one JSON object (last stdout line): per workload and path total tok/s, wall, TTFT
-P50/P99, tokens, and the ratios to ``generate`` (the issue's bars: in-process >= 0.9,
-endpoint >= 0.85).  ``engine_start_s`` is the part of the in-process job spent building
-the engine (model load), which ``generate`` does before its clock starts; ``total_tok_s``
-counts it, ``total_tok_s_after_start`` does not.  The machine may be shared: compare the
-ratios of one run.  ``--quick``: a quarter of each workload (a smoke test, not evidence).
+Prints one JSON object (last stdout line): the CPU, and per workload ``runs`` (one per
+round: per path total tok/s, wall, TTFT P50/P99, tokens, the machine's load average before
+and after it, and the ratios to that round's ``generate``) and ``median`` (each path's
+median ratios; the bars: in-process >= 0.9, endpoint >= 0.85).  ``--repeat N`` runs N
+rounds with the paths interleaved, so a change in the machine's load falls on all of them;
+``--tree DIR`` runs the job paths from another checkout too (an older commit, unpacked with
+``git archive``) in every round, to compare two versions in one sitting.
+
+``engine_start_s`` is the part of the in-process job spent building the engine (model load),
+which ``generate`` does before its clock starts; ``total_tok_s`` counts it,
+``total_tok_s_after_start`` does not.  The machine may be shared: compare the ratios of one
+round, and the medians.  ``--quick``: a quarter of each workload (a smoke test, not evidence).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -200,27 +208,93 @@ def same_texts(a: dict, b: dict) -> float:
     return round(sum(a[k] == b[k] for k in keys) / max(1, len(keys)), 3)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads-dir", type=Path, default=REPO.parent / "shared" / "workloads")
-    ap.add_argument("--workload", action="append",
-                    help="classify-512, reviews-128, mixed-long (default: all three)")
-    ap.add_argument("--paths", default="generate,inprocess,endpoint")
-    ap.add_argument("--mixed-n", type=int, default=48, help="tasks in the long mixed workload")
-    ap.add_argument("--port", type=int, default=8170)
-    ap.add_argument("--quick", action="store_true", help="a quarter of each workload")
-    args = ap.parse_args()
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    names = args.workload or ["classify-512", "reviews-128", "mixed-long"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
 
-    from carpool.engine import LLM, EngineConfig
-    from carpool.engine.loader import load_model
 
-    loaded = load_model("smollm2", dtype="auto")
-    tok = loaded.tokenizer
+def timed_path(run, *args) -> dict:
+    """``run(*args)``'s figures with the machine's load (1-minute average) before and after it."""
+    before = load_average()
+    res = run(*args)
+    if "error" not in res:
+        res["load_before"], res["load_after"] = before, load_average()
+    return res
+
+
+def compare(res: dict, base: dict, others: dict) -> None:
+    """``res`` (a job's figures) beside ``generate``'s of the same round (``base``): the ratios
+    and whether the job answered the same tokens and texts."""
+    if "error" in res or "total_tok_s" not in base:
+        return
+    res["ratio_to_generate"] = round(res["total_tok_s"] / base["total_tok_s"], 3)
+    if "total_tok_s_after_start" in res:
+        res["ratio_to_generate_after_start"] = round(res["total_tok_s_after_start"] / base["total_tok_s"], 3)
+    res["same_prompt_tokens"] = res["prompt_tokens"] == base["prompt_tokens"]
+    res["same_completion_tokens"] = res["completion_tokens"] == base["completion_tokens"]
+    res["texts_equal_generate"] = same_texts(base["texts"], res["texts"])
+    if "texts" in others:
+        res["texts_equal_inprocess"] = same_texts(others["texts"], res["texts"])
+
+
+class Sitting:
+    """What every round of every workload shares: the loaded weights (for ``generate``), the
+    source trees the jobs run from, the paths asked for and the scratch folder."""
+
+    def __init__(self, loaded, trees: dict[str, Path], paths: list[str], port: int, tmp: Path):
+        self.loaded, self.trees, self.paths, self.port, self.tmp = loaded, trees, paths, port, tmp
+
+    def env(self, tree: Path) -> dict:
+        return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(tree))
+
+    def round(self, name: str, rows: list[dict], task_file: Path, n: int) -> dict:
+        """One round of a workload: ``generate``, then each job path from each tree."""
+        from carpool.engine import LLM, EngineConfig
+
+        out: dict = {}
+        if "generate" in self.paths:
+            # A new engine (the same settings `carpool run` and `carpool serve` use by default)
+            # over the loaded weights: an empty prefix cache, as the other paths start with.
+            llm = LLM(EngineConfig(model="smollm2"), loaded=self.loaded)
+            out["generate"] = timed_path(run_generate, llm, rows)
+            del llm
+        for label, tree in self.trees.items():
+            env, tag = self.env(tree), f"{name}-{n}-{tree.name}"
+            if "inprocess" in self.paths:
+                out["inprocess" + label] = timed_path(run_job, task_file, self.tmp, f"{tag}-in", [], env)
+            if "endpoint" in self.paths:
+                out["endpoint" + label] = timed_path(self._endpoint, task_file, f"{tag}-ep", env)
+        base = out.get("generate", {})
+        for label in self.trees:
+            for p in ("inprocess", "endpoint"):
+                if p + label in out:
+                    compare(out[p + label], base, out.get("inprocess" + label, {}) if p == "endpoint" else {})
+        for res in out.values():
+            res.pop("texts", None)
+        return out
+
+    def _endpoint(self, task_file: Path, tag: str, env: dict) -> dict:
+        server = Server(self.port, env)  # a new server: nothing of the last workload cached
+        try:
+            return run_job(task_file, self.tmp, tag, ["--endpoint", server.url + "/v1", "--model", "smollm2"], env)
+        finally:
+            server.close()
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per path, the median of each ratio over the rounds (the figure to compare: single runs
+    swing on a shared machine)."""
+    out: dict = {}
+    for path in {p for r in runs for p in r if p != "generate"}:
+        for key in ("ratio_to_generate", "ratio_to_generate_after_start"):
+            vals = [r[path][key] for r in runs if key in r.get(path, {})]
+            if vals:
+                out.setdefault(path, {})[key] = round(statistics.median(vals), 3)
+    return out
+
+
+def load_workloads(args: argparse.Namespace, tok) -> dict[str, list[dict]]:
     workloads: dict[str, list[dict]] = {}
-    for name in names:
+    for name in args.workload or ["classify-512", "reviews-128", "mixed-long"]:
         if name == "mixed-long":
             rows = mixed_long(tok, args.mixed_n)
         else:
@@ -229,61 +303,54 @@ def main() -> int:
         if args.quick:
             rows = rows[: max(8, len(rows) // 4)]
         workloads[name] = rows
+    return workloads
 
-    result: dict = {"benchmark": "main_job", "quick": args.quick, "paths": paths, "cpus": os.cpu_count(),
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads-dir", type=Path, default=REPO.parent / "shared" / "workloads")
+    ap.add_argument("--workload", action="append",
+                    help="classify-512, reviews-128, mixed-long (default: all three)")
+    ap.add_argument("--paths", default="generate,inprocess,endpoint")
+    ap.add_argument("--mixed-n", type=int, default=48, help="tasks in the long mixed workload")
+    ap.add_argument("--port", type=int, default=8170)
+    ap.add_argument("--quick", action="store_true", help="a quarter of each workload")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds per workload, the paths interleaved")
+    ap.add_argument("--tree", action="append", type=Path, default=[],
+                    help="another carpool source tree (a checkout of an older commit) whose jobs run "
+                         "beside this one's in every round, as inprocess@NAME / endpoint@NAME")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    from carpool.engine.cpu import describe as cpu
+    from carpool.engine.loader import load_model
+
+    loaded = load_model("smollm2", dtype="auto")
+    tok = loaded.tokenizer
+    workloads = load_workloads(args, tok)
+    trees = {"": REPO, **{f"@{t.resolve().name}": t.resolve() for t in args.tree}}
+    result: dict = {"benchmark": "main_job", "quick": args.quick, "paths": paths, "cpu": cpu(),
+                    "repeat": args.repeat, "trees": {k or "@this": str(v) for k, v in trees.items()},
                     "workloads": {}}
-    server = None
     with tempfile.TemporaryDirectory(prefix="carpool-main-job-") as tmp:
-        tmpd = Path(tmp)
-        try:
-            for name, rows in workloads.items():
-                task_file = tmpd / f"{name}.jsonl"
-                task_file.write_text(task_lines(rows))
-                lens = [prompt_len(tok, r["messages"]) for r in rows]
-                w: dict = {"tasks": len(rows), "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens)}
-                if "generate" in paths:
-                    # A new engine (the same settings `carpool run` and `carpool serve` use by default)
-                    # over the loaded weights: an empty prefix cache, as the other paths start with.
-                    llm = LLM(EngineConfig(model="smollm2"), loaded=loaded)
-                    w["generate"] = run_generate(llm, rows)
-                    del llm
-                if "inprocess" in paths:
-                    w["inprocess"] = run_job(task_file, tmpd, f"{name}-inprocess", [], env)
-                if "endpoint" in paths:
-                    server = Server(args.port, env)  # a new server: nothing of the last workload cached
-                    try:
-                        w["endpoint"] = run_job(task_file, tmpd, f"{name}-endpoint",
-                                                ["--endpoint", server.url + "/v1", "--model", "smollm2"], env)
-                    finally:
-                        server.close()
-                        server = None
-                base = w.get("generate", {})
-                for p in ("inprocess", "endpoint"):
-                    r = w.get(p)
-                    if r is None or "error" in r:
-                        continue
-                    if "total_tok_s" in base:
-                        r["ratio_to_generate"] = round(r["total_tok_s"] / base["total_tok_s"], 3)
-                        if "total_tok_s_after_start" in r:
-                            r["ratio_to_generate_after_start"] = round(
-                                r["total_tok_s_after_start"] / base["total_tok_s"], 3)
-                        r["same_prompt_tokens"] = r["prompt_tokens"] == base["prompt_tokens"]
-                        r["same_completion_tokens"] = r["completion_tokens"] == base["completion_tokens"]
-                        r["texts_equal_generate"] = same_texts(base["texts"], r["texts"])
-                        if p == "endpoint" and "texts" in w.get("inprocess", {}):
-                            r["texts_equal_inprocess"] = same_texts(w["inprocess"]["texts"], r["texts"])
-                for p in ("generate", "inprocess", "endpoint"):
-                    if p in w:
-                        w[p].pop("texts", None)
-                result["workloads"][name] = w
-                print(json.dumps({name: w}), file=sys.stderr, flush=True)  # progress
-        finally:
-            if server is not None:
-                server.close()
+        sitting = Sitting(loaded, trees, paths, args.port, Path(tmp))
+        for name, rows in workloads.items():
+            task_file = Path(tmp) / f"{name}.jsonl"
+            task_file.write_text(task_lines(rows))
+            lens = [prompt_len(tok, r["messages"]) for r in rows]
+            runs = []
+            for n in range(args.repeat):
+                runs.append(sitting.round(name, rows, task_file, n))
+                print(json.dumps({name: runs[-1]}), file=sys.stderr, flush=True)  # progress
+            result["workloads"][name] = {"tasks": len(rows), "prompt_tokens_min": min(lens),
+                                         "prompt_tokens_max": max(lens), "runs": runs, "median": medians(runs)}
     bars = {}
     for name, w in result["workloads"].items():
         for p, bar in (("inprocess", 0.9), ("endpoint", 0.85)):
-            ratio = w.get(p, {}).get("ratio_to_generate")
+            ratio = w["median"].get(p, {}).get("ratio_to_generate")
             if ratio is not None:
                 bars[f"{name}/{p}>={bar}"] = ratio >= bar
     result["bars_met"] = bars

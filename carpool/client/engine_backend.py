@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from carpool.client.base import CallResult, Refused, Request
+from carpool.client.executor import Stopped
 from carpool.client.retry import ErrorKind
 from carpool.embed.dynamic_batcher import DynamicBatcher
 from carpool.engine.protocol import EngineClient, TokenDelta
@@ -49,6 +50,8 @@ class EngineBackend:
         self._start_began = 0.0
         self._start_ended = 0.0
         self._start_error: BaseException | None = None
+        self._calls: dict[str, Prepared] = {}  # the generation requests in the engine, by response id
+        self._withdrawing = False  # the job stops: requests not begun are given back (withdraw_queued)
 
     def begin_start(self) -> None:
         """Build the engine (and the translator) on a thread from now, so the job reads, checks and
@@ -103,6 +106,16 @@ class EngineBackend:
             await self._batcher.close()
         self._batcher = None
 
+    def withdraw_queued(self) -> int:
+        """The job stops: the engine gives back the requests it has not begun, which run on
+        resume as a request not yet sent does (their ``call`` raises ``Stopped``), and the ones
+        it is running finish.  A job hands the engine every task it read (``engine_limiter``),
+        so without this a first Ctrl-C would wait for the whole queue.  Returns how many were
+        given back, as far as can be told now."""
+        self._withdrawing = True
+        ids = [c.request.request_id for p in self._calls.values() for c in p.choices]
+        return self.engine.withdraw(ids) if ids else 0
+
     def check(self, req: Request) -> Prepared | Refused | None:
         """The request as the engine will run it (templated and tokenized, handed back to
         ``call`` so a prompt is templated once), or why the engine would refuse it (a field, a
@@ -131,14 +144,21 @@ class EngineBackend:
                 prepared = self.translator.prepare(req.kind, req.body)
             except OpenAIError as e:
                 return _failed(e, t0)
+        if self._withdrawing:  # the job stops: nothing new goes into the engine
+            raise Stopped(req.custom_id)
         seen = _Timings(t0, self.record_chunks)
+        self._calls[prepared.id] = prepared
         try:
             body = await run_request(self.engine, prepared, self.model_name, seen.on_delta)
         except OpenAIError as e:
+            if self._withdrawing and isinstance(e, EngineAborted):  # given back unbegun: it runs on resume
+                raise Stopped(req.custom_id) from None
             # An aborted request was cut short, not refused: it may run again elsewhere or later.
             kind = ErrorKind.TRUNCATED if isinstance(e, EngineAborted) else None
             return _failed(e, t0, kind, request_id=prepared.id, ttft_s=seen.ttft_s, chunk_times=seen.chunk_times,
                            queue_time_s=seen.queue_time_s)
+        finally:
+            self._calls.pop(prepared.id, None)
         usage = body["usage"]
         return CallResult(ok=True, status_code=200, body=body, request_id=prepared.id, endpoint="engine", sent_at=t0,
                           ttft_s=seen.ttft_s, e2e_s=time.perf_counter() - t0, prompt_tokens=usage["prompt_tokens"],

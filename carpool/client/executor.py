@@ -61,12 +61,16 @@ class Executor:
         self.stopping = False  # set by ``stop``: requests not yet sent are not sent
         self._stopped: asyncio.Event | None = None  # set with it: wakes waits before a retry
 
-    def stop(self) -> None:
+    def stop(self) -> int:
         """Send nothing more: a request not yet sent raises ``Stopped``, and one waiting before
-        its retry (a Retry-After of minutes) stops waiting and raises it at once."""
+        its retry (a Retry-After of minutes) stops waiting and raises it at once.  A backend that
+        queues requests itself (the in-process engine: ``withdraw_queued``) gives back the ones
+        it has not begun, which raise ``Stopped`` too; returns how many it gave back."""
         self.stopping = True
         if self._stopped is not None:
             self._stopped.set()
+        withdraw = getattr(self.backend, "withdraw_queued", None)
+        return int(withdraw()) if withdraw is not None else 0
 
     async def _pause(self, seconds: float) -> None:
         """Sleep before a retry; ``Stopped`` at once when the job stops meanwhile (the task
@@ -148,6 +152,8 @@ class Executor:
         self.attempts += 1
         try:
             return await self.backend.call(req, prepared=prepared, on_first_token=slot.attempt())
+        except Stopped:  # the backend gave the request back unbegun (``stop``): not an outcome
+            raise
         except Exception as e:  # noqa: BLE001  (a bug or an unexpected library error: a value, not a crash)
             return CallResult(ok=False, error_kind=ErrorKind.ENGINE_ERROR, error_message=f"{type(e).__name__}: {e}")
 

@@ -10,7 +10,6 @@ pushes back with ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from .protocol import BACKGROUND_PRIORITY, GenerateRequest, StructuredOutputs, T
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
+    from .sequence import Sequence
 
 
 class AsyncEngine:
@@ -38,9 +38,13 @@ class AsyncEngine:
         self._new: list = []  # sequences to add (guarded by _cv)
         self._foreground_arrived = threading.Event()  # set with a foreground request in _new, cleared as it is taken
         self._aborts: list[str] = []
+        self._withdrawals: list[str] = []  # request ids to end if not begun yet (guarded by _cv)
         self._stop = False
         # request_id -> (event loop, queue) of the consumer
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # consumer loop -> deltas handed over and not yet taken by it (guarded by _outbox_lock)
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        self._outbox_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self.error: BaseException | None = None  # what stopped the loop (EngineClient.error)
 
@@ -166,6 +170,23 @@ class AsyncEngine:
         """Stop a request; its stream ends with a finish_reason "abort" delta and its blocks are freed."""
         self._request_abort(request_id)
 
+    def withdraw(self, request_ids: list[str]) -> int:
+        """End those of ``request_ids`` the scheduler has not admitted yet: they hold no KV block
+        and nothing of them was computed, so a job that stops gives them back instead of waiting
+        for its whole queue.  Their streams end with finish_reason "abort"; the engine thread
+        decides for each as it next looks, so one admitted meanwhile runs on.  Returns how many
+        were not begun as seen from here (a request not picked up yet counts as not begun)."""
+        if not request_ids:
+            return 0
+        with self._cv:
+            self._withdrawals.extend(request_ids)
+            self._cv.notify_all()
+        engine = self.engine
+        if engine is None:
+            return len(request_ids)
+        # Read on this thread while the engine's moves on: a count to tell the user, not a decision.
+        return sum(1 for rid in request_ids if not _begun(engine.requests.get(rid)))
+
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return self._require().count_prompt_tokens(request)
 
@@ -182,28 +203,52 @@ class AsyncEngine:
     # ------------------------------------------------------------ engine loop
 
     def _deliver(self, deltas: list[TokenDelta | _Failed]) -> None:
-        """Group deltas by consumer loop and hand each group over in one call."""
+        """Group deltas by consumer loop and hand each group over.
+
+        A loop is woken once for whatever piles up before it runs: while a hand-over waits in
+        its outbox, later steps add to it instead of waking it again.  Every wake-up writes a
+        byte to the loop's self-pipe, which fills after a few hundred unread ones; a loop busy
+        for a moment while a fast engine stepped then lost the signals that share that pipe
+        (a Ctrl-C did nothing), and each wake-up costs the loop a turn it has to take."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for d in deltas:
             stream = self._streams.get(d.request_id)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], d))
         for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is listening
-                loop.call_soon_threadsafe(_put_all, items)
+            with self._outbox_lock:
+                waiting = self._outbox.get(loop)
+                if waiting is not None and not loop.is_closed():  # a hand-over is on its way: it takes these too
+                    waiting.extend(items)
+                    continue
+                for dead in [x for x in self._outbox if x.is_closed()]:  # closed before its hand-over ran
+                    del self._outbox[dead]
+                self._outbox[loop] = items
+            try:
+                loop.call_soon_threadsafe(self._hand_over, loop)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                with self._outbox_lock:
+                    self._outbox.pop(loop, None)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``: every delta piled up for its streams, into their queues, in step order."""
+        with self._outbox_lock:
+            items = self._outbox.pop(loop, [])
+        _put_all(items)
 
     def _loop(self) -> None:
         engine = self.engine
         assert engine is not None  # _build() sets it before starting this thread
         while True:
             with self._cv:
-                while not (self._stop or self._new or self._aborts or engine.has_unfinished()):
+                while not (self._stop or self._new or self._aborts or self._withdrawals or engine.has_unfinished()):
                     self._cv.wait()
                 if self._stop:
                     break
                 new, self._new = self._new, []
                 self._foreground_arrived.clear()
                 aborts, self._aborts = self._aborts, []
+                withdrawals, self._withdrawals = self._withdrawals, []
             out: list[TokenDelta | _Failed] = []
             for seq in new:
                 try:
@@ -214,6 +259,11 @@ class AsyncEngine:
                 d = engine.abort_request(rid)
                 if d is not None:
                     out.append(d)
+            for rid in withdrawals:  # after the new ones: a request submitted just before is among them
+                if not _begun(engine.requests.get(rid)):
+                    d = engine.abort_request(rid)
+                    if d is not None:
+                        out.append(d)
             try:
                 if engine.has_unfinished():
                     out.extend(engine.step(self._foreground_arrived))
@@ -229,6 +279,11 @@ class AsyncEngine:
             d = engine.abort_request(rid)
             if d is not None:
                 self._deliver([d])
+
+
+def _begun(seq: Sequence | None) -> bool:
+    """Whether the scheduler ever admitted ``seq`` (None: finished, or not picked up yet)."""
+    return seq is not None and seq.admitted_once
 
 
 class _Failed:

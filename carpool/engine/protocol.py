@@ -219,6 +219,12 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    def withdraw(self, request_ids: list[str]) -> int:
+        """End those of ``request_ids`` the engine has not begun (never scheduled: no work is
+        lost); their streams end with finish_reason "abort", the others run on.  How many were
+        not begun when asked (the engine decides for each as it next looks)."""
+        ...
+
     def count_prompt_tokens(self, request: GenerateRequest) -> int: ...
 
     def check_grammar(self, structured_outputs: StructuredOutputs, max_bytes: int | None = None) -> None:

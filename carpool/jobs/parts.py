@@ -113,14 +113,36 @@ def job_limiter(opts: RunOptions, live: LiveParts | None = None) -> FixedLimiter
     if opts.echo and not opts.concurrency:
         return FixedLimiter(256, why="the echo backend's default (no --concurrency)")
     if not opts.endpoints and not opts.concurrency:
-        # In-process the engine's own scheduler batches: keep it fed (two per batch slot),
-        # nothing to learn from 429s that cannot happen.
-        seqs = int(_engine_setting(opts, live or LiveParts(), "max_num_seqs", 64))
-        why = f"2 x the engine's max_num_seqs ({seqs}), no --concurrency given"
-        if opts.max_concurrency and opts.max_concurrency < 2 * seqs:
-            return FixedLimiter(opts.max_concurrency, why=f"{why}, capped by --max-concurrency")
-        return FixedLimiter(2 * seqs, why=why)
+        return engine_limiter(opts, live or LiveParts())
     return limiter.make_limiter(opts.concurrency, opts.max_concurrency)
+
+
+def engine_limiter(opts: RunOptions, live: LiveParts) -> FixedLimiter:
+    """How many tasks the in-process engine holds at once when no --concurrency is given.
+
+    Every task read, as ``LLM.generate`` hands it every prompt: a task waiting in the engine
+    holds no KV block (blocks are taken when the scheduler admits it, ``max_num_seqs`` at
+    a time) and its queue costs a step O(max_num_seqs), not O(waiting), so a deep queue is
+    free there, while a shallow one leaves the scheduler fewer prompts to pack into each
+    step.  The bound is memory: the tasks the job holds read (``--max-pending``), which it
+    holds whatever the limit.  A first Ctrl-C takes back the tasks the engine has not begun
+    (``EngineBackend.withdraw_queued``), so a deep queue does not make the stop wait.
+
+    With a semantic cache the tasks wait outside the engine until it can begin them (its
+    batch and as many again to admit as the batch frees): a task asks the cache when it
+    takes its slot, and only then finds the near-duplicates answered meanwhile."""
+    seqs = int(_engine_setting(opts, live, "max_num_seqs", 64))
+    if opts.semantic_cache is not None:
+        limit = 2 * seqs
+        why = (f"2 x the engine's max_num_seqs ({seqs}): the semantic cache is asked as a task "
+               "enters the engine, no --concurrency given")
+    else:
+        limit = opts.max_pending
+        why = (f"every task read (--max-pending {opts.max_pending}): the engine queues them "
+               f"and runs max_num_seqs ({seqs}) at once, no --concurrency given")
+    if opts.max_concurrency and opts.max_concurrency < limit:
+        return FixedLimiter(opts.max_concurrency, why=f"{why}, capped by --max-concurrency")
+    return FixedLimiter(limit, why=why)
 
 
 Hook = Callable[[], Awaitable[None]]

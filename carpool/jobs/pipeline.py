@@ -134,13 +134,13 @@ class Pipeline:
         if not self._stop:
             self._stop = True
             self._slots.close()
-            self.executor.stop()
+            given_back = self.executor.stop()  # the engine's queued requests: they run on resume
             if grace_s is not None:
                 asyncio.get_running_loop().call_later(grace_s, self._cancel_all)
             if self.notify is not None:
                 limit = f"at most {grace_s:g} s" if grace_s is not None else "Ctrl-C again to stop at once"
-                self.notify(f"\ncarpool run: stopping; finishing {self.parts.limiter.in_flight} requests in flight "
-                            f"({limit})")
+                running = max(0, self.parts.limiter.in_flight - given_back)
+                self.notify(f"\ncarpool run: stopping; finishing {running} requests in flight ({limit})")
             return
         self._cancel_all()
 

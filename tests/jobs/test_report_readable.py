@@ -47,8 +47,9 @@ def test_report_is_a_table_with_units(fault_server, tmp_path):
 
 def test_the_concurrency_reason_names_what_set_it():
     engine_default = job_limiter(RunOptions(input="", output="")).summary()
-    assert engine_default["limit"] == 128 and "--concurrency" not in engine_default["why"].split(",")[0]
-    assert engine_default["why"] == "2 x the engine's max_num_seqs (64), no --concurrency given"
+    assert engine_default["limit"] == 2048 and "--concurrency" not in engine_default["why"].split(",")[0]
+    assert engine_default["why"] == ("every task read (--max-pending 2048): the engine queues them and runs "
+                                     "max_num_seqs (64) at once, no --concurrency given")
     given = job_limiter(RunOptions(input="", output="", endpoints=["http://x/v1"], concurrency=8)).summary()
     assert given == {"mode": "fixed", "limit": 8, "why": "--concurrency"}
     capped = job_limiter(RunOptions(input="", output="", endpoints=["http://x/v1"], concurrency=8,
