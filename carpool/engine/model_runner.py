@@ -10,12 +10,15 @@ then cached), before the first step that uses them.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
 from . import plan_measure
 from .model import AttentionMetadata, LlamaModel
 from .ops import SUPPORTED_HEAD_DIMS, Kernels
+from .plan import Plan
+from .protocol import SamplingParams
 from .sampler import Sampler, SampleResult
 from .sequence import Sequence
 
@@ -60,10 +63,39 @@ class ModelRunner:
         if not self.planned:
             max_rows, max_seqs, max_len = self.limits
             plan = plan_measure.obtain(self.model, kernels, max_rows, max_seqs, max_len, self.kv_cache_dtype,
-                                       self.plan_setting)
-            self.model.apply_plan(plan)
-            kernels.set_row_grains(plan.row_grain, plan.silu_grain)
+                                       self.plan_setting, step=self._scratch_step(kernels))
+            self._route(plan, kernels)
             self.planned = True
+
+    def _route(self, plan: Plan, kernels: Kernels) -> None:
+        self.model.apply_plan(plan)
+        kernels.set_row_grains(plan.row_grain, plan.silu_grain)
+
+    def _scratch_step(self, kernels: Kernels) -> Callable[[Plan, int], None]:
+        """``step(plan, n)``: one forward of n fresh prompts of ``plan_measure.BUDGET_CHUNK`` tokens
+        on the plan's routes, the way the engine runs a step, but on a KV cache of its own (the
+        plan may be measured while requests hold blocks of the real one).  Leaves the model on the
+        last plan it ran."""
+        rows, bs, most = plan_measure.BUDGET_CHUNK, self.block_size, plan_measure.BUDGET_CHUNKS
+        per_seq = -(-rows // bs)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.model.config.vocab_size, (most, rows), generator=g).tolist()
+        caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # made on the first call: a cached plan runs none
+
+        @torch.inference_mode()
+        def step(plan: Plan, n: int) -> None:
+            if not caches:
+                caches.extend(self.model.allocate_kv_cache(most * per_seq, bs, self.kv_cache_dtype))
+            self._route(plan, kernels)
+            scheduled = []
+            for i in range(n):
+                seq = Sequence(f"plan-{i}", ids[i], SamplingParams(), bs)
+                seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+                scheduled.append((seq, rows))
+            input_ids, positions, meta, _ = self._inputs(scheduled, kernels)
+            self.model.forward(input_ids, positions, meta, caches)
+
+        return step
 
     def _context_slots(self, seqs: list[Sequence], num_ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots [B, L] of each context (through the block tables, padded to the longest
@@ -92,6 +124,10 @@ class ModelRunner:
         kernels = self.kernels if self.kernels is not None and self.kernels.ready else None
         if kernels is not None and not self.planned:
             self.ensure_plan(kernels)
+        return self._inputs(scheduled, kernels)
+
+    def _inputs(self, scheduled: list[tuple[Sequence, int]], kernels: Kernels | None):
+        """The step's input ids, positions, attention metadata and the sequences that sample."""
         num_decode = 0  # the scheduler puts single-token queries first
         while num_decode < len(scheduled) and scheduled[num_decode][1] == 1:
             num_decode += 1

@@ -19,7 +19,9 @@ The routes a plan holds:
 - ``flash_min_work``: a prefill chunk whose attention work (rows x keys seen) is at least this
   runs torch's flash attention, smaller ones the SIMD kernel (None: never flash);
 - ``row_grain`` / ``silu_grain``: a row-wise pass (residual add + RMSNorm, RoPE, quantizing rows;
-  SiLU * up) over at most this many values runs on one thread, a larger one on all of them.
+  SiLU * up) over at most this many values runs on one thread, a larger one on all of them;
+- ``batch_tokens``: the step's token budget for throughput (offline jobs: ``carpool run``,
+  ``LLM``), from the time of whole steps of one and of several prefill chunks (0: not measured).
 
 ``DEFAULT`` is the fallback when nothing is measured (``CARPOOL_ENGINE_PLAN=default``): the
 routes a 2-core Zen 5 preferred.  ``CARPOOL_ENGINE_PLAN`` (or ``extra["plan"]``) also forces
@@ -45,6 +47,10 @@ MODES = ("measure", "remeasure", "default")
 # The fallback's row-wise passes: up to 128K values (SiLU * up: 32K) on one thread (a 2-core Zen 5).
 DEFAULT_ROW_GRAIN = 1 << 17
 DEFAULT_SILU_GRAIN = 1 << 15
+# The step's token budget when nothing chose one: vLLM's for its server, and the engine's constant
+# before the plan measured it.  Offline budgets are chosen among BATCH_TOKENS (never below it).
+DEFAULT_BATCH_TOKENS = 2048
+BATCH_TOKENS = (2048, 4096, 8192, 16384)
 
 RouteTable = tuple[tuple[int, str], ...]
 
@@ -57,6 +63,7 @@ class Plan:
     flash_min_work: int | None
     row_grain: int = DEFAULT_ROW_GRAIN
     silu_grain: int = DEFAULT_SILU_GRAIN
+    batch_tokens: int = 0
     source: str = "default"  # default | measured | cached, and "+forced" when overridden
     timings: dict[str, Any] = field(default_factory=dict, compare=False)
     fingerprint: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -69,7 +76,7 @@ class Plan:
         return {"gemm": {k: [list(e) for e in v] for k, v in self.gemm.items()},
                 "int8_gemm": {k: [list(e) for e in v] for k, v in self.int8_gemm.items()},
                 "weight_only_max_rows": self.weight_only_max_rows, "flash_min_work": self.flash_min_work,
-                "row_grain": self.row_grain, "silu_grain": self.silu_grain,
+                "row_grain": self.row_grain, "silu_grain": self.silu_grain, "batch_tokens": self.batch_tokens,
                 "source": self.source, "timings": self.timings, "fingerprint": self.fingerprint}
 
     @classmethod
@@ -89,7 +96,8 @@ class Plan:
                    weight_only_max_rows=int(d["weight_only_max_rows"]),
                    flash_min_work=None if fmw is None else int(fmw),
                    row_grain=int(d.get("row_grain", DEFAULT_ROW_GRAIN)),
-                   silu_grain=int(d.get("silu_grain", DEFAULT_SILU_GRAIN)), source=str(d.get("source", "cached")),
+                   silu_grain=int(d.get("silu_grain", DEFAULT_SILU_GRAIN)),
+                   batch_tokens=int(d.get("batch_tokens", 0)), source=str(d.get("source", "cached")),
                    timings=dict(d.get("timings") or {}), fingerprint=dict(d.get("fingerprint") or {}))
 
 
@@ -206,6 +214,33 @@ def choose_grain(points: list[dict[str, float]]) -> int:
     return single
 
 
+def choose_batch_tokens(budget: dict[str, Any]) -> int:
+    """The step's token budget for throughput, from whole steps of one and of ``many`` prefill
+    chunks of ``chunk`` rows each ({chunk, one, many, seconds_one, seconds_many, max_tokens}).
+
+    A step costs about ``fixed + per_row * rows``: the fixed part (every op's call and thread
+    wake-up, the layers' weights read once, the step's Python) is paid once a step, so a budget of
+    B tokens pays ``fixed / B`` per token on top of ``per_row``.  Both come from the two timed
+    steps (chunks of the same length, so each row's attention costs the same in both).  The
+    budget is the smallest of ``BATCH_TOKENS`` (up to ``max_tokens``, what memory allows) whose
+    cost per token is within ``MARGIN`` of the largest one's: a larger step buys less than the
+    timing noise and only holds more memory.  0 when the timings say nothing (the engine keeps
+    ``DEFAULT_BATCH_TOKENS``)."""
+    try:
+        chunk, one, many = int(budget["chunk"]), int(budget["one"]), int(budget["many"])
+        t1, tn = float(budget["seconds_one"]), float(budget["seconds_many"])
+        cap = int(budget.get("max_tokens") or BATCH_TOKENS[-1])
+    except (KeyError, TypeError, ValueError):
+        return 0
+    if many <= one or not (0 < t1 <= tn):
+        return 0
+    per_row = (tn - t1) / ((many - one) * chunk)
+    fixed = max(0.0, t1 - per_row * one * chunk)
+    sizes = [b for b in BATCH_TOKENS if b <= cap] or [BATCH_TOKENS[0]]
+    best = fixed / sizes[-1] + per_row
+    return next(b for b in sizes if fixed / b + per_row <= best * (1 + MARGIN))
+
+
 def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
     """The plan the timings call for (pure).  ``timings`` (as ``plan_measure.measure`` returns
     and the plan file keeps): ``gemm`` / ``int8_gemm``: {linear: {rows: {route: s}}},
@@ -222,6 +257,7 @@ def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
                 flash_min_work=choose_flash_min_work(prefill) if prefill else base.flash_min_work,
                 row_grain=_grain(grain.get("light"), base.row_grain),
                 silu_grain=_grain(grain.get("silu"), base.silu_grain),
+                batch_tokens=choose_batch_tokens(timings["budget"]) if timings.get("budget") else base.batch_tokens,
                 source="measured", timings=timings)
 
 
@@ -232,7 +268,7 @@ def _grain(points: list[dict[str, float]] | None, fallback: int) -> int:
 # ----------------------------------------------------------------------------- forcing
 
 
-_NUMBER_KEYS = ("weight_only_max_rows", "row_grain", "silu_grain")
+_NUMBER_KEYS = ("weight_only_max_rows", "row_grain", "silu_grain", "batch_tokens")
 
 
 def parse_overrides(text: str) -> dict[str, str]:
@@ -240,7 +276,8 @@ def parse_overrides(text: str) -> dict[str, str]:
 
     Keys: gemm (carpool|carpool_split|onednn, every bf16 linear), int8_gemm (the same), prefill
     (kernel|flash: every prefill chunk's attention), and whole numbers weight_only_max_rows,
-    row_grain and silu_grain (values a row-wise pass holds at most to run on one thread).  The
+    row_grain and silu_grain (values a row-wise pass holds at most to run on one thread) and
+    batch_tokens (the offline step budget; an engine given max_num_batched_tokens keeps it).  The
     words "measure" (the default: the cached plan, else measured now), "remeasure" (measured now
     whatever is cached) and "default" (no measuring, the fallback plan) stand alone."""
     choices = {"gemm": GEMM_ROUTES, "int8_gemm": GEMM_ROUTES, "prefill": PREFILL_ROUTES}

@@ -112,13 +112,23 @@ class Kernels:
     def failed(self) -> bool:
         return self.error is not None
 
+    def build_dir(self) -> Path:
+        """Where this machine's build of these sources lives (the cache key is in its name)."""
+        return self.cache_dir / f"ops-{build_key()}"
+
+    def cached(self) -> bool:
+        """Whether the build is already in the cache (loading it takes no compiler)."""
+        final = self.build_dir()
+        return final.exists() and any(final.glob(f"{_NAME}*.so"))
+
     def _build(self, final: Path) -> Path:
         """Compile in a private directory (``compile_child``), then move the .so into the shared
         cache atomically."""
         final.mkdir(parents=True, exist_ok=True)
         minutes = max(1, round(3 * 2 / (os.cpu_count() or 1)))
+        meanwhile = "; until then the torch path runs" if self._thread is not None else ""
         log.warning("building carpool's C++ kernels for this CPU (once per machine and torch version): about "
-                    "%d min on %d cores; until then the torch path runs", minutes, os.cpu_count() or 1)
+                    "%d min on %d cores%s", minutes, os.cpu_count() or 1, meanwhile)
         with tempfile.TemporaryDirectory(prefix="build-", dir=final) as tmp:
             compile_child(Path(tmp), {"name": _NAME, "sources": [str(HERE / s) for s in SOURCES],
                                       "extra_cflags": list(CFLAGS), "extra_include_paths": [str(HERE)]})
@@ -143,7 +153,7 @@ class Kernels:
         with self._lock:
             if self.module is None and self.error is None:
                 try:
-                    module = self._load_or_build(self.cache_dir / f"ops-{build_key()}")
+                    module = self._load_or_build(self.build_dir())
                     best = int(module.best_isa())
                     isa = best if self.requested_isa is None else int(self.requested_isa)
                     if isa > best:
@@ -166,8 +176,7 @@ class Kernels:
         to the kernels in the middle of a request changes its numerics (bf16), so a job started
         right after the engine would otherwise answer differently from a warm server.
         """
-        final = self.cache_dir / f"ops-{build_key()}"
-        if self.module is None and self.error is None and final.exists() and any(final.glob(f"{_NAME}*.so")):
+        if self.module is None and self.error is None and self.cached():
             self.wait()
             return
         if self.module is None and self.error is None and self._thread is None:
