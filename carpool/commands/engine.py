@@ -19,6 +19,8 @@ import json
 import sys
 from typing import Any
 
+from carpool.engine.plan import GEMM_ROUTES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["prepare", "plan"],
@@ -40,17 +42,19 @@ def _ms(t: float | None) -> str:
     return "-" if t is None else f"{t * 1e3:.3f}"
 
 
-def _table(title: str, routes: dict[str, Any], timings: dict[str, Any]) -> list[str]:
-    from carpool.engine.plan import GEMM_ROUTES
+def _spans(table: Any) -> str:
+    """A route table as ``1-64 carpool, 65- onednn``."""
+    spans, lo = [], 1
+    for bound, route in table:
+        spans.append(f"{lo}-{'' if bound >= 1 << 30 else bound} {route}")
+        lo = bound + 1
+    return ", ".join(spans)
 
+
+def _table(title: str, routes: dict[str, Any], timings: dict[str, Any]) -> list[str]:
     lines = [f"{title}:"]
     for name, table in routes.items():
-        spans, lo = [], 1
-        for bound, route in table:
-            hi = "" if bound >= 1 << 30 else str(bound)
-            spans.append(f"{lo}-{hi} {route}")
-            lo = bound + 1
-        lines.append(f"  {name:8s} {', '.join(spans)}")
+        lines.append(f"  {name:8s} {_spans(table)}")
         for rows, t in (timings.get(name) or {}).items():
             routes_timed = ", ".join(f"{r} {_ms(t.get(r))} ms" for r in GEMM_ROUTES if r in t)
             lines.append(f"      {rows:>5s} rows: {routes_timed}")
@@ -59,6 +63,8 @@ def _table(title: str, routes: dict[str, Any], timings: dict[str, Any]) -> list[
 
 def render(plan: Any) -> str:
     """The plan as a person reads it: routes first, the timings behind each below it."""
+    from carpool.engine.plan import DECODE_ROUTES, PREFILL_ROUTES
+
     fp = plan.fingerprint
     t = plan.timings
     lines = [f"engine plan ({plan.source}); CPU: {fp.get('cpu', '?')}, torch {fp.get('torch', '?')}, "
@@ -68,13 +74,14 @@ def render(plan: Any) -> str:
     lines.append(f"int8 weight-only up to {plan.weight_only_max_rows} rows")
     for rows, w in (t.get("weight_only") or {}).items():
         lines.append(f"      {rows:>5s} rows: weight-only {_ms(w.get('weight_only'))} ms, int8 {_ms(w.get('int8'))} ms")
-    fmw = plan.flash_min_work
-    lines.append("prefill attention: " + ("SIMD kernel always" if fmw is None else
-                                          f"flash from {fmw} work (rows x keys seen), SIMD kernel below"))
+    lines.append(f"prefill attention (work = rows x keys seen: route): {_spans(plan.prefill)}")
     for p in t.get("prefill") or []:
-        lines.append(f"      {p['rows']:>5d} rows after {p['cached']:>4d}: kernel {_ms(p.get('kernel'))} ms, "
-                     f"flash {_ms(p.get('flash'))} ms")
-    lines.append("decode attention: SIMD kernel (the only route on the kernel path)")
+        timed = ", ".join(f"{r} {_ms(p.get(r))} ms" for r in PREFILL_ROUTES if r in p)
+        lines.append(f"      {p['rows']:>5d} rows after {p['cached']:>4d}: {timed}")
+    lines.append(f"decode attention (keys seen: route): {_spans(plan.decode)}")
+    for p in t.get("decode") or []:
+        timed = ", ".join(f"{r} {_ms(p.get(r))} ms" for r in DECODE_ROUTES if r in p)
+        lines.append(f"      {p['rows']:>5d} rows of {p['keys']:>5d} keys: {timed}")
     grains = t.get("grain") or {}
     for label, limit, key in (("row-wise passes", plan.row_grain, "light"), ("SiLU * up", plan.silu_grain, "silu")):
         lines.append(f"{label}: one thread up to {limit} values, all threads above")

@@ -121,6 +121,8 @@ def _time_int8(w: Int8Linear, k: Kernels, rows: int) -> dict[str, float]:
            "onednn": lambda: k.int8_dequantize(w.int_mm(xq), xs, w.scale_f32, None, w.dtype)}
     if splits(n, rows):
         fns["carpool_split"] = carpool(True)
+    if w.pack_qlinear():  # oneDNN's prepacked int8 linear: AMX-INT8 where the CPU has it
+        fns["onednn_qlinear"] = lambda: k.int8_dequantize(w.qlinear_sums(xq), xs, w.scale_f32, None, w.dtype)
     return race(fns)
 
 
@@ -168,36 +170,89 @@ def _weight_only_timings(model: LlamaModel, k: Kernels, clock: _Clock) -> dict[s
     return {"weight_only": out}
 
 
-def _time_prefill(model: LlamaModel, k: Kernels, n: int, c: int, kv_cache_dtype: str) -> dict[str, float]:
-    """One layer's attention over a chunk of n new rows after c cached tokens, kernel vs flash."""
-    bs = 16
+def _random_cache(model: LlamaModel, blocks: int, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches of ``blocks`` blocks of 16, holding random keys and values: read
+    from memory as a real context is (a zeroed, never written cache maps one shared zero page)."""
+    k_cache, v_cache = model.allocate_kv_cache(blocks, 16, kv_cache_dtype)[0]
+    if kv_cache_dtype != "int8":  # an int8 cache's rows end in scales: left zero, as before
+        k_cache.normal_()
+        v_cache.normal_()
+    return k_cache, v_cache
+
+
+def _time_prefill(model: LlamaModel, k: Kernels, n: int, c: int, kv_cache_dtype: str,
+                  brgemm: bool) -> dict[str, float]:
+    """One layer's attention over a chunk of n new rows after c cached tokens: the SIMD kernel,
+    flash attention and (where it runs) the brgemm route."""
     hq, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
-    nb = -(-(n + c) // bs)
-    k_cache, v_cache = model.allocate_kv_cache(nb, bs, kv_cache_dtype)[0]
+    nb = -(-(n + c) // 16)
+    k_cache, v_cache = _random_cache(model, nb, kv_cache_dtype)
     qkv = torch.randn(n, (hq + 2 * hkv) * d).to(model.dtype)
     slots = torch.arange(c, c + n)
     tables = torch.arange(nb).unsqueeze(0)
     none = torch.zeros(0, dtype=torch.long)
     rows_seq, rows_ctx = torch.zeros(n, dtype=torch.long), torch.arange(c + 1, c + n + 1)
-    chunk = torch.tensor([[0, n, 0, c]])
 
     def kernel() -> None:
-        k.attention(qkv, k_cache, v_cache, slots, tables, rows_seq, rows_ctx, n, none.view(0, 4), hq, model.scale)
+        k.attention(qkv, k_cache, v_cache, slots, tables, rows_seq, rows_ctx, n, none.view(0, 5), hq, model.scale)
 
-    def flash() -> None:
-        k.attention(qkv, k_cache, v_cache, slots, tables, none, none, 0, chunk, hq, model.scale)
+    def chunk(route: int) -> Callable[[], Any]:
+        one = torch.tensor([[0, n, 0, c, route]])
+        return lambda: k.attention(qkv, k_cache, v_cache, slots, tables, none, none, 0, one, hq, model.scale)
 
-    return race({"kernel": kernel, "flash": flash})
+    fns = {"kernel": kernel, "flash": chunk(0)}
+    if brgemm:
+        fns["brgemm"] = chunk(1)
+    return race(fns)
+
+
+def _brgemm_runs(model: LlamaModel, k: Kernels, kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype != "int8" and k.brgemm_attention_runs(model.dtype)
 
 
 def _prefill_timings(model: LlamaModel, k: Kernels, max_rows: int, max_len: int, kv_cache_dtype: str,
                      clock: _Clock) -> dict[str, Any]:
     points = []
+    brgemm = _brgemm_runs(model, k, kv_cache_dtype)
     for n, c in PREFILL_POINTS:
         if n > max_rows or n + c > max_len or clock.out:
             continue
-        points.append({"rows": n, "cached": c, **_time_prefill(model, k, n, c, kv_cache_dtype)})
+        points.append({"rows": n, "cached": c, **_time_prefill(model, k, n, c, kv_cache_dtype, brgemm)})
     return {"prefill": points} if points else {}
+
+
+# Decode steps timed for the decode route: (rows, keys each row sees).
+DECODE_POINTS = ((32, 64), (32, 256), (32, 1024), (32, 2048))
+
+
+def _time_decode(model: LlamaModel, k: Kernels, rows: int, keys: int, kv_cache_dtype: str) -> dict[str, float]:
+    """One layer's attention of ``rows`` decode rows, each of its own sequence of ``keys`` keys."""
+    hq, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+    per_seq = -(-keys // 16)
+    k_cache, v_cache = _random_cache(model, rows * per_seq, kv_cache_dtype)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d).to(model.dtype)
+    tables = torch.arange(rows * per_seq).view(rows, per_seq)
+    slots = tables[:, (keys - 1) // 16] * 16 + (keys - 1) % 16
+    seqs, ctx = torch.arange(rows), torch.full((rows,), keys, dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.long)
+    chunks = torch.tensor([[i, 1, i, keys - 1, 1] for i in range(rows)], dtype=torch.long)
+    return race({"kernel": lambda: k.attention(qkv, k_cache, v_cache, slots, tables, seqs, ctx, rows,
+                                               none.view(0, 5), hq, model.scale),
+                 "brgemm": lambda: k.attention(qkv, k_cache, v_cache, slots, tables, none, none, 0, chunks, hq,
+                                               model.scale)})
+
+
+def _decode_timings(model: LlamaModel, k: Kernels, max_seqs: int, max_len: int, kv_cache_dtype: str,
+                    clock: _Clock) -> dict[str, Any]:
+    if not _brgemm_runs(model, k, kv_cache_dtype):
+        return {}  # one route: nothing to choose
+    points = []
+    for rows, keys in DECODE_POINTS:
+        if keys > max_len or clock.out:
+            continue
+        rows = min(rows, max_seqs)
+        points.append({"rows": rows, "keys": keys, **_time_decode(model, k, rows, keys, kv_cache_dtype)})
+    return {"decode": points} if points else {}
 
 
 # Row counts a row-wise pass is timed at, one thread against all (the thread-grain limits).
@@ -266,6 +321,7 @@ def measure(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len
             one = _gemm_timings(model, k, max_rows, max_seqs, clock)
             one.update(_weight_only_timings(model, k, clock))
             one.update(_prefill_timings(model, k, max_rows, max_len, kv_cache_dtype, clock))
+            one.update(_decode_timings(model, k, max_seqs, max_len, kv_cache_dtype, clock))
             one.update(_grain_timings(model, k, max_rows, clock))
             timings = _best_of(timings, one) if timings else one
     finally:

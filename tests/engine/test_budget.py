@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import urllib.request
 
-import pytest
 import torch
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
@@ -46,14 +45,6 @@ def _stats(tiny, h, budget, plan):
     assert len(llm.generate([req])[0].token_ids) == 2
     st = llm.engine.stats()
     return st["max_num_batched_tokens"], st["batch_tokens_source"]
-
-
-@pytest.fixture(scope="module")
-def kernels() -> Kernels:
-    k = Kernels()
-    if not k.wait():
-        pytest.skip(f"kernels unavailable: {k.error}")
-    return k
 
 
 def test_an_offline_engine_runs_the_plans_budget_and_a_given_one_wins(tiny, h, kernels):

@@ -15,19 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from carpool.engine.ops import Kernels
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def built() -> Kernels:
-    k = Kernels()
-    if not k.wait():
-        pytest.skip(f"kernels unavailable: {k.error}")
-    return k
 
 
 def _carpool(args: list[str], cache: Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -37,9 +25,9 @@ def _carpool(args: list[str], cache: Path, cwd: Path) -> subprocess.CompletedPro
                           text=True, timeout=900)
 
 
-def test_after_prepare_the_first_job_neither_builds_nor_measures(built, tmp_path):
+def test_after_prepare_the_first_job_neither_builds_nor_measures(kernels, tmp_path):
     cache = tmp_path / "cache"
-    shutil.copytree(built.build_dir(), cache / "kernels" / built.build_dir().name)
+    shutil.copytree(kernels.build_dir(), cache / "kernels" / kernels.build_dir().name)
     first = _carpool(["engine", "prepare", "--model", "tiny-random"], cache, tmp_path)
     assert first.returncode == 0, first.stderr
     assert "engine plan: measured" in first.stdout and "for model tiny-random" in first.stdout
