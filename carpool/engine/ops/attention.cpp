@@ -184,12 +184,17 @@ bool brgemm_layout_holds(int64_t m, int64_t n, int64_t k) {
 }  // namespace
 
 bool brgemm_attention_runs(at::ScalarType dtype) {
+  // The two products a unit runs, S = Q K^T (K = head dim) and O = P V (K = a tile's keys), at
+  // every head dim the kernels take and a row count that is no multiple of a tile's.
+  auto holds = [](auto tag) {
+    using T = decltype(tag);
+    for (const int64_t d : {16, 32, 64, 128})
+      if (!brgemm_layout_holds<T>(5, kTileKeysOf, d) || !brgemm_layout_holds<T>(5, d, kTileKeysOf)) return false;
+    return true;
+  };
   try {
-    // The two shapes a unit runs: S = Q K^T (K = head dim) and O = P V (K = a tile's keys).
-    if (dtype == at::kBFloat16)
-      return brgemm_layout_holds<at::BFloat16>(3, kTileKeysOf, 64) && brgemm_layout_holds<at::BFloat16>(3, 64, kTileKeysOf);
-    if (dtype == at::kFloat)
-      return brgemm_layout_holds<float>(3, kTileKeysOf, 64) && brgemm_layout_holds<float>(3, 64, kTileKeysOf);
+    if (dtype == at::kBFloat16) return holds(at::BFloat16());
+    if (dtype == at::kFloat) return holds(float());
   } catch (const c10::Error&) {
   }
   return false;
