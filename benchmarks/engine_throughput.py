@@ -101,7 +101,8 @@ def run_carpool(rows: list[dict], loaded, args) -> dict:
             "steps": len(steps), "steps_with_prefill_s": round(prefill_s, 3),
             "decode_only_s": round(sum(s["duration_s"] for s in steps) - prefill_s, 3),
             "prefix_cache_hit_rate": round(stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]), 3),
-            "num_preemptions": stats["num_preemptions"]}
+            "num_preemptions": stats["num_preemptions"], "max_num_batched_tokens": stats["max_num_batched_tokens"],
+            "batch_tokens_source": stats["batch_tokens_source"]}
 
 
 def run_peer(script: Path, python: Path, workload: Path, timeout: float) -> dict:
@@ -133,7 +134,9 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the (slow) HF static-batching baseline")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="carpool's step budget (default: the engine's own, the plan's measured one; vLLM runs "
+                         "its own default too)")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--attention", default="kernel", choices=["kernel", "torch", "auto"])

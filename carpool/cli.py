@@ -26,7 +26,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "simulate": ("carpool.commands.simulate", "discrete-event simulation of a serving engine"),
     "tune": ("carpool.commands.tune", "find the settings with the best goodput under an SLO"),
     "cache": ("carpool.commands.cache", "inspect or clear the result cache"),
-    "engine": ("carpool.commands.engine", "show the engine plan: the routes measured on this CPU"),
+    "engine": ("carpool.commands.engine", "prepare the engine for this machine (kernels, plan) or show its plan"),
 }
 
 

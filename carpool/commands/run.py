@@ -86,6 +86,9 @@ def _add_target_arguments(g: argparse._ArgumentGroup) -> None:
                                          "(default 2024-10-21); an *.openai.azure.com --endpoint is sent "
                                          "the api-key header and the deployment path, --model naming the deployment")
     g.add_argument("--max-num-seqs", type=flags.positive_int, help="embedded engine: requests batched per step")
+    g.add_argument("--max-num-batched-tokens", type=flags.positive_int,
+                   help="embedded engine: tokens of a step at most (default: the engine plan's, measured for "
+                        "throughput on this machine; `carpool engine plan` shows it)")
     g.add_argument("--quantization", choices=["int8"],
                    help="embedded engine: int8 linear weights, per-output-channel scales; "
                         "measured 1.24-1.29x bf16's decode tok/s on a 2-core Zen 4 (docs/engine.md)")
@@ -265,6 +268,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     engine_config = {}
     if args.max_num_seqs:
         engine_config["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        engine_config["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.quantization:
         engine_config["quantization"] = args.quantization
     if args.kv_cache_dtype and args.kv_cache_dtype != "auto":

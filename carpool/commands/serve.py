@@ -9,7 +9,7 @@ import os
 import sys
 
 from carpool.commands import flags
-from carpool.engine.config import EngineConfig
+from carpool.engine.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from carpool.server.config import ServerConfig
 
 
@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bytes a decode step reads, twice the tokens per GB); auto: the model dtype")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d_engine.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d_engine.max_num_batched_tokens)
+    g.add_argument("--max-num-batched-tokens", type=int, default=SERVER_MAX_NUM_BATCHED_TOKENS,
+                   help="tokens of a step at most: what an arriving request may wait before its first token "
+                        f"(default {SERVER_MAX_NUM_BATCHED_TOKENS}; offline jobs take the engine plan's measured one)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d_engine.enable_prefix_caching)
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "lof"], default=d_engine.scheduling_policy)

@@ -41,6 +41,12 @@ class ModelConfig:
         return cls(**kwargs)
 
 
+# The step budget of a server: a step's length is what a newly arrived request waits before its
+# first token, so a server keeps steps short rather than measured for throughput (vLLM's server
+# default is the same).
+SERVER_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass
 class EngineConfig:
     """Engine settings; names and meanings follow vLLM's engine arguments."""
@@ -50,7 +56,9 @@ class EngineConfig:
     quantization: str | None = None  # None, or "int8": int8 linear weights (engine/quant.py)
     kv_cache_dtype: str = "auto"  # auto: the model dtype; "int8": int8 keys and values (engine/kv_quant.py)
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # None: the engine plan's budget, measured for throughput on this machine (offline jobs: carpool
+    # run, LLM; plan.DEFAULT_BATCH_TOKENS until measured).  A server passes SERVER_MAX_NUM_BATCHED_TOKENS.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb

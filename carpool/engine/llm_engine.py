@@ -27,6 +27,7 @@ from .loader import resolve_dtype as loader_dtype
 from .model import LlamaModel
 from .model_runner import PREFILL_MODES, ModelRunner
 from .ops.build import ISA_NAMES
+from .plan import DEFAULT_BATCH_TOKENS
 from .process import configure_process
 from .protocol import BACKGROUND_PRIORITY, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
 from .quant import calibration_ids, check_quantization
@@ -99,7 +100,12 @@ class LLMEngine:
         self.model = LlamaModel(mcfg, loaded.state_dict, self.dtype, self.quantization, calib)
         self.num_blocks = self._num_blocks()
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        # The step's token budget: the one given, else the plan's measured one once the plan is there.
+        budget = config.max_num_batched_tokens
+        if budget is not None and budget < 1:
+            raise EngineSettingsError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        self.budget_source = "set" if budget is not None else "default"
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget or DEFAULT_BATCH_TOKENS,
                                    config.scheduling_policy, config.enable_chunked_prefill)
         # extra["attention"]: "auto" (C++ kernels once built, torch until then), "kernel"
         # (wait for the build), "torch" (never build).  extra["prefill_attention"]: "auto" (flash
@@ -120,13 +126,14 @@ class LLMEngine:
                                   kernels={"auto": "auto", "kernel": "wait", "torch": "off"}[mode],
                                   prefill=prefill_mode, isa=None if isa_name is None else isas[isa_name],
                                   kv_cache_dtype=self.kv_cache_dtype,
-                                  limits=(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
+                                  limits=(budget or DEFAULT_BATCH_TOKENS, config.max_num_seqs, self.max_model_len),
                                   plan=plan_setting)
         kernels = self.runner.kernels
         if mode == "kernel" and (kernels is None or not kernels.ready):
             why = kernels.error if kernels is not None else f"head_dim {mcfg.head_dim} has no kernel"
             raise EngineSettingsError(f"extra.attention=kernel: the C++ kernels are unavailable ({why}); "
                               "use attention=auto or torch")
+        self._follow_plan()
         self.runner.sampler.eos_token_ids = list(self.eos_token_ids)  # masked under min_tokens
         # Token bytes/text (logprobs) and grammars (structured outputs), built on first use.
         self.vocab = TokenVocabulary(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
@@ -153,6 +160,14 @@ class LLMEngine:
         except ValueError as e:
             raise EngineSettingsError(f"{'extra.plan' if value is not None else PLAN_ENV}: {e}") from None
         return str(text)
+
+    def _follow_plan(self) -> None:
+        """Take the plan's measured step budget once the runner runs a plan (at start when the
+        kernels are built, else at the first step after they are), unless one was given."""
+        batch_tokens = self.model.plan.batch_tokens
+        if self.budget_source == "default" and self.runner.planned and batch_tokens:
+            self.scheduler.max_num_batched_tokens = batch_tokens
+            self.budget_source = "measured"
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.model_config
@@ -371,6 +386,7 @@ class LLMEngine:
         that holds background work only (batch lines): the foreground request then waits for one
         layer instead of a whole step, and the stopped step is redone later (``_interruptible``)."""
         t0 = time.perf_counter()
+        self._follow_plan()
         out = self.scheduler.schedule()
         deltas: list[TokenDelta] = []
         ran = True
@@ -417,5 +433,7 @@ class LLMEngine:
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
             "max_num_seqs": self.scheduler.max_num_seqs,  # what a client may keep in flight usefully
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            "batch_tokens_source": self.budget_source,  # set | measured | default
             "num_interrupted_steps": self.num_interrupted_steps,
         }

@@ -9,8 +9,8 @@ CPU efficiency choices (the model is tiny, so overheads dominate):
 - q/k/v and gate/up are fused into one matmul each at load time; in bf16 every weight is also
   prepacked once for oneDNN (``Linear``), which F.linear would repack at every call;
 - with the C++ kernels (``ops/``, passed in the step's metadata): RoPE in place on the
-  fused q|k|v, one attention call per layer (cache write, SIMD paged attention for decodes
-  and short chunks, torch's flash attention for long chunks), residual add + RMSNorm and
+  fused q|k|v, one attention call per layer (cache write, then each chunk on the route the plan
+  chose for its shape: SIMD paged attention, brgemm GEMMs or torch's flash attention), residual add + RMSNorm and
   SiLU * up as one pass each;
 - without them (no compiler, or ``attention=torch``): RoPE on q and k in one op from a
   precomputed cos/sin table, and at most two batched softmax(q k^T) v per layer (decodes,
@@ -57,7 +57,8 @@ class AttentionMetadata:
     num_kernel_rows: int = 0  # rows [0, num_kernel_rows) run the SIMD kernel ...
     seq_of_row: torch.Tensor | None = None  # [num_kernel_rows] which scheduled sequence each row belongs to
     ctx_len: torch.Tensor | None = None  # [num_kernel_rows] keys each row sees (its position + 1)
-    flash_seqs: torch.Tensor | None = None  # ... the rest flash attention: [P, 4] (row, rows, seq, cached)
+    # ... the rest in chunks: [P, 5] (row, rows, seq, cached, route: 0 flash attention, 1 brgemm)
+    chunks: torch.Tensor | None = None
     # The torch path.
     decode_slots: torch.Tensor | None = None  # [Bd, L] cache slots of each context (padded with slot 0)
     decode_mask: torch.Tensor | None = None  # [1, Bd, 1, L] additive (0 / -inf): key is inside the context
@@ -221,17 +222,22 @@ class LlamaModel:
     def apply_plan(self, plan: Plan) -> None:
         """Route every linear (and the int8 weight-only limit) as ``plan`` says."""
         self.plan = plan
+
+        def route_int8(w: Int8Linear, name: str) -> None:
+            w.routes = plan.gemm_routes(name, int8=True)
+            w.weight_only_max_rows = plan.weight_only_max_rows
+            if any(route == "onednn_qlinear" for _, route in w.routes):
+                w.pack_qlinear()  # oneDNN's copy of a weight only where the plan sends rows to it
+
         for lin, layer in zip(self.linears, self.layers, strict=True):
             for name, one in lin.items():
                 one.routes = plan.gemm_routes(name)
                 w = layer[name]  # type: ignore[literal-required]
                 if isinstance(w, Int8Linear):
-                    w.routes = plan.gemm_routes(name, int8=True)
-                    w.weight_only_max_rows = plan.weight_only_max_rows
+                    route_int8(w, name)
         self.head_linear.routes = plan.gemm_routes("head")
         if isinstance(self.head, Int8Linear):
-            self.head.routes = plan.gemm_routes("head", int8=True)
-            self.head.weight_only_max_rows = plan.weight_only_max_rows
+            route_int8(self.head, "head")
         self.weight_only_max_rows = plan.weight_only_max_rows
 
     def _quantize_int8(self, calibration_ids: list[int] | None) -> None:
@@ -331,7 +337,7 @@ class LlamaModel:
         k = meta.kernels
         # The runner fills these whenever it passes kernels.
         assert meta.block_tables is not None and meta.seq_of_row is not None
-        assert meta.ctx_len is not None and meta.flash_seqs is not None
+        assert meta.ctx_len is not None and meta.chunks is not None
         x = self.embed.index_select(0, input_ids)
         if self.quantization == "int8" and x.shape[0] > self.weight_only_max_rows and quant.has_int_mm():
             return self._forward_int8(x, positions, meta, kv_caches, k)
@@ -342,7 +348,7 @@ class LlamaModel:
             qkv = lin["qkv"](h, k)
             k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
-                               meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
+                               meta.ctx_len, meta.num_kernel_rows, meta.chunks, self.num_heads, self.scale)
             h = k.add_rms_norm(x, lin["o"](attn, k), layer["ln2"], self.eps)
             down = lin["down"](k.silu_mul(lin["gate_up"](h, k)), k)
             next_ln = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
@@ -362,7 +368,7 @@ class LlamaModel:
         ``Int8Linear`` up to the RMSNorm's summation order.
         """
         assert meta.block_tables is not None and meta.seq_of_row is not None
-        assert meta.ctx_len is not None and meta.flash_seqs is not None
+        assert meta.ctx_len is not None and meta.chunks is not None
         eps = self.eps
         rope_heads = self.num_heads + self.num_kv_heads
         hq, hs = k.add_rms_norm_quant(x, None, self.layers[0]["ln1"], eps)
@@ -375,7 +381,7 @@ class LlamaModel:
             qkv = qkv_w.matmul(hq, hs, k, layer["qkv_bias"])
             k.rope_(qkv, positions, self.cos, self.sin, rope_heads, self.head_dim)
             attn = k.attention(qkv, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_of_row,
-                               meta.ctx_len, meta.num_kernel_rows, meta.flash_seqs, self.num_heads, self.scale)
+                               meta.ctx_len, meta.num_kernel_rows, meta.chunks, self.num_heads, self.scale)
             aq, a_s = k.quantize_rows(attn)
             hq, hs = k.add_rms_norm_quant(x, o_w.matmul(aq, a_s, k, layer["o_bias"]), layer["ln2"], eps)
             mq, m_s = k.silu_mul_quant(gate_up_w.matmul(hq, hs, k))

@@ -10,22 +10,26 @@ then cached), before the first step that uses them.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
 from . import plan_measure
 from .model import AttentionMetadata, LlamaModel
 from .ops import SUPPORTED_HEAD_DIMS, Kernels
+from .plan import Plan, prefill_work, route_for
+from .protocol import SamplingParams
 from .sampler import Sampler, SampleResult
 from .sequence import Sequence
 
-PREFILL_MODES = ("auto", "flash", "kernel")
+PREFILL_MODES = ("auto", "flash", "kernel", "brgemm")
+_CHUNK_ROUTES = {"flash": 0, "brgemm": 1}  # ops/attention.cpp's route codes of a chunk
 
 
 class ModelRunner:
     """``kernels``: "auto" (build in the background, torch path until ready), "wait" (build now),
-    or "off".  ``prefill``: "auto" (flash for chunks of at least the plan's ``flash_min_work``, the
-    SIMD kernel below), "flash" or "kernel" (every prefill chunk through that one).  ``limits``:
+    or "off".  ``prefill``: "auto" (each prefill chunk's route from the plan's ``prefill`` table),
+    "flash", "kernel" or "brgemm" (every prefill chunk through that one).  ``limits``:
     (max rows of a step, max sequences of a step, max model length): the shapes the plan is timed
     on.  ``plan``: the plan setting (``plan_measure.obtain``; None: $CARPOOL_ENGINE_PLAN)."""
 
@@ -45,6 +49,7 @@ class ModelRunner:
         self.limits = limits
         self.plan_setting = plan
         self.planned = False  # the model runs the plan's routes (set once the kernels are there)
+        self.brgemm_runs: bool | None = None  # whether the brgemm attention route runs here (asked once)
         self.kernels: Kernels | None = None
         if kernels != "off" and model.head_dim in SUPPORTED_HEAD_DIMS:
             self.kernels = Kernels(isa=isa)
@@ -60,10 +65,39 @@ class ModelRunner:
         if not self.planned:
             max_rows, max_seqs, max_len = self.limits
             plan = plan_measure.obtain(self.model, kernels, max_rows, max_seqs, max_len, self.kv_cache_dtype,
-                                       self.plan_setting)
-            self.model.apply_plan(plan)
-            kernels.set_row_grains(plan.row_grain, plan.silu_grain)
+                                       self.plan_setting, step=self._scratch_step(kernels))
+            self._apply(plan, kernels)
             self.planned = True
+
+    def _apply(self, plan: Plan, kernels: Kernels) -> None:
+        self.model.apply_plan(plan)
+        kernels.set_row_grains(plan.row_grain, plan.silu_grain)
+
+    def _scratch_step(self, kernels: Kernels) -> Callable[[Plan, int], None]:
+        """``step(plan, n)``: one forward of n fresh prompts of ``plan_measure.BUDGET_CHUNK`` tokens
+        on the plan's routes, the way the engine runs a step, but on a KV cache of its own (the
+        plan may be measured while requests hold blocks of the real one).  Leaves the model on the
+        last plan it ran."""
+        rows, bs, most = plan_measure.BUDGET_CHUNK, self.block_size, plan_measure.BUDGET_CHUNKS
+        per_seq = -(-rows // bs)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.model.config.vocab_size, (most, rows), generator=g).tolist()
+        caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # made on the first call: a cached plan runs none
+
+        @torch.inference_mode()
+        def step(plan: Plan, n: int) -> None:
+            if not caches:
+                caches.extend(self.model.allocate_kv_cache(most * per_seq, bs, self.kv_cache_dtype))
+            self._apply(plan, kernels)
+            scheduled = []
+            for i in range(n):
+                seq = Sequence(f"plan-{i}", ids[i], SamplingParams(), bs)
+                seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+                scheduled.append((seq, rows))
+            input_ids, positions, meta, _ = self._inputs(scheduled, kernels)
+            self.model.forward(input_ids, positions, meta, caches)
+
+        return step
 
     def _context_slots(self, seqs: list[Sequence], num_ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots [B, L] of each context (through the block tables, padded to the longest
@@ -81,25 +115,43 @@ class ModelRunner:
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill_(~allowed, float("-inf"))
 
-    def _flash(self, seq: Sequence, n: int) -> bool:
-        """Whether a prefill chunk of n > 1 tokens runs flash attention (kernel path)."""
-        if self.prefill != "auto":
-            return self.prefill == "flash"
-        least = self.model.plan.flash_min_work
-        return least is not None and n * (seq.num_computed_tokens + (n + 1) // 2) >= least
+    def _attention_route(self, seq: Sequence, n: int, kernels: Kernels) -> str:
+        """The kernel path's attention route of n new tokens of ``seq``: "kernel", "flash" or
+        "brgemm", as the plan says for a decode row (n == 1) or a prefill chunk of that work."""
+        c = seq.num_computed_tokens
+        if n == 1:
+            route = route_for(self.model.plan.decode, c + 1)
+        elif self.prefill != "auto":
+            route = self.prefill
+        else:
+            route = route_for(self.model.plan.prefill, prefill_work(n, c))
+        if route == "brgemm" and not self._brgemm_runs(kernels):
+            return "kernel"
+        return route
+
+    def _brgemm_runs(self, kernels: Kernels) -> bool:
+        """Whether ATen's brgemm runs this model's attention here (a bf16 or fp32 model and cache)."""
+        if self.brgemm_runs is None:
+            self.brgemm_runs = self.kv_cache_dtype != "int8" and kernels.brgemm_attention_runs(self.model.dtype)
+        return self.brgemm_runs
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         kernels = self.kernels if self.kernels is not None and self.kernels.ready else None
         if kernels is not None and not self.planned:
             self.ensure_plan(kernels)
+        return self._inputs(scheduled, kernels)
+
+    def _inputs(self, scheduled: list[tuple[Sequence, int]], kernels: Kernels | None):
+        """The step's input ids, positions, attention metadata and the sequences that sample."""
         num_decode = 0  # the scheduler puts single-token queries first
         while num_decode < len(scheduled) and scheduled[num_decode][1] == 1:
             num_decode += 1
+        routes: list[str] = []
         if kernels is not None:
-            # Rows the SIMD kernel runs first (decodes, short chunks), then the flash chunks.
-            prefills = scheduled[num_decode:]
-            scheduled = scheduled[:num_decode] + [sn for sn in prefills if not self._flash(*sn)] + \
-                [sn for sn in prefills if self._flash(*sn)]
+            # Rows the SIMD kernel runs first (decodes, short chunks), then the chunks of the others.
+            routes = [self._attention_route(seq, n, kernels) for seq, n in scheduled]
+            order = sorted(range(len(scheduled)), key=lambda i: routes[i] != "kernel")
+            scheduled, routes = [scheduled[i] for i in order], [routes[i] for i in order]
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -119,25 +171,25 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=num_decode,
                                  logits_index=torch.tensor(sample_rows, dtype=torch.long))
         if kernels is not None:
-            self._kernel_metadata(meta, kernels, scheduled)
+            self._kernel_metadata(meta, kernels, scheduled, routes)
         else:
             self._torch_metadata(meta, scheduled[:num_decode], scheduled[num_decode:])
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_seqs
 
-    def _kernel_metadata(self, meta: AttentionMetadata, kernels: Kernels,
-                         scheduled: list[tuple[Sequence, int]]) -> None:
+    def _kernel_metadata(self, meta: AttentionMetadata, kernels: Kernels, scheduled: list[tuple[Sequence, int]],
+                         routes: list[str]) -> None:
         nb = max(len(s.block_table) for s, _ in scheduled)
         meta.kernels = kernels
         meta.block_tables = torch.tensor([s.block_table + [0] * (nb - len(s.block_table)) for s, _ in scheduled],
                                          dtype=torch.long)
         rows_seq: list[int] = []
         rows_ctx: list[int] = []
-        flash: list[tuple[int, int, int, int]] = []
+        chunks: list[tuple[int, int, int, int, int]] = []
         row = 0
-        for i, (seq, n) in enumerate(scheduled):
+        for i, ((seq, n), route) in enumerate(zip(scheduled, routes, strict=True)):
             c = seq.num_computed_tokens
-            if n > 1 and self._flash(seq, n):
-                flash.append((row, n, i, c))
+            if route != "kernel":
+                chunks.append((row, n, i, c, _CHUNK_ROUTES[route]))
             else:
                 rows_seq.extend([i] * n)
                 rows_ctx.extend(range(c + 1, c + n + 1))
@@ -145,7 +197,7 @@ class ModelRunner:
         meta.num_kernel_rows = len(rows_seq)
         meta.seq_of_row = torch.tensor(rows_seq, dtype=torch.long)
         meta.ctx_len = torch.tensor(rows_ctx, dtype=torch.long)
-        meta.flash_seqs = torch.tensor(flash, dtype=torch.long).view(-1, 4)
+        meta.chunks = torch.tensor(chunks, dtype=torch.long).view(-1, 5)
 
     def _torch_metadata(self, meta: AttentionMetadata, decode: list[tuple[Sequence, int]],
                         prefill: list[tuple[Sequence, int]]) -> None:

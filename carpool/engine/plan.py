@@ -12,14 +12,20 @@ The routes a plan holds:
   ``[(max_rows, route), ...]``, route "carpool" (the packed GEMM, each thread a share of the
   32-column blocks), "carpool_split" (the same GEMM with each block's rows also cut in pieces so
   the work divides evenly between the threads: timed only where the block count does not divide
-  by the thread count) or "onednn" (torch's prepacked GEMM, or torch._int_mm for int8); rows past
-  the last bucket take the last bucket's route;
+  by the thread count), "onednn" (torch's prepacked GEMM, or torch._int_mm for int8) or, int8 only,
+  "onednn_qlinear" (oneDNN's prepacked int8 linear); rows past the last bucket take the last
+  bucket's route;
 - ``weight_only_max_rows``: int8 batches of at most this many rows run weight-only
   (``_weight_int8pack_mm``), larger ones quantize the activations;
-- ``flash_min_work``: a prefill chunk whose attention work (rows x keys seen) is at least this
-  runs torch's flash attention, smaller ones the SIMD kernel (None: never flash);
+- ``prefill``: per bucket of a prefill chunk's attention work (rows x keys seen) its route:
+  "kernel" (the SIMD kernel), "flash" (torch's flash attention) or "brgemm" (two GEMMs a tile of
+  keys on ATen's brgemm micro-kernel: AMX where the CPU has it); work past the last bucket takes
+  the last bucket's route;
+- ``decode``: per bucket of a decode row's keys, "kernel" or "brgemm";
 - ``row_grain`` / ``silu_grain``: a row-wise pass (residual add + RMSNorm, RoPE, quantizing rows;
-  SiLU * up) over at most this many values runs on one thread, a larger one on all of them.
+  SiLU * up) over at most this many values runs on one thread, a larger one on all of them;
+- ``batch_tokens``: the step's token budget for throughput (offline jobs: ``carpool run``,
+  ``LLM``), from the time of whole steps of one and of several prefill chunks (0: not measured).
 
 ``DEFAULT`` is the fallback when nothing is measured (``CARPOOL_ENGINE_PLAN=default``): the
 routes a 2-core Zen 5 preferred.  ``CARPOOL_ENGINE_PLAN`` (or ``extra["plan"]``) also forces
@@ -32,9 +38,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 LINEARS = ("qkv", "o", "gate_up", "down", "head")
-GEMM_ROUTES = ("carpool", "carpool_split", "onednn")  # on an exact tie the first wins
+# On an exact tie the first wins.  "onednn_qlinear" is int8's alone (oneDNN's prepacked int8 linear;
+# for int8 "onednn" is torch._int_mm on the plain weight); a bf16 linear's "onednn" is prepacked already.
+GEMM_ROUTES = ("carpool", "carpool_split", "onednn", "onednn_qlinear")
 PACKED_ROUTES = ("carpool", "carpool_split")  # the routes that run ops/decode_gemm.cpp
-PREFILL_ROUTES = ("kernel", "flash")
+PREFILL_ROUTES = ("kernel", "flash", "brgemm")
+DECODE_ROUTES = ("kernel", "brgemm")
 # Upper ends of the row buckets timed; the engine's token budget is added as the last one.  4 and 8
 # apart because a few decode rows are where cutting a block's rows stops paying (on a 2-core Zen 4,
 # 19 blocks over two threads: cut 30% slower at 2-4 rows, 1-5% faster from 8 rows on).
@@ -45,6 +54,10 @@ MODES = ("measure", "remeasure", "default")
 # The fallback's row-wise passes: up to 128K values (SiLU * up: 32K) on one thread (a 2-core Zen 5).
 DEFAULT_ROW_GRAIN = 1 << 17
 DEFAULT_SILU_GRAIN = 1 << 15
+# The step's token budget when nothing chose one: vLLM's for its server, and the engine's constant
+# before the plan measured it.  Offline budgets are chosen among BATCH_TOKENS (never below it).
+DEFAULT_BATCH_TOKENS = 2048
+BATCH_TOKENS = (2048, 4096, 8192, 16384)
 
 RouteTable = tuple[tuple[int, str], ...]
 
@@ -54,9 +67,11 @@ class Plan:
     gemm: dict[str, RouteTable]
     int8_gemm: dict[str, RouteTable]
     weight_only_max_rows: int
-    flash_min_work: int | None
+    prefill: RouteTable
+    decode: RouteTable = ((UNBOUNDED, "kernel"),)
     row_grain: int = DEFAULT_ROW_GRAIN
     silu_grain: int = DEFAULT_SILU_GRAIN
+    batch_tokens: int = 0
     source: str = "default"  # default | measured | cached, and "+forced" when overridden
     timings: dict[str, Any] = field(default_factory=dict, compare=False)
     fingerprint: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -68,28 +83,30 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {"gemm": {k: [list(e) for e in v] for k, v in self.gemm.items()},
                 "int8_gemm": {k: [list(e) for e in v] for k, v in self.int8_gemm.items()},
-                "weight_only_max_rows": self.weight_only_max_rows, "flash_min_work": self.flash_min_work,
-                "row_grain": self.row_grain, "silu_grain": self.silu_grain,
+                "weight_only_max_rows": self.weight_only_max_rows, "prefill": [list(e) for e in self.prefill],
+                "decode": [list(e) for e in self.decode],
+                "row_grain": self.row_grain, "silu_grain": self.silu_grain, "batch_tokens": self.batch_tokens,
                 "source": self.source, "timings": self.timings, "fingerprint": self.fingerprint}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Plan:
         """The plan in ``d``; KeyError / TypeError / ValueError when it is not one."""
-        def table(t: dict[str, Any]) -> dict[str, RouteTable]:
-            out = {}
-            for name, entries in t.items():
-                rows = tuple((int(b), str(r)) for b, r in entries)
-                if not rows or any(r not in GEMM_ROUTES for _, r in rows):
-                    raise ValueError(f"plan: bad route table for {name!r}: {entries!r}")
-                out[str(name)] = rows
-            return out
+        def routes(name: str, entries: Any, allowed: tuple[str, ...]) -> RouteTable:
+            rows = tuple((int(b), str(r)) for b, r in entries)
+            if not rows or any(r not in allowed for _, r in rows):
+                raise ValueError(f"plan: bad route table for {name!r}: {entries!r}")
+            return rows
 
-        fmw = d["flash_min_work"]
+        def table(t: dict[str, Any]) -> dict[str, RouteTable]:
+            return {str(name): routes(name, entries, GEMM_ROUTES) for name, entries in t.items()}
+
         return cls(gemm=table(d["gemm"]), int8_gemm=table(d["int8_gemm"]),
                    weight_only_max_rows=int(d["weight_only_max_rows"]),
-                   flash_min_work=None if fmw is None else int(fmw),
+                   prefill=routes("prefill", d["prefill"], PREFILL_ROUTES),
+                   decode=routes("decode", d["decode"], DECODE_ROUTES),
                    row_grain=int(d.get("row_grain", DEFAULT_ROW_GRAIN)),
-                   silu_grain=int(d.get("silu_grain", DEFAULT_SILU_GRAIN)), source=str(d.get("source", "cached")),
+                   silu_grain=int(d.get("silu_grain", DEFAULT_SILU_GRAIN)),
+                   batch_tokens=int(d.get("batch_tokens", 0)), source=str(d.get("source", "cached")),
                    timings=dict(d.get("timings") or {}), fingerprint=dict(d.get("fingerprint") or {}))
 
 
@@ -118,9 +135,9 @@ DEFAULT_FLASH_MIN_WORK = 12288
 
 
 def default_plan(has_amx: bool = False) -> Plan:
+    prefill = ((DEFAULT_FLASH_MIN_WORK - 1, "kernel"), (UNBOUNDED, "flash")) if has_amx else ((UNBOUNDED, "kernel"),)
     return Plan(gemm=_uniform(_DEFAULT_GEMM), int8_gemm=_uniform(_DEFAULT_GEMM),
-                weight_only_max_rows=DEFAULT_WEIGHT_ONLY_MAX_ROWS,
-                flash_min_work=DEFAULT_FLASH_MIN_WORK if has_amx else None)
+                weight_only_max_rows=DEFAULT_WEIGHT_ONLY_MAX_ROWS, prefill=prefill)
 
 
 # ----------------------------------------------------------------------------- choosing
@@ -178,18 +195,22 @@ def choose_weight_only(by_rows: dict[str, dict[str, float]]) -> int:
     return best
 
 
-def choose_flash_min_work(points: list[dict[str, float]]) -> int | None:
-    """Points {rows, cached, kernel, flash} -> the least work from which flash won at every
-    larger point too (None: the kernel won the largest, so never flash)."""
-    timed = sorted((p["rows"] * (p["cached"] + (p["rows"] + 1) // 2), p) for p in points)
-    start: int | None = None
-    for work, p in timed:
-        wins = _fastest({"kernel": p["kernel"], "flash": p["flash"]}, PREFILL_ROUTES) == "flash"
-        if wins and start is None:
-            start = int(work)
-        elif not wins:
-            start = None
-    return start
+def prefill_work(rows: int, cached: int) -> int:
+    """A prefill chunk's attention work: its rows x the keys an average row sees."""
+    return rows * (cached + (rows + 1) // 2)
+
+
+def choose_prefill(points: list[dict[str, float]]) -> RouteTable:
+    """Points {rows, cached, kernel, flash[, brgemm]} -> per bucket of work (``prefill_work``) the
+    fastest route, each point's work the upper end of its bucket."""
+    timed = sorted((prefill_work(int(p["rows"]), int(p["cached"])), i) for i, p in enumerate(points))
+    return _merge([(work, _fastest(points[i], PREFILL_ROUTES)) for work, i in timed])
+
+
+def choose_decode(points: list[dict[str, float]]) -> RouteTable:
+    """Points {rows, keys, kernel, brgemm} (decode rows of ``keys`` keys each) -> per bucket of keys
+    the fastest route."""
+    return _merge(sorted((int(p["keys"]), _fastest(p, DECODE_ROUTES)) for p in points))
 
 
 GRAIN_ROUTES = ("one", "split")  # one thread first: it wakes nobody and leaves the other core alone
@@ -206,22 +227,54 @@ def choose_grain(points: list[dict[str, float]]) -> int:
     return single
 
 
+def choose_batch_tokens(budget: dict[str, Any]) -> int:
+    """The step's token budget for throughput, from whole steps of one and of ``many`` prefill
+    chunks of ``chunk`` rows each ({chunk, one, many, seconds_one, seconds_many, max_tokens}).
+
+    A step costs about ``fixed + per_row * rows``: the fixed part (every op's call and thread
+    wake-up, the layers' weights read once, the step's Python) is paid once a step, so a budget of
+    B tokens pays ``fixed / B`` per token on top of ``per_row``.  Both come from the two timed
+    steps (chunks of the same length, so each row's attention costs the same in both).  The
+    budget is the smallest of ``BATCH_TOKENS`` (up to ``max_tokens``, what memory allows) whose
+    cost per token is within ``MARGIN`` of the largest one's: a larger step buys less than the
+    timing noise and only holds more memory.  0 when the timings say nothing (the engine keeps
+    ``DEFAULT_BATCH_TOKENS``)."""
+    try:
+        chunk, one, many = int(budget["chunk"]), int(budget["one"]), int(budget["many"])
+        t1, tn = float(budget["seconds_one"]), float(budget["seconds_many"])
+        cap = int(budget.get("max_tokens") or BATCH_TOKENS[-1])
+    except (KeyError, TypeError, ValueError):
+        return 0
+    if many <= one or not (0 < t1 <= tn):
+        return 0
+    per_row = (tn - t1) / ((many - one) * chunk)
+    fixed = max(0.0, t1 - per_row * one * chunk)
+    sizes = [b for b in BATCH_TOKENS if b <= cap] or [BATCH_TOKENS[0]]
+    best = fixed / sizes[-1] + per_row
+    return next(b for b in sizes if fixed / b + per_row <= best * (1 + MARGIN))
+
+
 def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
     """The plan the timings call for (pure).  ``timings`` (as ``plan_measure.measure`` returns
     and the plan file keeps): ``gemm`` / ``int8_gemm``: {linear: {rows: {route: s}}},
     ``weight_only``: {rows: {"weight_only": s, "int8": s}}, ``prefill``: [{rows, cached, kernel,
-    flash}].  A part that was not timed keeps ``fallback``'s (default: ``default_plan()``) routes."""
+    flash[, brgemm]}], ``decode``: [{rows, keys, kernel, brgemm}], ``grain``, ``budget``
+    (``choose_batch_tokens``).  A part that was not timed keeps ``fallback``'s (default:
+    ``default_plan()``) routes."""
     base = fallback or default_plan()
     gemm = {**base.gemm, **choose_gemm(timings.get("gemm") or {})}
     int8 = {**base.int8_gemm, **choose_gemm(timings.get("int8_gemm") or {})}
     wo = timings.get("weight_only")
     prefill = timings.get("prefill")
+    decode = timings.get("decode")
     grain = timings.get("grain") or {}
     return Plan(gemm=gemm, int8_gemm=int8,
                 weight_only_max_rows=choose_weight_only(wo) if wo else base.weight_only_max_rows,
-                flash_min_work=choose_flash_min_work(prefill) if prefill else base.flash_min_work,
+                prefill=choose_prefill(prefill) if prefill else base.prefill,
+                decode=choose_decode(decode) if decode else base.decode,
                 row_grain=_grain(grain.get("light"), base.row_grain),
                 silu_grain=_grain(grain.get("silu"), base.silu_grain),
+                batch_tokens=choose_batch_tokens(timings["budget"]) if timings.get("budget") else base.batch_tokens,
                 source="measured", timings=timings)
 
 
@@ -232,18 +285,20 @@ def _grain(points: list[dict[str, float]] | None, fallback: int) -> int:
 # ----------------------------------------------------------------------------- forcing
 
 
-_NUMBER_KEYS = ("weight_only_max_rows", "row_grain", "silu_grain")
+_NUMBER_KEYS = ("weight_only_max_rows", "row_grain", "silu_grain", "batch_tokens")
 
 
 def parse_overrides(text: str) -> dict[str, str]:
     """``"gemm=onednn,prefill=flash"`` -> a dict; ValueError naming the bad item and the choices.
 
     Keys: gemm (carpool|carpool_split|onednn, every bf16 linear), int8_gemm (the same), prefill
-    (kernel|flash: every prefill chunk's attention), and whole numbers weight_only_max_rows,
-    row_grain and silu_grain (values a row-wise pass holds at most to run on one thread).  The
+    (kernel|flash|brgemm: every prefill chunk's attention), decode (kernel|brgemm: every decode
+    row's), and whole numbers weight_only_max_rows,
+    row_grain and silu_grain (values a row-wise pass holds at most to run on one thread) and
+    batch_tokens (the offline step budget; an engine given max_num_batched_tokens keeps it).  The
     words "measure" (the default: the cached plan, else measured now), "remeasure" (measured now
     whatever is cached) and "default" (no measuring, the fallback plan) stand alone."""
-    choices = {"gemm": GEMM_ROUTES, "int8_gemm": GEMM_ROUTES, "prefill": PREFILL_ROUTES}
+    choices = {"gemm": GEMM_ROUTES, "int8_gemm": GEMM_ROUTES, "prefill": PREFILL_ROUTES, "decode": DECODE_ROUTES}
     out: dict[str, str] = {}
     for item in (s.strip() for s in text.split(",")):
         if not item or item in MODES:
@@ -270,8 +325,9 @@ def apply_overrides(plan: Plan, overrides: dict[str, str]) -> Plan:
     for key in ("gemm", "int8_gemm"):
         if key in overrides:
             changes[key] = _uniform(((UNBOUNDED, overrides[key]),))
-    if "prefill" in overrides:
-        changes["flash_min_work"] = 0 if overrides["prefill"] == "flash" else None
+    for key in ("prefill", "decode"):
+        if key in overrides:
+            changes[key] = ((UNBOUNDED, overrides[key]),)
     for key in _NUMBER_KEYS:
         if key in overrides:
             changes[key] = int(overrides[key])

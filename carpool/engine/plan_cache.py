@@ -23,7 +23,7 @@ from . import cpu
 from .plan import Plan
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2  # 2: prefill and decode route tables, the step budget
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -19,7 +19,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import cpu, decode_gemm, plan_cache
-from .plan import ROW_BUCKETS, WEIGHT_ONLY_ROWS, Plan, apply_overrides, choose, default_plan, parse_overrides
+from .plan import (
+    BATCH_TOKENS,
+    ROW_BUCKETS,
+    WEIGHT_ONLY_ROWS,
+    Plan,
+    apply_overrides,
+    choose,
+    default_plan,
+    parse_overrides,
+)
 from .quant import Int8Linear, quantize_rows
 
 if TYPE_CHECKING:
@@ -51,9 +60,10 @@ MIN_RACE_S = 0.03
 MAX_RACE_S = 0.4
 
 
-def race(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+def race(fns: dict[str, Callable[[], Any]], at_least: int = 1) -> dict[str, float]:
     """The best time (seconds) of each function, called in turns after one warm-up call each
-    (oneDNN builds its primitive for a new row count on the first call)."""
+    (oneDNN builds its primitive for a new row count on the first call), in at least ``at_least``
+    rounds whatever they take."""
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
@@ -66,12 +76,19 @@ def race(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
             best[name] = min(best[name], time.perf_counter() - t0)
         rounds += 1
         spent = time.perf_counter() - t_start
-        if spent > MAX_RACE_S or (rounds >= MIN_ROUNDS and spent >= MIN_RACE_S):
+        if rounds >= at_least and (spent > MAX_RACE_S or (rounds >= MIN_ROUNDS and spent >= MIN_RACE_S)):
             return best
 
 
+# The most rows a GEMM bucket or a prefill point is timed at.  Past it every linear is long
+# compute-bound, so a larger step runs at the last bucket's rate and takes its routes; the plan of
+# a larger step budget is the same as this one's (``model_shapes``).
+MAX_TIMED_ROWS = ROW_BUCKETS[-1]
+
+
 def _buckets(limit: int) -> list[int]:
-    return sorted({b for b in ROW_BUCKETS if b < limit} | {limit})
+    top = min(limit, MAX_TIMED_ROWS)
+    return sorted({b for b in ROW_BUCKETS if b < top} | {top})
 
 
 def splits(n: int, rows: int) -> bool:
@@ -104,6 +121,8 @@ def _time_int8(w: Int8Linear, k: Kernels, rows: int) -> dict[str, float]:
            "onednn": lambda: k.int8_dequantize(w.int_mm(xq), xs, w.scale_f32, None, w.dtype)}
     if splits(n, rows):
         fns["carpool_split"] = carpool(True)
+    if w.pack_qlinear():  # oneDNN's prepacked int8 linear: AMX-INT8 where the CPU has it
+        fns["onednn_qlinear"] = lambda: k.int8_dequantize(w.qlinear_sums(xq), xs, w.scale_f32, None, w.dtype)
     return race(fns)
 
 
@@ -151,36 +170,89 @@ def _weight_only_timings(model: LlamaModel, k: Kernels, clock: _Clock) -> dict[s
     return {"weight_only": out}
 
 
-def _time_prefill(model: LlamaModel, k: Kernels, n: int, c: int, kv_cache_dtype: str) -> dict[str, float]:
-    """One layer's attention over a chunk of n new rows after c cached tokens, kernel vs flash."""
-    bs = 16
+def _random_cache(model: LlamaModel, blocks: int, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches of ``blocks`` blocks of 16, holding random keys and values: read
+    from memory as a real context is (a zeroed, never written cache maps one shared zero page)."""
+    k_cache, v_cache = model.allocate_kv_cache(blocks, 16, kv_cache_dtype)[0]
+    if kv_cache_dtype != "int8":  # an int8 cache's rows end in scales: left zero, as before
+        k_cache.normal_()
+        v_cache.normal_()
+    return k_cache, v_cache
+
+
+def _time_prefill(model: LlamaModel, k: Kernels, n: int, c: int, kv_cache_dtype: str,
+                  brgemm: bool) -> dict[str, float]:
+    """One layer's attention over a chunk of n new rows after c cached tokens: the SIMD kernel,
+    flash attention and (where it runs) the brgemm route."""
     hq, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
-    nb = -(-(n + c) // bs)
-    k_cache, v_cache = model.allocate_kv_cache(nb, bs, kv_cache_dtype)[0]
+    nb = -(-(n + c) // 16)
+    k_cache, v_cache = _random_cache(model, nb, kv_cache_dtype)
     qkv = torch.randn(n, (hq + 2 * hkv) * d).to(model.dtype)
     slots = torch.arange(c, c + n)
     tables = torch.arange(nb).unsqueeze(0)
     none = torch.zeros(0, dtype=torch.long)
     rows_seq, rows_ctx = torch.zeros(n, dtype=torch.long), torch.arange(c + 1, c + n + 1)
-    chunk = torch.tensor([[0, n, 0, c]])
 
     def kernel() -> None:
-        k.attention(qkv, k_cache, v_cache, slots, tables, rows_seq, rows_ctx, n, none.view(0, 4), hq, model.scale)
+        k.attention(qkv, k_cache, v_cache, slots, tables, rows_seq, rows_ctx, n, none.view(0, 5), hq, model.scale)
 
-    def flash() -> None:
-        k.attention(qkv, k_cache, v_cache, slots, tables, none, none, 0, chunk, hq, model.scale)
+    def chunk(route: int) -> Callable[[], Any]:
+        one = torch.tensor([[0, n, 0, c, route]])
+        return lambda: k.attention(qkv, k_cache, v_cache, slots, tables, none, none, 0, one, hq, model.scale)
 
-    return race({"kernel": kernel, "flash": flash})
+    fns = {"kernel": kernel, "flash": chunk(0)}
+    if brgemm:
+        fns["brgemm"] = chunk(1)
+    return race(fns)
+
+
+def _brgemm_runs(model: LlamaModel, k: Kernels, kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype != "int8" and k.brgemm_attention_runs(model.dtype)
 
 
 def _prefill_timings(model: LlamaModel, k: Kernels, max_rows: int, max_len: int, kv_cache_dtype: str,
                      clock: _Clock) -> dict[str, Any]:
     points = []
+    brgemm = _brgemm_runs(model, k, kv_cache_dtype)
     for n, c in PREFILL_POINTS:
         if n > max_rows or n + c > max_len or clock.out:
             continue
-        points.append({"rows": n, "cached": c, **_time_prefill(model, k, n, c, kv_cache_dtype)})
+        points.append({"rows": n, "cached": c, **_time_prefill(model, k, n, c, kv_cache_dtype, brgemm)})
     return {"prefill": points} if points else {}
+
+
+# Decode steps timed for the decode route: (rows, keys each row sees).
+DECODE_POINTS = ((32, 64), (32, 256), (32, 1024), (32, 2048))
+
+
+def _time_decode(model: LlamaModel, k: Kernels, rows: int, keys: int, kv_cache_dtype: str) -> dict[str, float]:
+    """One layer's attention of ``rows`` decode rows, each of its own sequence of ``keys`` keys."""
+    hq, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+    per_seq = -(-keys // 16)
+    k_cache, v_cache = _random_cache(model, rows * per_seq, kv_cache_dtype)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d).to(model.dtype)
+    tables = torch.arange(rows * per_seq).view(rows, per_seq)
+    slots = tables[:, (keys - 1) // 16] * 16 + (keys - 1) % 16
+    seqs, ctx = torch.arange(rows), torch.full((rows,), keys, dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.long)
+    chunks = torch.tensor([[i, 1, i, keys - 1, 1] for i in range(rows)], dtype=torch.long)
+    return race({"kernel": lambda: k.attention(qkv, k_cache, v_cache, slots, tables, seqs, ctx, rows,
+                                               none.view(0, 5), hq, model.scale),
+                 "brgemm": lambda: k.attention(qkv, k_cache, v_cache, slots, tables, none, none, 0, chunks, hq,
+                                               model.scale)})
+
+
+def _decode_timings(model: LlamaModel, k: Kernels, max_seqs: int, max_len: int, kv_cache_dtype: str,
+                    clock: _Clock) -> dict[str, Any]:
+    if not _brgemm_runs(model, k, kv_cache_dtype):
+        return {}  # one route: nothing to choose
+    points = []
+    for rows, keys in DECODE_POINTS:
+        if keys > max_len or clock.out:
+            continue
+        rows = min(rows, max_seqs)
+        points.append({"rows": rows, "keys": keys, **_time_decode(model, k, rows, keys, kv_cache_dtype)})
+    return {"decode": points} if points else {}
 
 
 # Row counts a row-wise pass is timed at, one thread against all (the thread-grain limits).
@@ -249,6 +321,7 @@ def measure(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len
             one = _gemm_timings(model, k, max_rows, max_seqs, clock)
             one.update(_weight_only_timings(model, k, clock))
             one.update(_prefill_timings(model, k, max_rows, max_len, kv_cache_dtype, clock))
+            one.update(_decode_timings(model, k, max_seqs, max_len, kv_cache_dtype, clock))
             one.update(_grain_timings(model, k, max_rows, clock))
             timings = _best_of(timings, one) if timings else one
     finally:
@@ -258,20 +331,54 @@ def measure(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len
     return timings
 
 
+# The whole steps the token budget is chosen from (``plan.choose_batch_tokens``): one prompt chunk
+# of BUDGET_CHUNK rows, then BUDGET_CHUNKS of them (~0.1 and ~0.3 s for SmolLM2 on a 2-core Zen 4).
+BUDGET_CHUNK = 128
+BUDGET_CHUNKS = 4
+BUDGET_ROUNDS = 3
+# A step's activations may take at most this share of the machine's memory.
+BUDGET_MEMORY_SHARE = 1 / 16
+
+
+def max_batch_tokens(model: LlamaModel) -> int:
+    """The largest of ``plan.BATCH_TOKENS`` whose step activations fit this machine's memory
+    share: per row the q|k|v, attention, gate|up, SiLU * up and a few hidden-wide rows at once."""
+    c = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    per_row = elem * (2 * qkv + 6 * c.hidden_size + 3 * c.intermediate_size)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not Linux: the default budget only
+        return BATCH_TOKENS[0]
+    fits = [b for b in BATCH_TOKENS if b * per_row <= ram * BUDGET_MEMORY_SHARE]
+    return fits[-1] if fits else BATCH_TOKENS[0]
+
+
+def budget_timings(step: Callable[[int], None], max_tokens: int) -> dict[str, Any]:
+    """Whole steps of 1 and of BUDGET_CHUNKS fresh prompt chunks (``step(n)`` runs one), in turns."""
+    t = race({"one": lambda: step(1), "many": lambda: step(BUDGET_CHUNKS)}, at_least=BUDGET_ROUNDS)
+    return {"chunk": BUDGET_CHUNK, "one": 1, "many": BUDGET_CHUNKS, "seconds_one": t["one"],
+            "seconds_many": t["many"], "max_tokens": max_tokens}
+
+
 def model_shapes(model: LlamaModel, max_rows: int, max_seqs: int, max_len: int, kv_cache_dtype: str) -> dict[str, Any]:
     c = model.config
     return {"hidden": c.hidden_size, "intermediate": c.intermediate_size, "heads": c.num_attention_heads,
             "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
-            "bias": model.layers[0]["qkv_bias"] is not None, "dtype": str(model.dtype),
-            "quantization": model.quantization, "kv_cache_dtype": kv_cache_dtype, "max_rows": max_rows,
-            "max_seqs": max_seqs, "max_len": max_len}
+            "layers": c.num_hidden_layers, "bias": model.layers[0]["qkv_bias"] is not None,
+            "dtype": str(model.dtype), "quantization": model.quantization, "kv_cache_dtype": kv_cache_dtype,
+            "max_rows": min(max_rows, MAX_TIMED_ROWS), "max_seqs": max_seqs, "max_len": max_len}
 
 
 def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len: int, kv_cache_dtype: str = "auto",
-           setting: str | None = None, remeasure: bool = False) -> Plan:
+           setting: str | None = None, remeasure: bool = False,
+           step: Callable[[Plan, int], None] | None = None) -> Plan:
     """The plan for this engine: ``setting`` (else $CARPOOL_ENGINE_PLAN; ``plan.parse_overrides``)
     "default" takes the fallback plan, otherwise the cached plan of this machine and model or,
-    when there is none (or ``remeasure``), one measured now and cached; forced routes on top."""
+    when there is none (or ``remeasure``), one measured now and cached; forced routes on top.
+    ``step(plan, n)`` runs one whole step of n fresh prompt chunks of ``BUDGET_CHUNK`` rows on
+    the plan's routes: what the step's token budget is chosen from (none: not chosen)."""
     overrides = parse_overrides(setting if setting is not None else os.environ.get(PLAN_ENV, ""))
     fallback = default_plan(has_amx=cpu.has("amx_bf16"))
     if overrides.get("mode") == "default":
@@ -285,9 +392,16 @@ def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len:
         plan = Plan(**{**choose(plan.timings, fallback).__dict__, "fingerprint": fingerprint, "source": "cached"})
     else:
         log.warning("measuring the engine's routes on this CPU (%s) for this model: once per machine, "
-                    "at most %.0f s; the plan is kept in %s", fingerprint["cpu"], BUDGET_S, path)
+                    "at most %.0f s and a few whole steps (`carpool engine prepare` does it ahead); the plan "
+                    "is kept in %s", fingerprint["cpu"], BUDGET_S, path)
         timings = measure(model, k, max_rows, max_seqs, max_len, kv_cache_dtype)
-        plan = Plan(**{**choose(timings, fallback).__dict__, "fingerprint": fingerprint})
+        chosen = choose(timings, fallback)
+        if step is not None:  # on the routes just chosen: the step the engine will run
+            t0 = time.perf_counter()
+            timings["budget"] = budget_timings(functools.partial(step, chosen), max_batch_tokens(model))
+            timings["seconds"] = round(timings["seconds"] + time.perf_counter() - t0, 3)
+            chosen = choose(timings, fallback)
+        plan = Plan(**{**chosen.__dict__, "fingerprint": fingerprint})
         try:
             plan_cache.save(path, plan)
         except OSError as e:  # a read-only cache: the plan still holds for this process

@@ -17,7 +17,8 @@ Why two kernels (measured on the 2-core AVX-512/VNNI EPYC, SmolLM2's shapes, tor
 So small batches run weight-only (activations exact), larger batches run int8 x int8; where the
 line lies is the engine plan's ``weight_only_max_rows``, timed on the machine (plan.py).  The
 int8 x int8 GEMM is carpool's own (ops/decode_gemm.cpp, on AVX-512 VNNI) or torch._int_mm (oneDNN,
-AMX-INT8 where the CPU has it), per row bucket as the plan's ``int8_gemm`` table says: at decode
+AMX-INT8 where the CPU has it) or oneDNN's prepacked int8 linear (``qlinear_sums``; AMX-INT8 too),
+per row bucket as the plan's ``int8_gemm`` table says: at decode
 batch sizes carpool's is faster on a CPU without AMX because it reads a weight packed once at load
 and prefetches it (the .cpp file says by how much); that packed copy (``decode_gemm.pack_vnni``) is
 a second copy of each weight, kept only on CPUs that run the kernel.
@@ -81,6 +82,11 @@ def has_int_mm() -> bool:
     return hasattr(torch, "_int_mm")
 
 
+def qlinear_available() -> bool:
+    """Whether this torch has oneDNN's prepacked int8 linear (the "onednn_qlinear" GEMM route)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
 class Int8Linear:
     """A linear layer's weight as int8 [N, K] + per-output-channel scales; ``y = layer(x, bias)``."""
 
@@ -97,6 +103,24 @@ class Int8Linear:
         # up to how many rows the torch path's call runs weight-only.
         self.routes: RouteTable = default_plan().gemm_routes("qkv", int8=True)
         self.weight_only_max_rows = WEIGHT_ONLY_MAX_ROWS
+        self.qlinear: torch.Tensor | None = None  # oneDNN's prepacked copy, once a plan routes rows to it
+
+    def pack_qlinear(self) -> bool:
+        """Make oneDNN's prepacked copy of the weight (``qlinear_sums``); False where this torch
+        has no oneDNN int8 linear."""
+        if self.qlinear is None and qlinear_available():
+            self.qlinear = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+            self._ones = torch.ones(self.shape[0])
+            self._zero_points = torch.zeros(self.shape[0], dtype=torch.long)
+        return self.qlinear is not None
+
+    def qlinear_sums(self, xq: torch.Tensor) -> torch.Tensor:
+        """int8 [M, K] x this weight -> the sums as fp32 [M, N] (float(int32 sums), what the scale-back
+        converts them to), by oneDNN's int8 linear on its prepacked copy (AMX-INT8 where the CPU has
+        it): activation scale 1 and zero point 0, weight scales 1."""
+        assert self.qlinear is not None  # pack_qlinear() first
+        return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, self.qlinear, self._ones, self._zero_points, None, 1.0, 0,
+                                                  torch.float32, "none", [], "")
 
     def dequantized(self) -> torch.Tensor:
         return (self.qweight.float() * self.scale_f32[:, None]).to(self.dtype)
@@ -128,7 +152,8 @@ class Int8Linear:
         if self.packed is not None and kernels.has_int8_gemm and route in PACKED_ROUTES:
             return kernels.int8_gemm_dequant(xq, self.packed, self.shape[0], row_scale, self.scale_f32, bias,
                                              self.dtype, split_rows=route == "carpool_split")
-        return kernels.int8_dequantize(self.int_mm(xq), row_scale, self.scale_f32, bias, self.dtype)
+        sums = self.qlinear_sums(xq) if route == "onednn_qlinear" and self.qlinear is not None else self.int_mm(xq)
+        return kernels.int8_dequantize(sums, row_scale, self.scale_f32, bias, self.dtype)
 
 
 # The torch reference of the int8 x int8 path's two ends; the C++ kernels (ops/quant_kernels.h)

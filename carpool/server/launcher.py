@@ -70,9 +70,12 @@ async def start(config: ServerConfig, engine: EngineClient | None = None, batche
 
 async def serve_forever(config: ServerConfig) -> None:
     """The CLI's loop: serve until SIGINT/SIGTERM."""
-    running, _ = await start(config)
+    running, app = await start(config)
     url = f"http://{config.host}:{running.port}"
-    print(f"carpool serve: listening on {url} (model {', '.join(config.model_names())})", flush=True)
+    stats = app[STATE].engine.stats()
+    print(f"carpool serve: listening on {url} (model {', '.join(config.model_names())}; steps of at most "
+          f"{stats.get('max_num_batched_tokens', '?')} tokens and {stats.get('max_num_seqs', '?')} sequences)",
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

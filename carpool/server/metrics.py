@@ -46,6 +46,8 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed", "counter"),
     # The batch limit, so a client can start at it instead of ramping up (carpool.client.start_limit).
     ("max_num_seqs", "carpool:max_num_seqs", "Sequences the engine runs in one batch at most", "gauge"),
+    ("max_num_batched_tokens", "carpool:max_num_batched_tokens", "Tokens the engine runs in one step at most",
+     "gauge"),
     ("num_interrupted_steps", "carpool:interrupted_steps",
      "Steps of batch work stopped for an arriving online request (and redone)", "counter"),
 )

@@ -9,6 +9,7 @@ the embedding batcher) and ``stop`` shuts down only what it built.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from aiohttp import web
@@ -67,8 +68,12 @@ class ServerState:
         cfg = self.config
         if self._engine is None:
             from carpool.engine.async_engine import AsyncEngine
+            from carpool.engine.config import SERVER_MAX_NUM_BATCHED_TOKENS
 
-            self._engine = await AsyncEngine(cfg.engine).start()
+            engine_cfg = cfg.engine
+            if engine_cfg.max_num_batched_tokens is None:  # short steps bound TTFT: not the offline budget
+                engine_cfg = dataclasses.replace(engine_cfg, max_num_batched_tokens=SERVER_MAX_NUM_BATCHED_TOKENS)
+            self._engine = await AsyncEngine(engine_cfg).start()
         self._engine.add_step_listener(self.metrics.on_engine_step)
         if self.batcher is None and cfg.embedding_model:
             self.batcher = await self._make_batcher(cfg.embedding_model)

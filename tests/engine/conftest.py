@@ -81,6 +81,15 @@ def tiny_tok():
     return load_model("tiny-random", dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def kernels() -> Kernels:
+    """The C++ kernels at this CPU's widest instruction set (the test skips where they do not build)."""
+    k = Kernels()
+    if not k.wait():
+        pytest.skip(f"kernels unavailable: {k.error}")
+    return k
+
+
 @pytest.fixture(scope="module")
 def best_isa() -> int:
     """The widest instruction set of this CPU the C++ kernels run (they are built once, here)."""

@@ -16,10 +16,7 @@ from carpool.engine.quant import Int8Linear
 
 
 @pytest.fixture(scope="module")
-def k() -> Kernels:
-    kernels = Kernels()
-    if not kernels.wait():
-        pytest.skip(f"kernels unavailable: {kernels.error}")
+def k(kernels: Kernels) -> Kernels:
     return kernels
 
 

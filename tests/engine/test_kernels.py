@@ -75,32 +75,45 @@ SHAPES = [  # (hq, hkv, head_dim, block_size)
 SEQS = [(0, 1), (37, 1), (300, 1), (0, 5), (20, 13), (0, 70), (130, 45), (16, 200)]
 
 
+def chunk_route(route: str, i: int, n: int) -> str:
+    """Where sequence i's n new rows go: every chunk through one route, or "mixed": long chunks
+    flash, the others brgemm, every other decode row brgemm and the rest the SIMD kernel."""
+    if route != "mixed":
+        return route if n > 1 or route != "flash" else "kernel"
+    if n >= 40:
+        return "flash"
+    return "brgemm" if n > 1 or i % 2 else "kernel"
+
+
 @pytest.mark.parametrize("isa", [2, 1, 0], ids=lambda i: ISA[i])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
-@pytest.mark.parametrize("route", ["kernel", "flash", "mixed"])
+@pytest.mark.parametrize("route", ["kernel", "flash", "brgemm", "mixed"])
 def test_attention_matches_reference(best_isa, isa, dtype, shape, route):
+    """Every route of ops/attention.cpp against the fp64 reference: the SIMD kernel's rows, torch's
+    flash attention and the brgemm GEMMs (prefill chunks and decode rows, a chunk of one row)."""
     k = kernels_at(isa, best_isa)
+    if route in ("brgemm", "mixed") and not k.brgemm_attention_runs(dtype):
+        pytest.skip(f"ATen's brgemm does not run {dtype} here")
     hq, hkv, d, bs = shape
-    seqs = sorted(SEQS, key=lambda cn: cn[1] != 1)  # decodes first, as the runner orders them
+    routes = [chunk_route(route, i, n) for i, (_, n) in enumerate(SEQS)]
+    # The SIMD kernel's rows first (decodes first among them), as the runner orders them.
+    order = sorted(range(len(SEQS)), key=lambda i: (routes[i] != "kernel", SEQS[i][1] != 1))
+    seqs, routes = [SEQS[i] for i in order], [routes[i] for i in order]
     qkv, kc, vc, slots, block_tables, tables = make_batch(seqs, hq, hkv, d, bs, dtype, seed=hq * d + bs)
     ref = reference(qkv, kc, vc, tables, seqs, hq, hkv, d, bs)
-    rows_seq, rows_ctx, flash = [], [], []
+    rows_seq, rows_ctx, chunks = [], [], []
     row = 0
-    for i, (c, n) in enumerate(seqs):
-        to_flash = n > 1 and (route == "flash" or (route == "mixed" and n >= 40))
-        if to_flash:
-            flash.append((row, n, i, c))
-        else:
-            assert not flash, "kernel rows must come before flash rows"
+    for i, ((c, n), r) in enumerate(zip(seqs, routes, strict=True)):
+        if r == "kernel":
             rows_seq += [i] * n
             rows_ctx += list(range(c + 1, c + n + 1))
+        else:
+            chunks.append((row, n, i, c, {"flash": 0, "brgemm": 1}[r]))
         row += n
-    if route == "mixed":  # kernel rows first: move the flash sequences to the end
-        assert flash
     out = k.attention(qkv, kc, vc, slots, block_tables, torch.tensor(rows_seq, dtype=torch.long),
                       torch.tensor(rows_ctx, dtype=torch.long), len(rows_seq),
-                      torch.tensor(flash, dtype=torch.long).view(-1, 4), hq, 1 / math.sqrt(d))
+                      torch.tensor(chunks, dtype=torch.long).view(-1, 5), hq, 1 / math.sqrt(d))
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     # The new keys and values are in the cache at their slots.
@@ -131,7 +144,7 @@ def test_bf16_attention_on_bf16_dot_products_and_without(best_isa, shape):
             assert k.module.attention_bf16_enabled() is on
             outs[on] = k.attention(qkv, kc.clone(), vc.clone(), slots, block_tables,
                                    torch.tensor(rows_seq, dtype=torch.long), torch.tensor(rows_ctx, dtype=torch.long),
-                                   len(rows_seq), torch.zeros(0, 4, dtype=torch.long), hq, 1 / math.sqrt(d))
+                                   len(rows_seq), torch.zeros(0, 5, dtype=torch.long), hq, 1 / math.sqrt(d))
             torch.testing.assert_close(outs[on].double(), ref, atol=2e-2, rtol=2e-2)
     finally:
         k.module.set_attention_bf16_enabled(True)

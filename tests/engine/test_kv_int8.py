@@ -76,14 +76,14 @@ def test_int8_cache_equals_a_cache_of_its_dequantized_values(best_isa, staged_de
     row = 0
     for i, (c, n) in enumerate(seqs):
         if n > 1 and (route == "flash" or (route == "mixed" and n >= 40)):
-            flash.append((row, n, i, c))
+            flash.append((row, n, i, c, 0))
             flash_rows[row:row + n] = True
         else:
             rows_seq += [i] * n
             rows_ctx += list(range(c + 1, c + n + 1))
         row += n
     args = (block_tables, torch.tensor(rows_seq, dtype=torch.long), torch.tensor(rows_ctx, dtype=torch.long),
-            len(rows_seq), torch.tensor(flash, dtype=torch.long).view(-1, 4), hq, 1 / math.sqrt(d))
+            len(rows_seq), torch.tensor(flash, dtype=torch.long).view(-1, 5), hq, 1 / math.sqrt(d))
 
     kc8, vc8 = kv_quant.pack(kc), kv_quant.pack(vc)
     out8 = k.attention(qkv, kc8, vc8, slots, *args)
@@ -123,7 +123,7 @@ def test_the_int8_decode_kernel_is_close_to_the_staged_path_and_to_exact(best_is
     rows_seq = [i for i, (_, n) in enumerate(seqs) for _ in range(n)]
     rows_ctx = [c + j + 1 for c, n in seqs for j in range(n)]
     args = (block_tables, torch.tensor(rows_seq, dtype=torch.long), torch.tensor(rows_ctx, dtype=torch.long),
-            len(rows_seq), torch.zeros(0, 4, dtype=torch.long), hq, 1 / math.sqrt(d))
+            len(rows_seq), torch.zeros(0, 5, dtype=torch.long), hq, 1 / math.sqrt(d))
     outs = {}
     try:
         for on in (True, False):

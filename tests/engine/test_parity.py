@@ -19,6 +19,7 @@ def run(loaded, cfg, ps, n):
 ATTENTION = {"torch": {"attention": "torch"}, "kernel": {"attention": "kernel"},
              "flash": {"attention": "kernel", "prefill_attention": "flash"},
              "simd": {"attention": "kernel", "prefill_attention": "kernel"},
+             "brgemm": {"attention": "kernel", "plan": "prefill=brgemm,decode=brgemm"},
              "avx2": {"attention": "kernel", "prefill_attention": "kernel", "isa": "avx2"},
              "scalar": {"attention": "kernel", "prefill_attention": "kernel", "isa": "scalar"}}
 

@@ -18,12 +18,14 @@ from carpool.engine.plan import (
     Plan,
     apply_overrides,
     choose,
-    choose_flash_min_work,
+    choose_decode,
     choose_gemm,
     choose_grain,
+    choose_prefill,
     choose_weight_only,
     default_plan,
     parse_overrides,
+    prefill_work,
     route_for,
 )
 
@@ -82,16 +84,29 @@ def test_weight_only_limit_is_the_last_row_count_it_won_from_one_up():
     assert choose_weight_only({"1": {"weight_only": 2, "int8": 1}}) == 0
 
 
-def point(rows: int, cached: int, kernel: float, flash: float) -> dict:
-    return {"rows": rows, "cached": cached, "kernel": kernel, "flash": flash}
+def point(rows: int, cached: int, kernel: float, flash: float, brgemm: float | None = None) -> dict:
+    out = {"rows": rows, "cached": cached, "kernel": kernel, "flash": flash}
+    return out if brgemm is None else {**out, "brgemm": brgemm}
 
 
-def test_flash_threshold_is_the_least_work_from_which_flash_always_won():
+def test_prefill_routes_follow_the_fastest_route_per_bucket_of_work():
     pts = [point(64, 0, 1, 2), point(128, 144, 3, 2), point(512, 0, 30, 40), point(1024, 0, 90, 50),
            point(2048, 0, 300, 100)]
-    assert choose_flash_min_work(pts) == 1024 * (0 + 1025 // 2)
-    assert choose_flash_min_work([point(64, 0, 1, 2), point(2048, 0, 1, 2)]) is None  # the kernel wins the largest
-    assert choose_flash_min_work([point(64, 0, 2, 1), point(2048, 0, 2, 1)]) == 64 * 32
+    work = [prefill_work(p["rows"], p["cached"]) for p in pts]
+    assert choose_prefill(pts) == ((work[0], "kernel"), (work[1], "flash"), (work[2], "kernel"), (UNBOUNDED, "flash"))
+    assert choose_prefill([point(64, 0, 1, 2), point(2048, 0, 1, 2)]) == ((UNBOUNDED, "kernel"),)
+    # The brgemm GEMMs where timed (an AMX-like machine: they win from mid-sized chunks on), never where not.
+    amx = [point(64, 0, 1, 2, 1.2), point(512, 0, 30, 12, 8), point(2048, 0, 300, 100, 40)]
+    assert choose_prefill(amx) == ((64 * 32, "kernel"), (UNBOUNDED, "brgemm"))
+    assert choose_prefill([point(64, 0, 2, 1, float("nan"))]) == ((UNBOUNDED, "flash"),)
+
+
+def test_decode_route_is_brgemm_only_where_it_won_by_the_margin():
+    pts = [{"rows": 32, "keys": 64, "kernel": 1.0, "brgemm": 0.99},
+           {"rows": 32, "keys": 1024, "kernel": 3, "brgemm": 2}, {"rows": 32, "keys": 2048, "kernel": 6, "brgemm": 4}]
+    assert choose_decode(pts) == ((64, "kernel"), (UNBOUNDED, "brgemm"))
+    assert choose({"decode": pts}).decode == ((64, "kernel"), (UNBOUNDED, "brgemm"))
+    assert choose({}).decode == ((UNBOUNDED, "kernel"),)
 
 
 def test_parts_not_timed_keep_the_fallback_plan():
@@ -100,19 +115,21 @@ def test_parts_not_timed_keep_the_fallback_plan():
     assert plan.gemm_routes("qkv") == ((UNBOUNDED, "onednn"),)
     assert plan.gemm_routes("o") == fallback.gemm_routes("o")
     assert plan.int8_gemm == fallback.int8_gemm
-    assert (plan.weight_only_max_rows, plan.flash_min_work) == (fallback.weight_only_max_rows, fallback.flash_min_work)
+    assert (plan.weight_only_max_rows, plan.prefill) == (fallback.weight_only_max_rows, fallback.prefill)
     assert plan.source == "measured"
 
 
 def test_forced_routes_override_and_bad_ones_name_the_choices():
     base = choose({"gemm": {"qkv": gemm_times(r16=(2.0, 1.0))}})
     forced = apply_overrides(base, parse_overrides("gemm=carpool, prefill=flash, weight_only_max_rows=0"))
-    assert forced.gemm_routes("qkv") == ((UNBOUNDED, "carpool"),) and forced.flash_min_work == 0
+    assert forced.gemm_routes("qkv") == ((UNBOUNDED, "carpool"),) and forced.prefill == ((UNBOUNDED, "flash"),)
     assert forced.weight_only_max_rows == 0 and forced.source == "measured+forced"
-    assert apply_overrides(base, parse_overrides("prefill=kernel")).flash_min_work is None
+    assert apply_overrides(base, parse_overrides("prefill=kernel")).prefill == ((UNBOUNDED, "kernel"),)
+    both = apply_overrides(base, parse_overrides("prefill=brgemm,decode=brgemm"))
+    assert both.prefill == both.decode == ((UNBOUNDED, "brgemm"),)
     assert parse_overrides("default") == {"mode": "default"}
     for bad, words in [("gemm=amx", "carpool, carpool_split, onednn"), ("speed=11", "KEY=VALUE"),
-                       ("weight_only_max_rows=x", "whole")]:
+                       ("weight_only_max_rows=x", "whole"), ("decode=flash", "kernel, brgemm")]:
         with pytest.raises(ValueError, match=words):
             parse_overrides(bad)
 
@@ -193,14 +210,6 @@ def test_a_corrupt_plan_file_is_ignored_with_a_warning(tmp_path, caplog, text):
 # ----------------------------------------------------------------------------- in the engine
 
 
-@pytest.fixture(scope="module")
-def kernels() -> Kernels:
-    k = Kernels()
-    if not k.wait():
-        pytest.skip(f"kernels unavailable: {k.error}")
-    return k
-
-
 def test_the_engine_measures_once_then_loads_and_remeasures_on_another_cpu(tiny, h, kernels, tmp_path,
                                                                              monkeypatch, caplog):
     """obtain() on the real (tiny bf16) model: measured and saved, then loaded from the file; a
@@ -260,6 +269,7 @@ def _generate(loaded, h, dtype: str, plan: str, ps: list[list[int]], n: int, **k
 
 
 ROUTES = ["measure", "default", "gemm=carpool,prefill=kernel", "gemm=onednn,prefill=flash",
+          "prefill=brgemm,decode=brgemm", "gemm=onednn,prefill=brgemm,decode=kernel",
           "gemm=onednn,prefill=kernel", "gemm=carpool,prefill=flash", "gemm=carpool_split,prefill=kernel",
           "row_grain=0,silu_grain=0",
           "row_grain=1099511627776,silu_grain=1099511627776"]
@@ -290,6 +300,14 @@ def test_every_bf16_route_answers_as_transformers(tiny, h, kernels, plan, monkey
         return orig(self, x, *a, **kw)
 
     monkeypatch.setattr(Kernels, "bf16_gemm", counted)
+    chunk_routes: list[int] = []  # the route of every chunk attention ran (0 flash, 1 brgemm)
+    orig_attention = Kernels.attention
+
+    def attention(self, *a):
+        chunk_routes.extend(a[8][:, 4].tolist())
+        return orig_attention(self, *a)
+
+    monkeypatch.setattr(Kernels, "attention", attention)
     ps = h.prompts(4, [3, 17, 40, 70])
     threads = torch.get_num_threads()
     torch.set_num_threads(3 if "carpool_split" in plan else threads)
@@ -302,27 +320,57 @@ def test_every_bf16_route_answers_as_transformers(tiny, h, kernels, plan, monkey
         assert not calls
     if "gemm=carpool" in plan and kernels.has_bf16_gemm:
         assert calls and all(split == ("carpool_split" in plan) for _, split in calls)
+    if "brgemm" in plan and kernels.brgemm_attention_runs(torch.bfloat16):  # the GEMM route really ran
+        assert chunk_routes and set(chunk_routes) == {1}
     if "row_grain" in plan:  # the forced limits are the ones the kernels run with
         limit = dict(item.split("=") for item in plan.split(","))["row_grain"]
         assert kernels.row_grains() == (int(limit), int(limit))
 
 
 @pytest.mark.parametrize("weight_only", [0, 4])
-def test_int8_routes_answer_alike(tiny, h, kernels, weight_only):
+def test_int8_routes_answer_alike(tiny, h, kernels, weight_only, monkeypatch):
     """int8 weights: the packed int8 GEMM (whole blocks per thread or rows cut, on three threads
-    where the tiny model's blocks do not divide) and torch._int_mm give the same sums, so every
-    int8 route answers the same greedy tokens, whichever weight-only limit the plan sets."""
+    where the tiny model's blocks do not divide), torch._int_mm and oneDNN's int8 linear give the
+    same sums, so every int8 route answers the same greedy tokens, whichever weight-only limit the
+    plan sets."""
+    from carpool.engine.quant import Int8Linear
+
     _, loaded = tiny
     ps = h.prompts(5, [3, 9, 30, 3, 12, 7])
-    carpool, onednn = (_int8(loaded, h, f"int8_gemm={route},weight_only_max_rows={weight_only}", ps)
-                       for route in ("carpool", "onednn"))
+    ran = []
+    orig = Int8Linear.qlinear_sums
+    monkeypatch.setattr(Int8Linear, "qlinear_sums", lambda self, xq: ran.append(1) or orig(self, xq))
+    carpool, onednn, qlinear = (_int8(loaded, h, f"int8_gemm={route},weight_only_max_rows={weight_only}", ps)
+                                for route in ("carpool", "onednn", "onednn_qlinear"))
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
         split = _int8(loaded, h, f"int8_gemm=carpool_split,weight_only_max_rows={weight_only}", ps)
     finally:
         torch.set_num_threads(threads)
-    assert carpool == onednn == split
+    assert carpool == onednn == split == qlinear
+    assert ran  # the oneDNN int8 linear really ran
+
+
+def test_onednn_int8_linear_gives_int_mms_sums_and_values(kernels):
+    """oneDNN's prepacked int8 linear (the "onednn_qlinear" route) writes float(int32 sums) exactly,
+    so the scaled-back rows are torch._int_mm's bit for bit, at every row count, with sums past
+    2^24 too (K 1536, full-range values)."""
+    from carpool.engine.quant import Int8Linear, qlinear_available
+
+    if not qlinear_available():
+        pytest.skip("this torch has no oneDNN int8 linear")
+    g = torch.Generator().manual_seed(0)
+    w = Int8Linear(torch.randn(96, 1536, generator=g), torch.bfloat16)
+    assert w.pack_qlinear()
+    for rows in (1, 7, 64, 300):
+        xq = torch.randint(-127, 128, (rows, 1536), dtype=torch.int8, generator=g)
+        assert torch.equal(w.qlinear_sums(xq), w.int_mm(xq).float())
+        xs = torch.rand(rows, generator=g) * 1e-2
+        w.routes = ((UNBOUNDED, "onednn_qlinear"),)
+        via_onednn = w.matmul(xq, xs, kernels)
+        w.routes = ((UNBOUNDED, "onednn"),)
+        assert torch.equal(via_onednn, w.matmul(xq, xs, kernels))
 
 
 def _int8(loaded, h, plan, ps):
@@ -369,4 +417,5 @@ def test_carpool_engine_plan_prints_the_plan_and_its_timings(capsys):
     assert first["timings"]["prefill"] and first["fingerprint"]["cpu"] == cpu.model_name()
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert text.startswith("engine plan (cached)") and "prefill attention:" in text and "rows after" in text
+    assert text.startswith("engine plan (cached)") and "prefill attention (" in text and "rows after" in text
+    assert "decode attention (" in text and "step token budget: offline jobs" in text

@@ -8,14 +8,19 @@ from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
-def test_smollm2_greedy_matches_hf_reference():
+# The engine's own routes, and attention on the brgemm GEMMs (prefill chunks and decode rows).
+EXTRA = {"engine": {}, "brgemm": {"attention": "kernel", "plan": "prefill=brgemm,decode=brgemm"}}
+
+
+@pytest.mark.parametrize("extra", list(EXTRA.values()), ids=list(EXTRA))
+def test_smollm2_greedy_matches_hf_reference(extra):
     loader = pytest.importorskip("carpool.engine.loader")
     loaded = loader.load_model("smollm2", dtype="float32")
     messages = [[{"role": "system", "content": "You are a strict classifier. Answer with one word."},
                  {"role": "user", "content": "Review: the battery died after two days, awful."}],
                 [{"role": "user", "content": "Write a haiku about the sea."}]]
-    llm = LLM(EngineConfig(model="smollm2", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32),
-              loaded=loaded)
+    llm = LLM(EngineConfig(model="smollm2", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32,
+                           extra=extra), loaded=loaded)
     outs = llm.generate([GenerateRequest(request_id=f"c{i}", messages=m,
                                          params=SamplingParams(temperature=0, max_tokens=16))
                          for i, m in enumerate(messages)])

@@ -31,6 +31,20 @@ inline void key_offsets(const int64_t* table, int64_t len, int64_t total, int64_
   key_offsets(table, len, total, bs, kstride, head_off, offs.data());
 }
 
+// The work items thread t of nthreads takes: those whose cost midpoint falls in its share of the
+// total (cum[w] = cost of the items before item w), so a few costly items (long contexts) do not
+// leave one thread idle while another finishes them.  Shared by the attention paths' item loops.
+inline std::vector<int64_t> share_of(const std::vector<double>& cum, int64_t t, int64_t nthreads) {
+  const int64_t items = static_cast<int64_t>(cum.size()) - 1;
+  const double lo = cum[items] * t / nthreads, hi = cum[items] * (t + 1) / nthreads;
+  std::vector<int64_t> mine;
+  for (int64_t w = 0; w < items; ++w) {
+    const double mid = 0.5 * (cum[w] + cum[w + 1]);
+    if (mid >= lo && mid < hi) mine.push_back(w);
+  }
+  return mine;
+}
+
 // Whether this CPU and OS run AVX-512 BF16 (with AVX-512 F/BW/DQ/VL).
 bool cpu_has_avx512_bf16();
 

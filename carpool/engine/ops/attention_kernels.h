@@ -220,8 +220,7 @@ void stage_kv(const int8_t* kq, const int8_t* vq, const int64_t* table, int64_t 
 
 // Every row attends to the first ctx_len[row] keys of its sequence, read through its block table.
 // Work items (row block x KV head; a one-row block on the bf16 path takes all heads) are split
-// between the threads by cost (rows x context), so a few long contexts do not leave one thread
-// idle while the other finishes them.
+// between the threads by cost (rows x context; share_of).
 // bf16_dot: bf16 items go to attend_row_bf16 / attend_item_bf16 (AVX-512 BF16 dot products,
 // attention_bf16.cpp) when they cover their shape.  kq/vq: an int8 cache (kc/vc unused), staged
 // item by item (stage_kv above); null for a model-dtype cache.
@@ -261,13 +260,7 @@ void attend_rows(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
     thread_local std::vector<int64_t> ident;
     thread_local std::vector<T> staged_k, staged_v;
     for (int64_t t = tb; t < te; ++t) {
-      // Items whose cost midpoint falls in this thread's share of the total.
-      const double lo = cum[items] * t / nthreads, hi = cum[items] * (t + 1) / nthreads;
-      std::vector<int64_t> mine;
-      for (int64_t w = 0; w < items; ++w) {
-        const double mid = 0.5 * (cum[w] + cum[w + 1]);
-        if (mid >= lo && mid < hi) mine.push_back(w);
-      }
+      const std::vector<int64_t> mine = share_of(cum, t, nthreads);
       for (size_t i = 0; i < mine.size(); ++i) {
         const int64_t w = mine[i], b = item_b[w], r0 = starts[b], nr = starts[b + 1] - r0;
         const int64_t* table = tables + seq_of_row[r0] * max_blocks;

@@ -38,30 +38,6 @@ std::tuple<int64_t, int64_t> row_grains() {
 
 namespace carpool {
 
-namespace {
-
-// Runs CALL with `ns` naming the instruction set's namespace and `T` the tensor's element type.
-#define CARPOOL_DISPATCH(isa, dtype, name, CALL)                                                 \
-  [&] {                                                                                          \
-    TORCH_CHECK(isa <= best_isa(), name ": instruction set ", isa, " is not supported by this CPU"); \
-    auto run_isa = [&](auto tag) {                                                               \
-      using T = decltype(tag);                                                                   \
-      switch (isa) {                                                                             \
-        case kAvx512: { namespace ns = avx512; CALL; break; }                                    \
-        case kAvx2: { namespace ns = avx2; CALL; break; }                                        \
-        default: { namespace ns = scalar; CALL; }                                                \
-      }                                                                                          \
-    };                                                                                           \
-    switch (dtype) {                                                                             \
-      case at::kBFloat16: run_isa(at::BFloat16()); break;                                        \
-      case at::kFloat: run_isa(float()); break;                                                  \
-      case at::kHalf: run_isa(at::Half()); break;                                                \
-      default: TORCH_CHECK(false, name ": unsupported dtype ", dtype);                           \
-    }                                                                                            \
-  }()
-
-}  // namespace
-
 // x [rows, n] -> int64 [rows, k]: each row's k largest columns, largest first (top_k_rows).
 at::Tensor top_k_rows(at::Tensor x, int64_t k, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "top_k_rows: x must be a contiguous [rows, n] tensor");
@@ -118,8 +94,8 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
 namespace {
 
 void check_scales(const at::Tensor& acc, const at::Tensor& rs, const at::Tensor& cs, int64_t cols, const char* name) {
-  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(), name,
-              ": acc must be a contiguous int32 [rows, cols]");
+  TORCH_CHECK((acc.scalar_type() == at::kInt || acc.scalar_type() == at::kFloat) && acc.dim() == 2 &&
+                  acc.is_contiguous(), name, ": acc must be a contiguous int32 or fp32 [rows, cols]");
   TORCH_CHECK(rs.scalar_type() == at::kFloat && rs.is_contiguous() && rs.numel() == acc.size(0), name,
               ": row scales must be fp32 [rows]");
   TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.is_contiguous() && cs.numel() == cols, name,
@@ -148,16 +124,20 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(at::Tensor x, int64_t isa) {
   return {q, qs};
 }
 
-// acc int32 [T, n], row scales [T], column scales [n], bias [n] or None -> [T, n] in `dtype`.
+// acc int32 or fp32 [T, n] (the sums), row scales [T], column scales [n], bias [n] or None -> [T, n] in `dtype`.
 at::Tensor int8_dequantize(at::Tensor acc, at::Tensor rs, at::Tensor cs, c10::optional<at::Tensor> bias,
                            at::ScalarType dtype, int64_t isa) {
   check_scales(acc, rs, cs, acc.size(1), "int8_dequantize");
   const int64_t rows = acc.size(0), n = acc.size(1);
   auto out = at::empty({rows, n}, acc.options().dtype(dtype));
   const at::Tensor b = checked_bias(bias, dtype, n, "int8_dequantize");
+  const bool fp32_sums = acc.scalar_type() == at::kFloat;
   CARPOOL_DISPATCH(isa, dtype, "int8_dequantize",
-                   (ns::dequantize<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
-                                      b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), rows, n)));
+                   (fp32_sums ? ns::dequantize<T>(acc.data_ptr<float>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
+                                                  b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), rows, n)
+                              : ns::dequantize<T>(acc.data_ptr<int32_t>(), rs.data_ptr<float>(),
+                                                  cs.data_ptr<float>(), b.defined() ? b.data_ptr<T>() : nullptr,
+                                                  out.data_ptr<T>(), rows, n)));
   return out;
 }
 

@@ -37,16 +37,18 @@ inline float quantize_row(const S* v, int64_t n, int8_t* q) {
   return amax * (1.f / 127.f);
 }
 
-// acc [., n] int32 at column k -> T((acc * rs) * cs[k]) (+ bias, rounded to T again), as fp32.
-template <typename T>
-inline Vf dequant(const int32_t* a, float rs, const float* cs, const T* b, int64_t k) {
+// acc [., n] at column k -> T((acc * rs) * cs[k]) (+ bias, rounded to T again), as fp32.  The sums
+// come as int32 or already as fp32 (oneDNN's prepacked int8 GEMM writes them so: float(acc), the
+// value the int32 ones are converted to here).
+template <typename T, typename A>
+inline Vf dequant(const A* a, float rs, const float* cs, const T* b, int64_t k) {
   Vf y = round_as<T>(mul(mul(load(a + k), set1(rs)), load(cs + k)));
   if (b) y = round_as<T>(add(y, load(b + k)));
   return y;
 }
 
-template <typename T>
-inline float dequant_scalar(const int32_t* a, float rs, const float* cs, const T* b, int64_t k) {
+template <typename T, typename A>
+inline float dequant_scalar(const A* a, float rs, const float* cs, const T* b, int64_t k) {
   float y = round_as_scalar<T>(static_cast<float>(a[k]) * rs * cs[k]);
   if (b) y = round_as_scalar<T>(y + static_cast<float>(b[k]));
   return y;
@@ -60,18 +62,17 @@ void quantize_rows(const T* x, int8_t* q, float* qs, int64_t rows, int64_t n) {
   });
 }
 
-// One row: a [n] int32 scaled back into o [n] in T with row scale rs.
-template <typename T>
-inline void dequantize_row(const int32_t* a, float rs, const float* cs, const T* bias, T* o, int64_t n) {
+// One row: a [n] sums scaled back into o [n] in T with row scale rs.
+template <typename T, typename A>
+inline void dequantize_row(const A* a, float rs, const float* cs, const T* bias, T* o, int64_t n) {
   const int64_t nv = n / W * W;
   for (int64_t k = 0; k < nv; k += W) store(o + k, dequant(a, rs, cs, bias, k));
   for (int64_t k = nv; k < n; ++k) o[k] = static_cast<T>(dequant_scalar(a, rs, cs, bias, k));
 }
 
-// acc [rows, n] int32 -> out [rows, n] in T (the fused q|k|v projection's output).
-template <typename T>
-void dequantize(const int32_t* acc, const float* rs, const float* cs, const T* bias, T* out, int64_t rows,
-                int64_t n) {
+// acc [rows, n] (int32 or fp32 sums) -> out [rows, n] in T (the fused q|k|v projection's output).
+template <typename T, typename A>
+void dequantize(const A* acc, const float* rs, const float* cs, const T* bias, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) dequantize_row(acc + i * n, rs[i], cs, bias, out + i * n, n);
   });

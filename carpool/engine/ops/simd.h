@@ -249,3 +249,41 @@ inline void store_i8(int8_t* p, Vf x) {
 #pragma GCC pop_options
 
 }  // namespace carpool
+
+// The one dispatch of every op onto per_isa.h's copies of the kernel headers.
+// CARPOOL_ISA runs CALL with `ns` naming the namespace of instruction set `isa`; CARPOOL_DISPATCH
+// also checks the CPU runs `isa` and makes `T` the element type of `dtype` (bf16, fp32, fp16),
+// naming the op `name` in its errors.
+#define CARPOOL_ISA(isa, CALL)                          \
+  switch (isa) {                                        \
+    case ::carpool::kAvx512: {                          \
+      namespace ns = ::carpool::avx512;                 \
+      CALL;                                             \
+      break;                                            \
+    }                                                   \
+    case ::carpool::kAvx2: {                            \
+      namespace ns = ::carpool::avx2;                   \
+      CALL;                                             \
+      break;                                            \
+    }                                                   \
+    default: {                                          \
+      namespace ns = ::carpool::scalar;                 \
+      CALL;                                             \
+    }                                                   \
+  }
+
+#define CARPOOL_DISPATCH(isa, dtype, name, CALL)                                                          \
+  [&] {                                                                                                   \
+    TORCH_CHECK((isa) >= 0 && (isa) <= ::carpool::best_isa(), name ": instruction set ", isa,            \
+                " is not supported by this CPU");                                                         \
+    auto run_isa = [&](auto tag) {                                                                        \
+      using T = decltype(tag);                                                                            \
+      CARPOOL_ISA(isa, CALL)                                                                              \
+    };                                                                                                    \
+    switch (dtype) {                                                                                      \
+      case at::kBFloat16: run_isa(at::BFloat16()); break;                                                 \
+      case at::kFloat: run_isa(float()); break;                                                           \
+      case at::kHalf: run_isa(at::Half()); break;                                                         \
+      default: TORCH_CHECK(false, name ": unsupported dtype ", dtype);                                    \
+    }                                                                                                     \
+  }()
