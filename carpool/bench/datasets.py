@@ -33,7 +33,7 @@ _WORD_TEXT = (
 _WORDS = _WORD_TEXT.split()
 
 
-class Tokenizer(Protocol):
+class TextEncoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -50,7 +50,7 @@ class BenchRequest:
     extra: dict[str, Any] = field(default_factory=dict)  # other body fields from the workload line
 
 
-def _count(tokenizer: Tokenizer | None, text: str) -> int:
+def _count(tokenizer: TextEncoder | None, text: str) -> int:
     if tokenizer is not None:
         return len(tokenizer.encode(text, add_special_tokens=False))
     return len(text.split())
@@ -59,7 +59,7 @@ def _count(tokenizer: Tokenizer | None, text: str) -> int:
 def load_jsonl(
     path: str | Path,
     num_prompts: int | None = None,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: TextEncoder | None = None,
     default_max_tokens: int = 128,
     ignore_eos: bool = False,
 ) -> list[BenchRequest]:
@@ -120,7 +120,7 @@ def _lengths(rng: np.random.Generator, n: int, mean: int, range_ratio: float) ->
     return rng.integers(low, high + 1, size=n)
 
 
-def _random_text(rng: np.random.Generator, n_tokens: int, tokenizer: Tokenizer | None) -> str:
+def _random_text(rng: np.random.Generator, n_tokens: int, tokenizer: TextEncoder | None) -> str:
     if tokenizer is None:
         return " ".join(rng.choice(_WORDS, size=n_tokens))
     # Draw words, then trim with the real tokenizer so the prompt has exactly n tokens.
@@ -134,7 +134,7 @@ def random_requests(
     output_len: int = 128,
     range_ratio: float = 0.0,
     seed: int = 0,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: TextEncoder | None = None,
 ) -> list[BenchRequest]:
     """Random prompts with lengths drawn around ``input_len``/``output_len``; EOS is ignored
     so each request generates exactly its drawn output length (as vLLM does for random)."""
@@ -163,7 +163,7 @@ def shared_prefix_requests(
     suffix_len: int = 64,
     output_len: int = 64,
     seed: int = 0,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: TextEncoder | None = None,
 ) -> list[BenchRequest]:
     """Groups of prompts that share a long prefix (a system prompt, a document), each with
     its own suffix: the workload that prefix caching speeds up.  Groups are interleaved so

