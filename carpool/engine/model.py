@@ -113,20 +113,46 @@ class Linear:
     def __init__(self, weight: torch.Tensor | Int8Linear, bias: torch.Tensor | None, packed: bool):
         self.weight = weight
         self.bias = bias
-        dense = weight if packed and isinstance(weight, torch.Tensor) else None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64) if dense is not None else None
-        # ops/decode_gemm.cpp's own packed copy (bf16, no bias), where it runs.
-        self.decode_packed = decode_gemm.packed_bf16(dense) if dense is not None and bias is None else None
+        self._dense = weight if packed and isinstance(weight, torch.Tensor) else None
+        # Both packed copies are made on first use (``pack_for_routes`` makes them when the plan is
+        # applied): packing every weight both ways took 0.4-0.9 s of each engine start on a 2-core
+        # Zen 4, where the plan sends every row count to decode_gemm and oneDNN's copy is never read.
+        self._onednn: torch.Tensor | None = None
+        self._decode: torch.Tensor | None = None
+        self._decode_tried = False
         self.n = int(weight.shape[0])
         # Which GEMM runs how many rows: the engine plan's table for this linear (plan.py).
         self.routes: RouteTable = default_plan().gemm_routes("qkv")
 
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The weight in oneDNN's blocked layout (None: not packable, F.linear runs it)."""
+        if self._onednn is None and self._dense is not None:
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(self._dense, 64)
+        return self._onednn
+
+    @property
+    def decode_packed(self) -> torch.Tensor | None:
+        """ops/decode_gemm.cpp's own packed copy (bf16, no bias), where that kernel runs it."""
+        if not self._decode_tried:
+            self._decode_tried = True
+            if self._dense is not None and self.bias is None:
+                self._decode = decode_gemm.packed_bf16(self._dense)
+        return self._decode
+
+    def pack_for_routes(self, kernels_run: bool) -> None:
+        """Make now the packed copies the routes will read, so the first step does not pay for them."""
+        used = {route for _, route in self.routes}
+        decode = self.decode_packed if kernels_run and used & set(PACKED_ROUTES) else None
+        if decode is None or used - set(PACKED_ROUTES):
+            _ = self.packed
+
     def __call__(self, x: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
         route = route_for(self.routes, x.shape[0]) if x.shape[0] > 0 else "onednn"
-        if (route in PACKED_ROUTES and self.decode_packed is not None and kernels is not None
-                and kernels.has_bf16_gemm and x.is_contiguous()):
+        if (route in PACKED_ROUTES and kernels is not None and kernels.has_bf16_gemm and x.is_contiguous()
+                and self.decode_packed is not None):
             return kernels.bf16_gemm(x, self.decode_packed, self.n, split_rows=route == "carpool_split")
-        if self.packed is None or x.shape[0] == 0:
+        if x.shape[0] == 0 or self.packed is None:
             return linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -219,8 +245,9 @@ class LlamaModel:
         self.weight_only_max_rows = quant.WEIGHT_ONLY_MAX_ROWS
         self.plan: Plan = default_plan()
 
-    def apply_plan(self, plan: Plan) -> None:
-        """Route every linear (and the int8 weight-only limit) as ``plan`` says."""
+    def apply_plan(self, plan: Plan, kernels_run: bool = True) -> None:
+        """Route every linear (and the int8 weight-only limit) as ``plan`` says, and pack each
+        weight for the routes it takes (``kernels_run``: the C++ GEMM kernels are loaded)."""
         self.plan = plan
 
         def route_int8(w: Int8Linear, name: str) -> None:
@@ -232,10 +259,12 @@ class LlamaModel:
         for lin, layer in zip(self.linears, self.layers, strict=True):
             for name, one in lin.items():
                 one.routes = plan.gemm_routes(name)
+                one.pack_for_routes(kernels_run)
                 w = layer[name]  # type: ignore[literal-required]
                 if isinstance(w, Int8Linear):
                     route_int8(w, name)
         self.head_linear.routes = plan.gemm_routes("head")
+        self.head_linear.pack_for_routes(kernels_run)
         if isinstance(self.head, Int8Linear):
             route_int8(self.head, "head")
         self.weight_only_max_rows = plan.weight_only_max_rows

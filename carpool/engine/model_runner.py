@@ -70,7 +70,7 @@ class ModelRunner:
             self.planned = True
 
     def _apply(self, plan: Plan, kernels: Kernels) -> None:
-        self.model.apply_plan(plan)
+        self.model.apply_plan(plan, kernels_run=kernels.has_bf16_gemm)
         kernels.set_row_grains(plan.row_grain, plan.silu_grain)
 
     def _scratch_step(self, kernels: Kernels) -> Callable[[Plan, int], None]:

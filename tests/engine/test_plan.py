@@ -327,6 +327,21 @@ def test_every_bf16_route_answers_as_transformers(tiny, h, kernels, plan, monkey
         assert kernels.row_grains() == (int(limit), int(limit))
 
 
+@pytest.mark.parametrize("plan", ["gemm=carpool,prefill=kernel", "gemm=onednn,prefill=kernel"])
+def test_a_weight_is_packed_only_for_the_route_the_plan_gives_it(tiny, h, kernels, plan):
+    """oneDNN's blocked copy and decode_gemm's copy of a weight are made only where the plan
+    sends rows to that GEMM (packing both cost part of every engine start)."""
+    if not kernels.has_bf16_gemm:
+        pytest.skip("no bf16 GEMM kernel on this CPU: oneDNN is the only route")
+    _, loaded = tiny
+    _, llm = _generate(loaded, h, "bfloat16", plan, h.prompts(2, [5, 30]), 4)
+    model = llm.engine.model
+    linears = [one for layer in model.linears for one in layer.values()] + [model.head_linear]
+    onednn = {one._onednn is not None for one in linears}
+    decode = {one._decode is not None for one in linears}
+    assert (onednn, decode) == (({False}, {True}) if "carpool" in plan else ({True}, {False}))
+
+
 @pytest.mark.parametrize("weight_only", [0, 4])
 def test_int8_routes_answer_alike(tiny, h, kernels, weight_only, monkeypatch):
     """int8 weights: the packed int8 GEMM (whole blocks per thread or rows cut, on three threads

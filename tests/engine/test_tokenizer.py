@@ -55,7 +55,8 @@ def test_chat_template_renders_as_transformers_does(pair):
             assert ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=False) \
                 == theirs.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=False)
     # the sandbox's tojson keeps non-ASCII text and raise_exception raises as transformers' does
-    template = "{{ messages | tojson }}{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+    template = ("{{ messages | tojson }}"
+                "{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}")
     one = [{"role": "user", "content": "ünï 🚗"}]
     assert ours.apply_chat_template(one, chat_template=template, tokenize=False) == \
         theirs.apply_chat_template(one, chat_template=template, tokenize=False)
@@ -73,7 +74,7 @@ def test_what_it_does_not_reproduce_is_answered_by_transformers(pair):
 
 
 def test_a_folder_asking_for_transformers_behaviour_gets_transformers(pair, tmp_path: Path):
-    ours, theirs = pair
+    ours, _ = pair
     shutil.copy(ours.folder / "tokenizer.json", tmp_path / "tokenizer.json")
     config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": True}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
