@@ -144,7 +144,9 @@ def run_job(task_file: Path, out_dir: Path, tag: str, extra: list[str], env: dic
     cmd = [sys.executable, "-m", "carpool.cli", "run", str(task_file), "-o", str(out), "--fresh",
            "--cache", "off", "--quiet", "--summary-json", str(summary), *extra]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    # Run from the tree itself: ``-m`` puts the working directory ahead of PYTHONPATH, so a job
+    # started from another checkout would import that checkout's carpool.
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=env["PYTHONPATH"])
     wall = time.perf_counter() - t
     if proc.returncode != 0 or not summary.exists():
         return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"}
@@ -174,7 +176,8 @@ class Server:
     def __init__(self, port: int, env: dict):
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--embedding-model", "none"]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     cwd=env["PYTHONPATH"])  # this tree's carpool, as run_job
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
