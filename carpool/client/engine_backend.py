@@ -227,6 +227,11 @@ def _failed(e: OpenAIError, t0: float, kind: ErrorKind | None = None, **fields: 
                       endpoint="engine", sent_at=t0, e2e_s=time.perf_counter() - t0, **fields)
 
 
+# The in-process embedder's queue; the job never has more tasks in the engine than this
+# (jobs/parts.py), so none is turned away as queue-full.
+EMBED_QUEUE_SIZE = 4096
+
+
 def default_embedder_factory(embedder: Any = None) -> DynamicBatcher:
     """A DynamicBatcher over the packaged all-MiniLM-L6-v2 (imported only when needed);
     ``embedder``: one already loaded (the Python API keeps one warm between jobs)."""
@@ -234,4 +239,4 @@ def default_embedder_factory(embedder: Any = None) -> DynamicBatcher:
 
     return DynamicBatcher(embedder if embedder is not None else Embedder(), max_queue_delay_us=2000,
                           preferred_batch_sizes=[8, 16, 32],
-                          max_batch_tokens=8192, max_queue_size=4096, queue_timeout_s=120.0)
+                          max_batch_tokens=8192, max_queue_size=EMBED_QUEUE_SIZE, queue_timeout_s=120.0)

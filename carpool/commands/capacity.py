@@ -41,6 +41,11 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--emit {args.emit} needs --traffic FILE: the replicas per hour set the autoscaler's range")
     if args.report and not args.traffic:
         raise ValueError("--report plots the day's plan: give --traffic FILE")
+    if args.emit == "vllm" and args.endpoint:
+        raise ValueError("--emit vllm needs --engine, --serve or --simulate (an endpoint's settings are its own)")
+    if args.emit == "vllm" and model_name(args) is None:
+        raise ValueError(f"--emit vllm: {args.model} has no vLLM counterpart, so no vLLM command (tune a model "
+                         "vLLM can load: --model NAME, a Hugging Face name or folder)")
     if args.traffic:
         traffic.read(args.traffic)  # a bad file is refused before minutes of tuning, not after
     if not 0 <= args.headroom < 10:

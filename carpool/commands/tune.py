@@ -284,19 +284,10 @@ def main(args: argparse.Namespace) -> int:
     if args.emit and res.best is None:
         print("carpool tune: no setting met the SLO; nothing to emit", file=sys.stderr)
         return 1
-    if args.emit == "vllm":
-        if args.endpoint:
-            print("carpool tune: --emit vllm needs --engine, --serve or --simulate "
-                  "(an endpoint's settings are its own)",
-                  file=sys.stderr)
-            return 2
-        assert res.best is not None
+    if args.emit == "vllm":  # capacity_cli.check refused an endpoint's and a model vLLM cannot load
         name = capacity_cli.model_name(args)
-        if name is None:
-            print(f"carpool tune: --emit vllm: {args.model} has no vLLM counterpart, so no vLLM command "
-                  "(tune a model vLLM can load: --model NAME, a Hugging Face name or folder)", file=sys.stderr)
-        else:
-            print(vllm_command(res.best.setting, name, getattr(args, "gpus", 1)))
+        assert res.best is not None and name is not None
+        print(vllm_command(res.best.setting, name, getattr(args, "gpus", 1)))
     elif day and args.emit:
         capacity_cli.emit(args, day)
     if day and args.report:

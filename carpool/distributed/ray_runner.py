@@ -46,6 +46,7 @@ from carpool.jobs.summary.stats import JobStats, ShardsRun
 from carpool.redact import redact_url
 
 if TYPE_CHECKING:
+    from carpool.client.endpoints import EndpointSpec
     from carpool.jobs.options import LiveParts, RunOptions
     from carpool.jobs.spread import StartedJob
 
@@ -209,6 +210,9 @@ class RayShards:
 
     def check(self, opts: RunOptions, live: LiveParts) -> list[str]:
         require("ray", "carpool run --ray")
+        if opts.report:  # refused at start, not found out after the whole job
+            raise RayRunError("--report is not written for --ray runs (the shards' requests are timed in "
+                              "their workers): leave it out; --summary-json keeps the job's figures")
         if opts.retry_errors:
             raise RayRunError("--retry-errors runs in one process: resume without --ray")
         if live.engine is not None:
@@ -219,10 +223,10 @@ class RayShards:
                               "(--redis) for one budget shared by every worker")
         return []
 
-    def probes(self, opts: RunOptions) -> bool:
+    def probe_targets(self, opts: RunOptions) -> list[EndpointSpec]:
         # The workers, not this driver, talk to the endpoints (on a cluster they may reach
         # what the driver cannot), and each shard pauses through an outage on its own.
-        return False
+        return []
 
     async def run(self, job: StartedJob) -> tuple[JobStats, list[str]]:
         """The shards to their end.  The driver blocks this thread (and the loop on it) while
@@ -324,8 +328,6 @@ class RayShards:
         stats.shards.workers, stats.shards.workdir = workers, str(files.workdir)
         stats.backend = _backend_label(opts, workers)
         messages = notes + [m for s in summaries for m in s.get("messages", [])]
-        if opts.report:
-            messages.append("--report is not written for --ray runs (use --summary-json)")
         if missing:
             messages.append(_unfinished(stats, seen, run_error, opts, f"{len(missing)} of {len(shards)}"))
             return stats, messages

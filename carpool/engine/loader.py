@@ -126,10 +126,11 @@ def _load_tokenizer(folder: Path, **kwargs: Any) -> Any:
     With a tokenizer.json the fast tokenizer is built from it directly: AutoTokenizer would
     first import the model's config classes, which costs seconds at every start.
     """
-    from carpool.engine.tokenizer import Tokenizer, reproducible
+    from carpool.engine.tokenizer import Tokenizer
 
-    if reproducible(folder):  # no transformers import at the engine's start
-        return Tokenizer(folder)
+    own = Tokenizer.open(folder)
+    if own is not None:  # no transformers import at the engine's start
+        return own
     cls: Any
     if (folder / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast as cls

@@ -141,11 +141,16 @@ class Linear:
         return self._decode
 
     def pack_for_routes(self, kernels_run: bool) -> None:
-        """Make now the packed copies the routes will read, so the first step does not pay for them."""
+        """Make now the packed copies the routes will read, so the first step does not pay for
+        them, and drop a copy no route reads (measuring the plan packs both ways)."""
         used = {route for _, route in self.routes}
         decode = self.decode_packed if kernels_run and used & set(PACKED_ROUTES) else None
+        if decode is None:
+            self._decode, self._decode_tried = None, False
         if decode is None or used - set(PACKED_ROUTES):
             _ = self.packed
+        else:
+            self._onednn = None
 
     def __call__(self, x: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
         route = route_for(self.routes, x.shape[0]) if x.shape[0] > 0 else "onednn"

@@ -27,7 +27,11 @@ from typing import Any
 # tokenizer.json; a folder with any of them set is left to transformers.
 _BEHAVIOUR_KEYS = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "clean_up_tokenization_spaces",
                    "split_special_tokens", "do_lower_case")
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Files transformers reads tokens from besides tokenizer_config.json, and named chat templates.
+_OTHER_SOURCES = ("special_tokens_map.json", "added_tokens.json", "additional_chat_templates")
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_ADDED_FLAGS = ("special", "lstrip", "rstrip", "normalized", "single_word")
+_PLAIN_MESSAGE_KEYS = frozenset(("role", "content", "name"))
 
 
 def _token_text(value: Any) -> str | None:
@@ -43,36 +47,38 @@ def _read_config(folder: Path) -> dict:
 
 
 def _read_chat_template(folder: Path, config: dict) -> str | None:
-    """The default chat template: tokenizer_config.json's, else chat_template.jinja (where
-    transformers 4.43+ saves it), else chat_template.json."""
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: transformers uses the one called "default"
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    if isinstance(template, str):
-        return template
+    """The chat template as transformers picks it: chat_template.jinja (where transformers
+    4.43+ saves it) ahead of tokenizer_config.json's.  Named templates are refused earlier."""
     if (folder / "chat_template.jinja").exists():
         return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    if (folder / "chat_template.json").exists():
-        found = json.loads((folder / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
-        return found if isinstance(found, str) else None
-    return None
+    template = config.get("chat_template")
+    return template if isinstance(template, str) else None
 
 
-def reproducible(folder: Path) -> bool:
-    """Whether this class reproduces transformers' fast tokenizer for ``folder`` exactly."""
-    if not (folder / "tokenizer.json").exists():
-        return False
-    config = _read_config(folder)
-    if any(config.get(key) for key in _BEHAVIOUR_KEYS):
-        return False
-    decoder = config.get("added_tokens_decoder") or {}
-    if decoder:
-        import tokenizers
-
-        vocab = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab(with_added_tokens=True)
-        if any(vocab.get(_token_text(t) or "") != int(i) for i, t in decoder.items()):
+def _added_tokens_agree(backend: Any, config: dict) -> bool:
+    """tokenizer_config.json's added tokens are tokenizer.json's, with the same ids and flags
+    (transformers would otherwise add or re-add them), and every named special token is in
+    the vocabulary (transformers would give a missing one a new id)."""
+    have = backend.get_added_tokens_decoder()
+    for i, entry in (config.get("added_tokens_decoder") or {}).items():
+        token = have.get(int(i))
+        if token is None or not isinstance(entry, dict) or token.content != entry.get("content"):
             return False
-    return True
+        if any(k in entry and bool(entry[k]) != bool(getattr(token, k)) for k in _ADDED_FLAGS):
+            return False
+    names = [_token_text(config.get(n)) for n in _SPECIAL_NAMES if config.get(n) is not None]
+    extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+    names += [_token_text(t) for t in (extra if isinstance(extra, list) else [])]
+    return all(t is not None and backend.token_to_id(t) is not None for t in names)
+
+
+def _plain_conversation(conversation: Any) -> bool:
+    """One conversation of text messages (role, content, name as strings): what this class
+    renders exactly as transformers does.  Anything else (None values, content parts, tool
+    calls, reasoning fields, message objects, a batch) transformers normalizes first."""
+    return (isinstance(conversation, list) and bool(conversation)
+            and all(isinstance(m, dict) and m.keys() <= _PLAIN_MESSAGE_KEYS
+                    and all(isinstance(v, str) for v in m.values()) for m in conversation))
 
 
 def _compile_template(source: str):
@@ -100,20 +106,43 @@ def _compile_template(source: str):
 
 class Tokenizer:
     """A model folder's tokenizer (tokenizer.json + tokenizer_config.json), with the parts of
-    transformers' fast tokenizer interface the engine and its callers use."""
+    transformers' fast tokenizer interface the engine and its callers use.  ``open`` makes one
+    only for a folder it reproduces exactly."""
 
-    def __init__(self, folder: Path):
-        import tokenizers
-
+    def __init__(self, folder: Path, backend: Any, config: dict):
         self.folder = Path(folder)
         self.name_or_path = str(folder)
-        self.backend_tokenizer = tokenizers.Tokenizer.from_file(str(self.folder / "tokenizer.json"))
-        config = _read_config(self.folder)
+        self.backend_tokenizer = backend
         self.chat_template = _read_chat_template(self.folder, config)
-        self.special_tokens_map = {n: t for n in _SPECIAL_NAMES if (t := _token_text(config.get(n))) is not None}
+        self.special_tokens_map: dict[str, Any] = {
+            n: t for n in _SPECIAL_NAMES if (t := _token_text(config.get(n))) is not None}
+        extra = config.get("additional_special_tokens")
+        if isinstance(extra, list) and extra:
+            self.special_tokens_map["additional_special_tokens"] = [_token_text(t) for t in extra]
         self._compiled: tuple[str, Any] | None = None
         self._hf: Any = None
         self._hf_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, folder: Path) -> Tokenizer | None:
+        """The folder's tokenizer, or None where transformers would do more than this class
+        does: settings beyond tokenizer.json, tokens from other files, named chat templates,
+        added tokens that disagree, truncation or padding saved in tokenizer.json (transformers
+        turns both off for every call; the backend would apply them)."""
+        import tokenizers
+
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").exists() or any((folder / f).exists() for f in _OTHER_SOURCES):
+            return None
+        config = _read_config(folder)
+        if any(config.get(key) for key in _BEHAVIOUR_KEYS) or isinstance(config.get("chat_template"), list):
+            return None
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        if backend.truncation is not None or backend.padding is not None:
+            return None
+        if not _added_tokens_agree(backend, config):
+            return None
+        return cls(folder, backend, config)
 
     # -- special tokens ------------------------------------------------------------------
 
@@ -166,26 +195,20 @@ class Tokenizer:
         return self.backend_tokenizer.decode_batch([list(s) for s in sequences],
                                                    skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True, tools: list[dict] | None = None,
-                            documents: list[dict] | None = None, chat_template: str | None = None,
-                            **kwargs: Any) -> Any:
+    def apply_chat_template(self, conversation: Any, add_generation_prompt: bool = False,
+                            tokenize: bool = True, **kwargs: Any) -> Any:
         """The conversation rendered by the model's chat template, as transformers renders it.
-        What only transformers does (token ids with a dict back, a continued final message,
-        tools given as Python functions, a batch of conversations) is handed to it."""
-        source = chat_template or self.chat_template
-        plain = (not tokenize and not kwargs.get("continue_final_message") and not kwargs.get("return_dict")
-                 and source is not None and isinstance(conversation, list)
-                 and all(isinstance(m, dict) for m in conversation)
-                 and all(isinstance(t, dict) for t in tools or ()))
-        template = self._template(source) if plain and source is not None else None
+        The engine's call (one conversation of text messages, text back) is rendered here;
+        every other call (token ids, tools, documents, another template, template variables,
+        messages transformers would normalize first) is handed to transformers."""
+        template = None
+        if not tokenize and not kwargs and self.chat_template is not None and _plain_conversation(conversation):
+            template = self._template(self.chat_template)
         if template is None:
             return self.hf.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                               tokenize=tokenize, tools=tools, documents=documents,
-                                               chat_template=chat_template, **kwargs)
-        return template.render(messages=conversation, tools=tools, documents=documents,
-                               add_generation_prompt=add_generation_prompt,
-                               **{**self.special_tokens_map, **kwargs})
+                                               tokenize=tokenize, **kwargs)
+        return template.render(messages=conversation, tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
 
     def _template(self, source: str) -> Any:
         if self._compiled is None or self._compiled[0] != source:

@@ -9,6 +9,7 @@ written once it ended.  A caller that needs other parts composes ``Pipeline`` it
 
 from __future__ import annotations
 
+from carpool.client.endpoints import EndpointSpec
 from carpool.extras import require
 from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.parts import build_parts
@@ -28,8 +29,10 @@ class InProcess:
             require("report", "--report")
         return []
 
-    def probes(self, opts: RunOptions) -> bool:
-        return True
+    def probe_targets(self, opts: RunOptions) -> list[EndpointSpec]:
+        from carpool.jobs.endpoints_file import job_endpoints
+
+        return job_endpoints(opts)
 
     async def run(self, job: StartedJob) -> tuple[JobStats, list[str]]:
         parts = build_parts(job.opts, job.live, source=job.source)

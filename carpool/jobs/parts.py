@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from carpool.client import limiter
 from carpool.client.base import Backend, CallResult, Request
 from carpool.client.budget import Budget, make_budget
+from carpool.client.engine_backend import EMBED_QUEUE_SIZE
 from carpool.client.limiter import AdaptiveLimiter, FixedLimiter
 from carpool.client.start_limit import (
     remember_limit,
@@ -137,9 +138,10 @@ def engine_limiter(opts: RunOptions, live: LiveParts) -> FixedLimiter:
         why = (f"2 x the engine's max_num_seqs ({seqs}): the semantic cache is asked as a task "
                "enters the engine, no --concurrency given")
     else:
-        limit = opts.max_pending
-        why = (f"every task read (--max-pending {opts.max_pending}): the engine queues them "
-               f"and runs max_num_seqs ({seqs}) at once, no --concurrency given")
+        limit = min(opts.max_pending, EMBED_QUEUE_SIZE)  # the embedder's queue turns away more
+        read = (f"every task read (--max-pending {limit})" if limit == opts.max_pending else
+                f"{limit:,} of the tasks read (the in-process queue's size; --max-pending {opts.max_pending})")
+        why = f"{read}: the engine queues them and runs max_num_seqs ({seqs}) at once, no --concurrency given"
     if opts.max_concurrency and opts.max_concurrency < limit:
         return FixedLimiter(opts.max_concurrency, why=f"{why}, capped by --max-concurrency")
     return FixedLimiter(limit, why=why)

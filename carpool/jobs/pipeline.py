@@ -15,7 +15,8 @@ below that bound.
 One task's way (``_run_task``): the task cache (``carpool.jobs.reuse.task_cache``) answers it,
 from an earlier answer or by sending it through the executor; the pipeline counts what was
 sent and writes the line.  Whatever happens, each task read gets exactly one line, or none
-when the job stops before sending it (it is then done on resume).
+when the job stops before sending it or before the in-process engine began it (a first
+Ctrl-C takes back what the engine had only queued); it is then done on resume.
 """
 
 from __future__ import annotations

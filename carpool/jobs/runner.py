@@ -104,13 +104,14 @@ class Runner:
             if target.is_table and job.opts.fresh:  # the table of the run --fresh throws away
                 target.path.unlink(missing_ok=True)
             stats, messages = await self.spread.run(job)
+            stats.prices = job.prices
+            self.messages += messages
+            # Still under the lock: another run on this output would race the table's write.
+            if target.is_table and finished(stats) and not (stats.shards and stats.shards.already_done):
+                rows = await asyncio.to_thread(write_table, target)
+                self.messages.append(f"wrote {target.path} ({rows:,} rows) from its journal {target.journal}")
         finally:
             lock.release()
-        stats.prices = job.prices
-        self.messages += messages
-        if target.is_table and finished(stats) and not (stats.shards and stats.shards.already_done):
-            rows = await asyncio.to_thread(write_table, target)
-            self.messages.append(f"wrote {target.path} ({rows:,} rows) from its journal {target.journal}")
         return stats
 
     async def _start(self) -> tuple[StartedJob, OutputTarget, OutputLock]:
@@ -130,11 +131,11 @@ class Runner:
         lock.acquire()
         try:
             settled, live, notes = await resolve_target(opts, peek, self.live)
+            source = self.make_source(settled) if self.make_source is not None else None
         except BaseException:
             lock.release()
             raise
         self.messages += [*([lock.note] if lock.note else []), *notes]
-        source = self.make_source(settled) if self.make_source is not None else None
         return StartedJob(settled, live, source, prices, self.notify), target, lock
 
     def _interrupted_start(self) -> JobStats:

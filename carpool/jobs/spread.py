@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from carpool.client.endpoints import EndpointSpec
     from carpool.jobs.cost.prices import Prices
     from carpool.jobs.input.readers import TaskSource
     from carpool.jobs.options import LiveParts, RunOptions
@@ -43,8 +44,9 @@ class Spread(Protocol):
         sent; warnings for the user."""
         ...
 
-    def probes(self, opts: RunOptions) -> bool:
-        """Whether the start asks the endpoints from this process before anything is sent."""
+    def probe_targets(self, opts: RunOptions) -> list[EndpointSpec]:
+        """The endpoints the start asks from this process before anything is sent (none: it
+        asks nothing), with the credentials the job itself will send them."""
         ...
 
     async def run(self, job: StartedJob) -> tuple[JobStats, list[str]]:

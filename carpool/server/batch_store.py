@@ -14,7 +14,8 @@ removed at the next start.
 
 Every row has an ``owner``: the project of the API key that created it (``owners.py``; ''
 when the server takes no key).  Reads given an owner see that owner's rows and the rows of
-no owner; reads given none (the server's own, resuming batches) see every row.
+no owner; reads given none (the server's own, resuming batches, and every request when the
+server takes no key) see every row.
 
 Every method runs on the server's event loop thread (SQLite calls here take well under a
 millisecond); nothing else touches the connection.

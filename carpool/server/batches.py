@@ -29,7 +29,7 @@ from carpool.server.batch_service import BatchService
 from carpool.server.batch_store import FILE_PURPOSES, new_id
 from carpool.server.config import ServerConfig
 from carpool.server.http import json_response, read_json
-from carpool.server.owners import request_owner
+from carpool.server.owners import request_owner, request_reader
 from carpool.server.state import STATE
 from carpool.server.uploads import disk_error, read_form
 
@@ -113,7 +113,7 @@ async def create_file(request: web.Request) -> web.Response:
 
 
 def _file_or_404(executor: BatchExecutor, request: web.Request, file_id: str) -> dict:
-    found = executor.store.get_file(file_id, request_owner(request))
+    found = executor.store.get_file(file_id, request_reader(request))
     if found is None:
         raise OpenAIError(404, f"No such File object: {shown(file_id)}", param="id", code="file_not_found")
     return found
@@ -126,7 +126,7 @@ async def list_files(request: web.Request) -> web.Response:
     data, more = _executor(request).store.list_files(after=request.query.get("after"), order=order,
                                                      limit=_limit(request, 10000, 10000),
                                                      purpose=request.query.get("purpose"),
-                                                     owner=request_owner(request))
+                                                     owner=request_reader(request))
     return _page(data, more)
 
 
@@ -197,7 +197,7 @@ async def create_batch(request: web.Request) -> web.Response:
 
 
 def _batch_or_404(executor: BatchExecutor, request: web.Request, batch_id: str) -> Batch:
-    found = executor.get(batch_id, request_owner(request))
+    found = executor.get(batch_id, request_reader(request))
     if found is None:
         raise OpenAIError(404, f"No batch found with id {shown(batch_id)}.", param="batch_id",
                           code="batch_not_found")
@@ -212,7 +212,7 @@ async def retrieve_batch(request: web.Request) -> web.Response:
 async def list_batches(request: web.Request) -> web.Response:
     executor = _executor(request)
     batches, more = executor.store.list_batches(after=request.query.get("after"), limit=_limit(request, 20, 100),
-                                                owner=request_owner(request))
+                                                owner=request_reader(request))
     return _page([executor.view(b) for b in batches], more)
 
 
@@ -220,7 +220,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
     executor = _executor(request)
     batch_id = request.match_info["batch_id"]
     _batch_or_404(executor, request, batch_id)
-    batch = executor.cancel(batch_id, request_owner(request))
+    batch = executor.cancel(batch_id, request_reader(request))
     assert batch is not None
     if batch.final:
         raise OpenAIError(409, f"Cannot cancel a batch with status '{batch.status}'.", code="batch_not_cancellable")

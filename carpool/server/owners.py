@@ -32,8 +32,14 @@ def owner_of(key: str) -> str:
 
 
 def request_owner(request: web.Request) -> str:
-    """The owner of what ``request`` creates and the one whose objects it sees ('' without keys)."""
+    """The owner of what ``request`` creates ('' when the server takes no key)."""
     return request.get(OWNER, "")
+
+
+def request_reader(request: web.Request) -> str | None:
+    """Whose objects ``request`` may see: its key's and those of no owner, or every object
+    (None) when the server takes no key."""
+    return request.get(OWNER)
 
 
 class Keys:

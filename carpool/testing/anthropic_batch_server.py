@@ -101,6 +101,7 @@ class AnthropicBatchServer(LocalAppServer):
         self.received: Counter[str] = Counter()  # custom_id -> times a create accepted it
         self.creates = 0  # create calls, refused ones included
         self.polls = 0
+        self.credentials_seen: list[str] = []  # every request's x-api-key and Authorization values
         self._errors_left = dict(self.config.errors)
         self._expire_left = dict(self.config.expire_ids)
 
@@ -115,6 +116,7 @@ class AnthropicBatchServer(LocalAppServer):
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.credentials_seen += [v for k in ("x-api-key", "Authorization") if (v := request.headers.get(k))]
         if request.headers.get("x-api-key") != self.config.api_key:
             return _error(401, "authentication_error", "invalid x-api-key")
         if not request.headers.get("anthropic-version"):

@@ -116,7 +116,7 @@ def keda(name: str, model: str, plan: DayPlan, min_replicas: int, max_replicas: 
                 "query": f'sum({QUEUE_METRIC}{{model_name="{model}"}})',
                 # vLLM labels its gauges with the served model's name; KEDA divides the sum by
                 # this per-replica target (AverageValue).
-                "threshold": f"{plan.queue_target:.3g}", "metricType": "AverageValue"}}],
+                "threshold": f"{plan.queue_target:.3g}"}, "metricType": "AverageValue"}],
         },
     }
 
@@ -126,9 +126,10 @@ def manifests(plan: DayPlan, model: str, vllm_line: str, vendor: str, autoscaler
               prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090") -> str:
     """The YAML documents to apply, with a header saying where each figure came from.  The
     replica range is the plan's quietest and busiest hours (``max_replicas`` raises the top);
-    an HPA cannot scale to zero, KEDA can."""
+    never below one: the queue metric is a gauge of a running vLLM, so with no replica there is
+    nothing to read and arriving traffic could never bring the first one back."""
     name = app_name(model)
-    low = plan.min_replicas if autoscaler == "keda" else max(plan.min_replicas, 1)
+    low = max(plan.min_replicas, 1)
     high = max(max_replicas or plan.max_replicas, low, 1)
     docs = deployment(name, vllm_line, plan.gpus_per_replica, vendor, low)
     scaler = hpa(name, plan, low, high) if autoscaler == "hpa" else keda(name, model, plan, low, high, prometheus_url)

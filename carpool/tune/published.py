@@ -210,7 +210,11 @@ def predict(case: Case, folder: Path) -> dict:
             raise CaseError(f"{case.name}: change {c.before} -> {c.after} names a point the case lacks")
         get = METRICS[c.metric]
         predicted = get(runs[c.after]) / get(runs[c.before])
-        published = c.published_ratio or by_label[c.after].published[c.metric] / by_label[c.before].published[c.metric]
+        before, after = by_label[c.before].published, by_label[c.after].published
+        if c.published_ratio is None and (c.metric not in before or c.metric not in after):
+            raise CaseError(f"{case.name}: change {c.before} -> {c.after} compares {c.metric}, which is not "
+                            "published on both points; give published_ratio")
+        published = c.published_ratio or after[c.metric] / before[c.metric]
         changes.append({"metric": c.metric, "before": c.before, "after": c.after, "published_ratio": published,
                         "predicted_ratio": predicted, "direction_right": (published > 1) == (predicted > 1)})
     return {"name": case.name, "calibration": case.calibration, "gpu": case.gpu, "model": case.model,

@@ -19,7 +19,7 @@ import io
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from carpool.errors import TrafficFileError
@@ -47,9 +47,12 @@ def _seconds(value: object, where: str) -> float:
     except ValueError:
         pass
     try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise TrafficFileError(f"{where}: {text!r} is neither seconds nor an ISO 8601 time") from None
+    # A time without a zone is read as UTC, not as this machine's local time: the hours of the
+    # day must not move with the planner's time zone.
+    return (when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def _hour(value: object, where: str) -> int:

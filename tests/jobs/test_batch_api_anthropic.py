@@ -59,6 +59,19 @@ def _check_output(out: Path, ids: list[str]) -> list[dict]:
     return got
 
 
+def test_the_provider_is_never_sent_another_services_key(anthropic, tmp_path):
+    """The start's probe and the batches carry the Anthropic key only, even with an OpenAI key
+    in the environment (which ``--api-key``'s default reads for online endpoints)."""
+    srv = anthropic()
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    ids = _tasks(tasks, 4)
+    r = cli(*_args(srv, tasks, out), env={**KEY, "OPENAI_API_KEY": "sk-openai-secret"})
+    assert r.returncode == 0, r.stderr
+    _check_output(out, ids)
+    seen = srv.server.credentials_seen
+    assert seen and not any("sk-openai-secret" in v for v in seen)
+
+
 def test_full_job_split_into_batches_with_ids_mapped_back(anthropic, tmp_path):
     srv = anthropic(shuffle=True)
     tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"

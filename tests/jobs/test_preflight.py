@@ -159,3 +159,17 @@ def test_one_endpoint_down_among_several_does_not_refuse_the_start(fault_server,
             "--outage-timeout", "1d", timeout=60)
     assert p.returncode == ExitCode.OK, p.stderr
     assert f"{down} does not answer" in p.stderr and len(lines(out)) == 3
+
+
+def test_report_where_no_report_is_written_is_refused_at_start(fault_server, tmp_path):
+    """--ray and --batch-api write no HTML report: asking for one is refused before anything is
+    sent, not found out after the whole job."""
+    srv = fault_server(FaultConfig(models=["m"]))
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_tasks(src, 4, max_tokens=4)
+    for spread in (["--ray"], ["--batch-api", "openai"]):
+        p = cli(src, "-o", out, "--endpoint", srv.url, "--model", "m", "--report", tmp_path / "r.html", *spread,
+                "--cache", "off", timeout=60, env={"OPENAI_API_KEY": "k"})
+        assert p.returncode == ExitCode.REFUSED, (spread, p.stderr)
+        assert "--report is not written for" in p.stderr and "leave it out" in p.stderr
+        assert posts(srv) == [] and not out.exists() and not (tmp_path / "r.html").exists()

@@ -50,6 +50,8 @@ def test_the_concurrency_reason_names_what_set_it():
     assert engine_default["limit"] == 2048 and "--concurrency" not in engine_default["why"].split(",")[0]
     assert engine_default["why"] == ("every task read (--max-pending 2048): the engine queues them and runs "
                                      "max_num_seqs (64) at once, no --concurrency given")
+    deep = job_limiter(RunOptions(input="", output="", max_pending=10_000)).summary()
+    assert deep["limit"] == 4096 and deep["why"].startswith("4,096 of the tasks read (the in-process queue's size")
     given = job_limiter(RunOptions(input="", output="", endpoints=["http://x/v1"], concurrency=8)).summary()
     assert given == {"mode": "fixed", "limit": 8, "why": "--concurrency"}
     capped = job_limiter(RunOptions(input="", output="", endpoints=["http://x/v1"], concurrency=8,

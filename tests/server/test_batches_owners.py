@@ -48,6 +48,23 @@ def test_each_key_sees_only_what_it_created(tiny_engine, tiny_config, tmp_path):
             assert ALPHA.encode() not in data and BETA.encode() not in data, path
 
 
+def test_a_server_restarted_without_keys_shows_every_object(tiny_engine, tiny_config, tmp_path):
+    """No key, no owners: what was created under a key is everyone's once the server takes none."""
+    keyed = ServerConfig(engine=tiny_config, port=0, embedding_model=None, batch_dir=str(tmp_path),
+                         api_keys=[ALPHA])
+    with start_server(keyed, engine=tiny_engine) as srv:
+        a = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=ALPHA, max_retries=0, timeout=60)
+        made = upload(a, [request_line(0)])
+        batch = a.batches.create(input_file_id=made.id, endpoint="/v1/chat/completions", completion_window="24h")
+        wait_final(a, batch.id)
+    open_cfg = ServerConfig(engine=tiny_config, port=0, embedding_model=None, batch_dir=str(tmp_path))
+    with start_server(open_cfg, engine=tiny_engine) as srv:
+        anyone = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert made.id in {f.id for f in anyone.files.list()}
+        assert anyone.files.retrieve(made.id).id == made.id
+        assert [x.id for x in anyone.batches.list()] == [batch.id]
+
+
 def test_the_api_key_flag_takes_several_keys(monkeypatch):
     monkeypatch.delenv("CARPOOL_API_KEY", raising=False)
     p = argparse.ArgumentParser()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import time
 
 import pytest
 import yaml
@@ -59,7 +60,7 @@ def test_the_plan_adds_replicas_until_one_meets_the_slo(tmp_path, linear_cost):
     assert busy.replicas == 4 and busy.meets_slo and busy.slo_metrics["p99_e2e_ms"] <= 350
 
 
-def test_arrival_times_give_rates_and_five_minute_peaks_and_the_busiest_day(tmp_path):
+def test_arrival_times_give_rates_and_five_minute_peaks_and_the_busiest_day(tmp_path, monkeypatch):
     day = 86400
     times = [2 * 3600 + i * 10 for i in range(360)]  # 02:00-03:00, one every 10 s: 0.1 req/s
     times += [5 * 3600 + i for i in range(300)]  # 05:00-05:05, one a second
@@ -74,6 +75,15 @@ def test_arrival_times_give_rates_and_five_minute_peaks_and_the_busiest_day(tmp_
     csv = tmp_path / "arrivals.csv"
     csv.write_text("timestamp,user\n" + "".join(f"2026-01-01T05:00:{s:02d}Z,x\n" for s in range(60)))
     assert traffic.read(str(csv))[5].rate == pytest.approx(60 / 3600)
+    # A time without a zone is UTC whatever the planner's own time zone is.
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        csv.write_text("timestamp,user\n" + "".join(f"2026-01-01T05:00:{s:02d},x\n" for s in range(60)))
+        assert traffic.read(str(csv))[5].rate == pytest.approx(60 / 3600)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
 
 
 @pytest.mark.parametrize("body, says", [
@@ -135,6 +145,8 @@ def test_emit_keda_scales_on_the_prometheus_queue_gauge_and_the_report_plots_the
     assert trigger["type"] == "prometheus" and "vllm:num_requests_waiting" in trigger["metadata"]["query"]
     assert float(trigger["metadata"]["threshold"]) == pytest.approx(plan["queue_target"], rel=0.01)
     assert scaled["spec"]["maxReplicaCount"] == plan["max_replicas"]
+    # never scaled to zero: the queue gauge it scales on exists only in a running vLLM
+    assert scaled["spec"]["minReplicaCount"] >= 1 and trigger["metricType"] == "AverageValue"
     html = report.read_text()
     assert "data:image/png;base64," in html and "<table>" in html
 

@@ -108,7 +108,7 @@ def test_tune_restarts_carpool_serve_per_setting(tmp_path, capsys):
                "--serve-arg=--kv-cache-memory-gb=0.25", "--slo", "p99_e2e_ms=2000",
                "--seqs", "4,16", "--tokens", "256", "--qps", "4", "--duration-s", "2", "--top-k", "2",
                "--max-probes", "4", "--rtol", "0.25", "--prompt-len", "uniform:20,80", "--output-len", "fixed:8",
-               "--emit", "vllm", "--json"])
+               "--json"])
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
     out = json.loads(lines[0])
@@ -120,11 +120,20 @@ def test_tune_restarts_carpool_serve_per_setting(tmp_path, capsys):
     assert rc == 0, captured.err
     best = out["best"]["at_max_rate"]
     assert best["num_finished"] == best["num_requests"] >= 8
-    # The command that runs it here (tiny-random has no vLLM counterpart: no vLLM line).
+    # The command that runs it here.
     argv = shlex.split(out["run"])
     assert argv[:4] == ["carpool", "serve", "--model", "tiny-random"]
     assert argv[argv.index("--max-num-seqs") + 1] == str(out["best"]["setting"]["max_num_seqs"])
-    assert "no vLLM counterpart" in captured.err
+
+
+def test_emit_vllm_that_cannot_be_written_is_refused_before_tuning(capsys):
+    """tiny-random has no vLLM counterpart and an endpoint's settings are its own: either way
+    there is no `vllm serve` line to write, said at once (exit 2), not after minutes of tuning."""
+    assert main(["tune", "--serve", "--model", "tiny-random", "--slo", "p99_e2e_ms=2000", "--emit", "vllm"]) == 2
+    assert "no vLLM counterpart" in capsys.readouterr().err
+    assert main(["tune", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--slo", "p99_e2e_ms=2000",
+                 "--emit", "vllm"]) == 2
+    assert "an endpoint's settings are its own" in capsys.readouterr().err
 
 
 def test_simulate_speed_band_brackets_the_p99_and_widens_near_saturation(capsys):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from carpool.client.endpoints import EndpointSpec
 from carpool.errors import StartRefused
 from carpool.jobs.in_process import InProcess
 from carpool.jobs.options import PROVIDERS, BatchApiOptions, LiveParts, RunOptions
@@ -43,7 +44,7 @@ def online_options(opts: RunOptions) -> RunOptions:
     """The same job sent online: the endpoints without their batch kinds; the output is resumed
     whatever the endpoint reports as its model (it is the one the batches were sent to)."""
     specs = [dataclasses.replace(s, kind=s.kind.removesuffix("-batch")) for s in opts.endpoint_specs]
-    return dataclasses.replace(opts, batch_api=None, endpoint_specs=specs, force=True, fresh=False)
+    return dataclasses.replace(opts, batch_api=None, endpoint_specs=specs, force=True, fresh=False, report=None)
 
 
 def _batches_submitted(opts: RunOptions) -> bool:
@@ -75,6 +76,9 @@ class ProviderBatches:
             raise StartRefused("a job through a batch API needs its batch options (RunOptions.batch_api)")
         if batch.provider not in PROVIDERS:
             raise StartRefused(f"--batch-api {batch.provider!r}: the batch APIs are {', '.join(PROVIDERS)}")
+        if opts.report:  # refused at start, not found out after the batches
+            raise StartRefused("--report is not written for --batch-api jobs (a batch has no per-request "
+                               "timings to plot): leave it out; --summary-json keeps the job's figures")
         if batch.online_fallback and batch.provider == "anthropic":
             raise StartRefused("--batch-online-fallback: the online path speaks the OpenAI API; Anthropic "
                                "requests that come back unanswered are submitted again in a new batch instead "
@@ -82,11 +86,18 @@ class ProviderBatches:
         return ["--ordered has no effect through a batch API: lines are written as batches end"] if opts.ordered \
             else []
 
-    def probes(self, opts: RunOptions) -> bool:
+    def probe_targets(self, opts: RunOptions) -> list[EndpointSpec]:
         # A run that already submitted batches is not refused when the provider does not answer:
         # resumed while the provider is away, it waits out --outage-timeout on them (exit 4,
         # resumable), as a run that has sent something does.
-        return not _batches_submitted(opts)
+        if _batches_submitted(opts) or opts.batch_api is None:
+            return []
+        from carpool.jobs.endpoints_file import job_endpoints
+
+        # The provider is asked with the batch's own credentials (the provider's key), never
+        # with --api-key's or $OPENAI_API_KEY's, which belong to another service.
+        headers = opts.batch_api.headers
+        return [dataclasses.replace(spec, headers=dict(headers)) for spec in job_endpoints(opts)]
 
     async def run(self, job: StartedJob) -> tuple[JobStats, list[str]]:
         assert job.opts.batch_api is not None  # check() refused a start without it

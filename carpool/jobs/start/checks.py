@@ -229,8 +229,6 @@ async def check_start(opts: RunOptions, live: LiveParts, spread: Spread, source:
     ``source``: the tasks when they are not the input file (records in memory); ``probe``:
     ask the endpoints too (``carpool.jobs.start.probe``), waiting up to
     ``opts.wait_for_endpoint`` for one that is still starting."""
-    from carpool.jobs.endpoints_file import job_endpoints
-
     check_settings(opts)
     notes = spread.check(opts, live)
     if source is None and opts.input:
@@ -238,8 +236,8 @@ async def check_start(opts: RunOptions, live: LiveParts, spread: Spread, source:
     if source is not None:
         check_template(opts, source)
         notes += check_tasks(opts, source)
-    if probe and opts.endpoints and not opts.echo and spread.probes(opts):
+    targets = spread.probe_targets(opts) if probe and opts.endpoints and not opts.echo else []
+    if targets:
         connect_s = min(opts.timeouts.connect_s, 10.0)
-        notes += await probe_endpoints(job_endpoints(opts), opts.wait_for_endpoint, connect_s, say,
-                                       naming=opts.naming)
+        notes += await probe_endpoints(targets, opts.wait_for_endpoint, connect_s, say, naming=opts.naming)
     return notes
