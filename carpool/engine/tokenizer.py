@@ -32,6 +32,7 @@ _OTHER_SOURCES = ("special_tokens_map.json", "added_tokens.json", "additional_ch
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _ADDED_FLAGS = ("special", "lstrip", "rstrip", "normalized", "single_word")
 _PLAIN_MESSAGE_KEYS = frozenset(("role", "content", "name"))
+_LONG_TEXT = 4096  # characters: longer texts are encoded with the GIL let go (``encode``)
 
 
 def _token_text(value: Any) -> str | None:
@@ -185,6 +186,11 @@ class Tokenizer:
     # -- text ----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _LONG_TEXT:
+            # encode_batch lets go of the GIL while it works (encode does not), as transformers'
+            # tokenizer does: a long prompt tokenized on a worker thread must not stop the
+            # server's event loop meanwhile.
+            return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int] | int, skip_special_tokens: bool = False) -> str:

@@ -93,6 +93,7 @@ class AzureBatchServer(LocalAppServer):
     def _app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 2**20, middlewares=[self._shape])
         r = app.router
+        r.add_get("/openai/models", self._models)
         r.add_post("/openai/files", self._upload)
         r.add_get("/openai/files/{id}/content", self._content)
         r.add_post("/openai/batches", self._create)
@@ -163,6 +164,11 @@ class AzureBatchServer(LocalAppServer):
         if status == 200:
             self.received.update(ids)
         return web.json_response(json.loads(body), status=status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """Models - List: the models the resource serves (the upstream's)."""
+        status, body, ctype = await self._forward("GET", "/v1/models")
+        return web.Response(body=body, status=status, content_type=ctype)
 
     async def _content(self, request: web.Request) -> web.Response:
         status, body, ctype = await self._forward("GET", f"/v1/files/{request.match_info['id']}/content")

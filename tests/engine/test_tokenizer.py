@@ -15,7 +15,8 @@ from carpool.engine.loader import _load_tokenizer, load_tokenizer
 from carpool.engine.tokenizer import Tokenizer
 
 TEXTS = ["Hello world", "  leading spaces and trailing  ", "émoji 🚗 ünïcode\n\ttabs", "日本語のテキスト",
-         "<|im_start|>user\nhi<|im_end|>", "a" * 300, " .", "x <|endoftext|> y", "don't  stop , now !"]
+         "<|im_start|>user\nhi<|im_end|>", "a" * 300, " .", "x <|endoftext|> y", "don't  stop , now !",
+         "a long text, encoded with the GIL let go: " * 200]
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},

@@ -95,9 +95,11 @@ class ProviderBatches:
         from carpool.jobs.endpoints_file import job_endpoints
 
         # The provider is asked with the batch's own credentials (the provider's key), never
-        # with --api-key's or $OPENAI_API_KEY's, which belong to another service.
-        headers = opts.batch_api.headers
-        return [dataclasses.replace(spec, headers=dict(headers)) for spec in job_endpoints(opts)]
+        # with --api-key's or $OPENAI_API_KEY's, which belong to another service, and at its
+        # own routes (Azure's /openai/... with its api-version).
+        batch = opts.batch_api
+        shape: dict = {"kind": "azure", "api_version": batch.api_version} if batch.provider == "azure" else {}
+        return [dataclasses.replace(spec, headers=dict(batch.headers), **shape) for spec in job_endpoints(opts)]
 
     async def run(self, job: StartedJob) -> tuple[JobStats, list[str]]:
         assert job.opts.batch_api is not None  # check() refused a start without it
