@@ -27,7 +27,6 @@ bound and runs all of this off its event loop (``carpool.server.grammar_gate``).
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import threading
@@ -66,17 +65,16 @@ _REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
 def _ll_tokenizer(tokenizer, vocab_size: int, eos: list[int] | None) -> llguidance.LLTokenizer:
     """llguidance's view of the tokenizer, made from its tokenizer.json text; carpool's own
-    Tokenizer gives that text without importing transformers (llguidance.hf would)."""
+    Tokenizer gives that text without importing transformers (llguidance.hf would), and holds
+    no truncation or padding to turn off first (``Tokenizer.open`` takes no folder that saved
+    either)."""
     from carpool.engine.tokenizer import Tokenizer
 
     if not isinstance(tokenizer, Tokenizer):
         from llguidance.hf import from_tokenizer
 
         return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
-    backend = copy.copy(tokenizer.backend_tokenizer)  # padding and truncation off on a copy only
-    backend.no_padding()
-    backend.no_truncation()
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+    return llguidance.LLTokenizer(tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size,
                                   eos_token=eos if eos is not None else tokenizer.eos_token_id)
 
 

@@ -121,10 +121,10 @@ def _write_atomically(final: Path, build) -> Path:
 
 
 def _load_tokenizer(folder: Path, **kwargs: Any) -> Any:
-    """The folder's fast tokenizer.
-
-    With a tokenizer.json the fast tokenizer is built from it directly: AutoTokenizer would
-    first import the model's config classes, which costs seconds at every start.
+    """The folder's tokenizer: carpool's own (``engine/tokenizer.py``) where it reproduces
+    transformers' exactly, so the engine starts without importing transformers; else
+    transformers' fast tokenizer, built from tokenizer.json directly where there is one
+    (AutoTokenizer would first import the model's config classes, seconds at every start).
     """
     from carpool.engine.tokenizer import Tokenizer
 
