@@ -125,15 +125,12 @@ class ModelRunner:
             route = self.prefill
         else:
             route = route_for(self.model.plan.prefill, prefill_work(n, c))
-        if route == "brgemm" and not self._brgemm_runs(kernels):
-            return "kernel"
+        if route == "brgemm":
+            if self.brgemm_runs is None:
+                self.brgemm_runs = plan_measure.brgemm_runs(kernels, self.model.dtype, self.kv_cache_dtype)
+            if not self.brgemm_runs:
+                return "kernel"
         return route
-
-    def _brgemm_runs(self, kernels: Kernels) -> bool:
-        """Whether ATen's brgemm runs this model's attention here (a bf16 or fp32 model and cache)."""
-        if self.brgemm_runs is None:
-            self.brgemm_runs = self.kv_cache_dtype != "int8" and kernels.brgemm_attention_runs(self.model.dtype)
-        return self.brgemm_runs
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         kernels = self.kernels if self.kernels is not None and self.kernels.ready else None

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -206,14 +207,16 @@ def _time_prefill(model: LlamaModel, k: Kernels, n: int, c: int, kv_cache_dtype:
     return race(fns)
 
 
-def _brgemm_runs(model: LlamaModel, k: Kernels, kv_cache_dtype: str) -> bool:
-    return kv_cache_dtype != "int8" and k.brgemm_attention_runs(model.dtype)
+def brgemm_runs(k: Kernels, dtype: torch.dtype, kv_cache_dtype: str) -> bool:
+    """Whether ATen's brgemm runs attention for a model of ``dtype`` here: it multiplies the
+    cache as it is stored, so an int8 cache never takes that route."""
+    return kv_cache_dtype != "int8" and k.brgemm_attention_runs(dtype)
 
 
 def _prefill_timings(model: LlamaModel, k: Kernels, max_rows: int, max_len: int, kv_cache_dtype: str,
                      clock: _Clock) -> dict[str, Any]:
     points = []
-    brgemm = _brgemm_runs(model, k, kv_cache_dtype)
+    brgemm = brgemm_runs(k, model.dtype, kv_cache_dtype)
     for n, c in PREFILL_POINTS:
         if n > max_rows or n + c > max_len or clock.out:
             continue
@@ -244,7 +247,7 @@ def _time_decode(model: LlamaModel, k: Kernels, rows: int, keys: int, kv_cache_d
 
 def _decode_timings(model: LlamaModel, k: Kernels, max_seqs: int, max_len: int, kv_cache_dtype: str,
                     clock: _Clock) -> dict[str, Any]:
-    if not _brgemm_runs(model, k, kv_cache_dtype):
+    if not brgemm_runs(k, model.dtype, kv_cache_dtype):
         return {}  # one route: nothing to choose
     points = []
     for rows, keys in DECODE_POINTS:
@@ -347,12 +350,32 @@ def max_batch_tokens(model: LlamaModel) -> int:
     elem = torch.empty((), dtype=model.dtype).element_size()
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     per_row = elem * (2 * qkv + 6 * c.hidden_size + 3 * c.intermediate_size)
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not Linux: the default budget only
+    ram = memory_bytes()
+    if ram is None:  # not Linux: the default budget only
         return BATCH_TOKENS[0]
     fits = [b for b in BATCH_TOKENS if b * per_row <= ram * BUDGET_MEMORY_SHARE]
     return fits[-1] if fits else BATCH_TOKENS[0]
+
+
+# Where a container's memory limit is written: cgroup v2, then v1.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_bytes(limits: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int | None:
+    """The memory this process may use: the machine's, or its container's limit where lower
+    (a pod given 4 GiB on a 512 GiB host must size its steps for 4).  None: not Linux."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    for path in limits:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit; v1 writes a huge number for none
+            ram = min(ram, int(text))
+    return ram
 
 
 def budget_timings(step: Callable[[int], None], max_tokens: int) -> dict[str, Any]:

@@ -434,3 +434,16 @@ def test_carpool_engine_plan_prints_the_plan_and_its_timings(capsys):
     text = capsys.readouterr().out
     assert text.startswith("engine plan (cached)") and "prefill attention (" in text and "rows after" in text
     assert "decode attention (" in text and "step token budget: offline jobs" in text
+
+
+def test_a_container_memory_limit_bounds_the_step_budget(tmp_path):
+    """A pod limited to far less memory than its host sizes the step's activations for the
+    limit (cgroup v2 or v1), not the host; "max" means no limit."""
+    host = plan_measure.memory_bytes(())
+    assert host is not None and host > 2**30
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")
+    assert plan_measure.memory_bytes((str(v2),)) == host
+    v1.write_text(f"{2**30}\n")
+    assert plan_measure.memory_bytes((str(v2), str(v1))) == 2**30
+    assert plan_measure.memory_bytes((str(tmp_path / "missing"),)) == host
