@@ -94,8 +94,13 @@ class CostModel(Protocol):
 
 @dataclass
 class RooflineCost:
-    """max(bytes / (bandwidth * eff), FLOPs / (peak * eff)) + all-reduce + fixed overhead.
+    """A step is its linear layers, then its attention, each as long as the larger of its
+    bytes / bandwidth and its FLOPs / peak, plus all-reduces and host overhead.
 
+    The two run as separate kernels one after the other, so their times add: a decode step
+    of a large batch whose GEMMs are compute-bound still streams the KV cache afterwards.
+    Peak and bandwidth are the datasheet's times what the part was measured to reach
+    (``Accelerator.matmul_reach``/``bandwidth_reach``) times the efficiencies here.
     Tensor parallel over ``num_gpus`` splits weights, KV heads and FLOPs evenly and adds
     two ring all-reduces of the activations per layer (after attention and after the MLP).
     A mixture of experts reads only the experts its step's tokens were routed to.
@@ -104,8 +109,11 @@ class RooflineCost:
     accel: Accelerator
     model: ModelSpec
     num_gpus: int = 1
-    mem_efficiency: float = 0.8  # fraction of datasheet bandwidth a GEMV/attention kernel reaches
-    compute_efficiency: float = 0.6  # fraction of datasheet FLOPs a large GEMM reaches (MFU)
+    # Fractions of what the part reaches in a microbenchmark that a serving step's kernels
+    # reach: smaller GEMM shapes, attention over paged blocks.  On a part that reaches the
+    # typical fraction of its datasheet these are 0.6 of its FLOPs and 0.8 of its bandwidth.
+    mem_efficiency: float = 0.88
+    compute_efficiency: float = 0.81
     overhead_ms: float | None = None  # None: the accelerator's step_overhead_ms
     # Each layer's dozen kernels start and drain around the weights they stream (a ramp and a
     # tail even inside a CUDA graph): a fixed cost per layer per step that a bandwidth roofline
@@ -117,7 +125,7 @@ class RooflineCost:
     # Host work per running sequence per step (scheduling it, preparing its inputs, handling
     # its token) that the GPU waits for; it is what holds a batch of thousands of sequences
     # well under the GPU's roofline, and costs a batch of tens a few percent.
-    seq_overhead_us: float = 40.0
+    seq_overhead_us: float = 21.0
     bytes_per_param: float | None = None  # None: the model's (2 for bf16, 1 for an fp8 checkpoint)
     kv_bytes_per_elem: float = 2.0
     gpu_memory_utilization: float = 0.9  # as vLLM: fraction of memory for weights + KV
@@ -150,30 +158,42 @@ class RooflineCost:
         return self.model.num_params * self._param_bytes / self.num_gpus
 
     def parts(self, s: StepShape) -> dict:
-        m, n = self.model, self.num_gpus
-        bytes_ = self.weight_bytes_per_gpu(s.num_tokens) + s.kv_tokens_read * self._kv_bytes_per_token_per_gpu()
-        flops = (
-            s.num_tokens * m.flops_per_token() + s.num_seqs * m.lm_head_flops()
-            + s.attn_pairs * m.attn_flops_per_pair()
-        ) / n
-        t_mem = bytes_ / (self.accel.bytes_per_s * self.mem_efficiency)
-        t_compute = flops / (self.accel.matmul_flops_per_s(self._param_bytes) * self.compute_efficiency)
+        """Seconds of the step by what bounds them: the linear layers' and the attention's
+        memory and compute times (each phase takes the larger of its two), all-reduce, host."""
+        m, n, a = self.model, self.num_gpus, self.accel
+        bandwidth = a.bytes_per_s * a.bandwidth_reach * self.mem_efficiency
+        reach = a.matmul_reach * self.compute_efficiency
+        linear_flops = (s.num_tokens * m.flops_per_token() + s.num_seqs * m.lm_head_flops()) / n
+        # Attention multiplies activations by the cache in 16 bits whatever the weights' width.
+        attn_flops = s.attn_pairs * m.attn_flops_per_pair() / n
         t_comm = 0.0
         if n > 1 and s.num_tokens:
             msg = s.num_tokens * m.hidden_size * 2.0  # bf16 activations
-            ring = 2.0 * (n - 1) / n * msg / (self.accel.link_bandwidth_gbs * 1e9)
-            t_comm = 2 * m.num_layers * (ring + self.accel.link_latency_us * 1e-6)
-        overhead = (self.accel.step_overhead_ms if self.overhead_ms is None else self.overhead_ms) / 1e3
+            ring = 2.0 * (n - 1) / n * msg / a.allreduce_bytes_per_s
+            t_comm = 2 * m.num_layers * (ring + a.link_latency_us * 1e-6)
+        overhead = (a.step_overhead_ms if self.overhead_ms is None else self.overhead_ms) / 1e3
         overhead += (m.num_layers * self.layer_overhead_us + s.num_seqs * self.seq_overhead_us) * 1e-6
-        return {"memory_s": t_mem, "compute_s": t_compute, "comm_s": t_comm, "overhead_s": overhead}
+        return {
+            "linear_memory_s": self.weight_bytes_per_gpu(s.num_tokens) / bandwidth,
+            "linear_compute_s": linear_flops / (a.matmul_flops_per_s(self._param_bytes) * reach),
+            "attention_memory_s": s.kv_tokens_read * self._kv_bytes_per_token_per_gpu() / bandwidth,
+            "attention_compute_s": attn_flops / (a.flops_per_s * reach),
+            "comm_s": t_comm, "overhead_s": overhead,
+        }
 
     def step_time(self, shape: StepShape) -> float:
         p = self.parts(shape)
-        return max(p["memory_s"], p["compute_s"]) + p["comm_s"] + p["overhead_s"]
+        linear = max(p["linear_memory_s"], p["linear_compute_s"])
+        attention = max(p["attention_memory_s"], p["attention_compute_s"])
+        return linear + attention + p["comm_s"] + p["overhead_s"]
 
     def bound(self, shape: StepShape) -> str:
+        """What bounds the longer of the step's two phases."""
         p = self.parts(shape)
-        return "memory" if p["memory_s"] >= p["compute_s"] else "compute"
+        linear = max(p["linear_memory_s"], p["linear_compute_s"])
+        if linear >= max(p["attention_memory_s"], p["attention_compute_s"]):
+            return "memory" if p["linear_memory_s"] >= p["linear_compute_s"] else "compute"
+        return "memory" if p["attention_memory_s"] >= p["attention_compute_s"] else "compute"
 
     def kv_capacity_tokens(self) -> int | None:
         per_gpu = self.accel.memory_gb * 1e9 * self.gpu_memory_utilization
@@ -187,6 +207,7 @@ class RooflineCost:
             "kind": "roofline", "accelerator": self.accel.name, "model": self.model.name,
             "num_gpus": self.num_gpus, "mem_efficiency": self.mem_efficiency,
             "compute_efficiency": self.compute_efficiency,
+            "matmul_reach": round(self.accel.matmul_reach, 3), "bandwidth_reach": round(self.accel.bandwidth_reach, 3),
             "weights_gb_per_gpu": round(self.resident_bytes_per_gpu() / 1e9, 2),
             "kv_capacity_tokens": self.kv_capacity_tokens(),
         }

@@ -7,6 +7,8 @@ list lacks.  Its fields are the ``Accelerator``'s; the datasheet gives every one
     bf16_tflops: 149.7
     fp8_tflops: 0             # optional: no fp8 tensor cores
     link_bandwidth_gbs: 25    # optional: per-GPU all-reduce bandwidth (PCIe Gen4 if left out)
+    measured_matmul_tflops: 110   # optional, what you measured: best large GEMM (fp8 if it has fp8)
+    measured_bandwidth_gbs: 610   # optional: a read-only stream over device memory
 
 A field that is missing, misspelt or out of range refuses the start (exit 2), naming it.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from carpool.errors import GpuFileError
 from carpool.tune.hardware import Accelerator
@@ -36,11 +38,30 @@ class GpuSpec(BaseModel):
     step_overhead_ms: float = Field(0.0, ge=0, description="fixed host cost of a step the GPU waits for")
     vendor: Literal["nvidia", "amd"] = "nvidia"
     note: str = ""
+    # What a microbenchmark reached on the part; 0: not measured (the cost model then takes
+    # the share of the datasheet the measured NVIDIA parts reach).
+    measured_matmul_tflops: float = Field(0.0, ge=0, description="best dense GEMM measured, fp8 if the part has it")
+    measured_bandwidth_gbs: float = Field(0.0, ge=0, description="read-only stream over device memory, GB/s")
+    measured_allreduce_gbs: float = Field(0.0, ge=0, description="all-reduce bus bandwidth across the GPUs")
+
+    @model_validator(mode="after")
+    def _measured_within_datasheet(self) -> GpuSpec:
+        peak_name = "fp8_tflops" if self.fp8_tflops else "bf16_tflops"
+        pairs = (("measured_matmul_tflops", peak_name), ("measured_bandwidth_gbs", "mem_bandwidth_gbs"))
+        for field, limit_name in pairs:
+            value, limit = getattr(self, field), getattr(self, limit_name)
+            if value > limit:
+                raise ValueError(f"{field} {value:g} is above {limit_name} {limit:g}: a measurement is a share "
+                                 "of the datasheet figure, give the dense (not sparse) peak or check the units")
+        return self
 
     def accelerator(self) -> Accelerator:
         return Accelerator(self.name, self.mem_bandwidth_gbs, self.bf16_tflops, self.memory_gb,
                            self.link_bandwidth_gbs, self.link_latency_us, self.step_overhead_ms,
-                           self.note or "from a --gpu file", fp8_tflops=self.fp8_tflops, vendor=self.vendor)
+                           self.note or "from a --gpu file", fp8_tflops=self.fp8_tflops, vendor=self.vendor,
+                           measured_matmul_tflops=self.measured_matmul_tflops,
+                           measured_bandwidth_gbs=self.measured_bandwidth_gbs,
+                           measured_allreduce_gbs=self.measured_allreduce_gbs)
 
 
 def looks_like_file(value: str) -> bool:

@@ -3,7 +3,11 @@
 The GPU figures are the vendors' datasheet numbers: HBM/GDDR bandwidth, dense
 (not 2:4-sparse) bf16 and fp8 tensor-core throughput, memory, and the per-GPU link used
 by tensor-parallel all-reduces (NVLink or Infinity Fabric where the part has it, PCIe
-otherwise).  Datasheet peaks are never reached; ``cost.py`` applies efficiency factors.
+otherwise).  Datasheet peaks are never reached, and parts differ in how far they fall
+short: where a public microbenchmark measured a part (its best large GEMM, a read-only
+memory stream, an all-reduce across the node), those figures are kept beside the datasheet
+and say what fraction of it the part reaches; a part nobody measured is taken to reach what
+the measured NVIDIA parts reach.  ``cost.py`` applies its efficiency factors on top.
 Any other part is described in a file (``gpu_file.py``).
 """
 
@@ -28,6 +32,12 @@ class Accelerator:
     note: str = ""
     fp8_tflops: float = 0.0  # dense fp8, TFLOP/s; 0: no fp8 tensor cores (fp8 weights run in bf16)
     vendor: str = "nvidia"  # whose device plugin schedules it on Kubernetes: nvidia | amd
+    # Measured, 0 where nobody published a measurement: the best dense GEMM rate (fp8 on a
+    # part with fp8 tensor cores, else 16-bit), TFLOP/s; a read-only stream over device
+    # memory, GB/s; an all-reduce's bus bandwidth across the node's GPUs at large messages.
+    measured_matmul_tflops: float = 0.0
+    measured_bandwidth_gbs: float = 0.0
+    measured_allreduce_gbs: float = 0.0
 
     @property
     def bytes_per_s(self) -> float:
@@ -36,6 +46,25 @@ class Accelerator:
     @property
     def flops_per_s(self) -> float:
         return self.bf16_tflops * 1e12
+
+    @property
+    def matmul_reach(self) -> float:
+        """The fraction of its datasheet GEMM peak the part was measured to reach."""
+        if not self.measured_matmul_tflops:
+            return TYPICAL_MATMUL_REACH
+        return self.measured_matmul_tflops / (self.fp8_tflops or self.bf16_tflops)
+
+    @property
+    def bandwidth_reach(self) -> float:
+        """The fraction of its datasheet bandwidth a read-only stream was measured to reach."""
+        if not self.measured_bandwidth_gbs:
+            return TYPICAL_BANDWIDTH_REACH
+        return self.measured_bandwidth_gbs / self.mem_bandwidth_gbs
+
+    @property
+    def allreduce_bytes_per_s(self) -> float:
+        """Bus bandwidth of a tensor-parallel all-reduce: measured where it was, else the link's."""
+        return (self.measured_allreduce_gbs or self.link_bandwidth_gbs) * 1e9
 
     def matmul_flops_per_s(self, weight_bytes: float) -> float:
         """Peak for weights of that width: fp8 weights use fp8 tensor cores where the part has
@@ -54,19 +83,34 @@ class Accelerator:
 # still costs is per layer and per sequence, in cost.RooflineCost).  PCIe parts have no
 # NVLink; a GeForce card also has no peer-to-peer copies, so its all-reduce goes through
 # host memory (about half PCIe rate).
+#
+# Measured: Microsoft's Azure AI benchmarking guide publishes, per VM size, the best cuBLASLt /
+# hipBLASLt GEMM over its shapes (fp8 on H100, H200 and MI300X, fp16 on A100), BabelStream's
+# Dot kernel (reads only, as a decode step mostly does) and nccl-tests / rccl-tests all-reduce
+# bus bandwidth over the eight GPUs at 8 GB: ND H100 v5, ND H200 v5, ND A100 v4 (80 GB), ND
+# MI300X v5.  The NVIDIA parts reach 69-82% of their datasheet GEMM peak and 86-95% of their
+# bandwidth; the MI300X 44% and 73%.  A part without a measurement is taken to reach the mean
+# of the three NVIDIA parts (the figures below).
+TYPICAL_MATMUL_REACH = (1382.2 / 1979 + 1366.3 / 1979 + 256.5 / 312) / 3  # 0.737
+TYPICAL_BANDWIDTH_REACH = (3180 / 3350 + 4480 / 4800 + 1750 / 2039) / 3  # 0.913
+
 ACCELERATORS: dict[str, Accelerator] = {
     "a10": Accelerator("A10", 600, 125, 24, 25, 30, 0.0, "24 GB GDDR6, PCIe Gen4, no NVLink"),
     "l4": Accelerator("L4", 300, 121, 24, 25, 30, 0.0, "24 GB GDDR6, PCIe Gen4", fp8_tflops=242.5),
     "a100-40gb": Accelerator("A100 40GB", 1555, 312, 40, 300, 10, 0.0, "SXM, NVLink 600 GB/s bidir"),
-    "a100-80gb": Accelerator("A100 80GB", 2039, 312, 80, 300, 10, 0.0, "SXM, NVLink 600 GB/s bidir"),
-    "h100": Accelerator("H100 SXM", 3350, 989, 80, 450, 8, 0.0, "SXM5, NVLink 900 GB/s bidir", fp8_tflops=1979),
-    "h200": Accelerator("H200", 4800, 989, 141, 450, 8, 0.0, "SXM, 141 GB HBM3e", fp8_tflops=1979),
+    "a100-80gb": Accelerator("A100 80GB", 2039, 312, 80, 300, 10, 0.0, "SXM, NVLink 600 GB/s bidir",
+                             measured_matmul_tflops=256.5, measured_bandwidth_gbs=1750, measured_allreduce_gbs=231.6),
+    "h100": Accelerator("H100 SXM", 3350, 989, 80, 450, 8, 0.0, "SXM5, NVLink 900 GB/s bidir", fp8_tflops=1979,
+                        measured_matmul_tflops=1382.2, measured_bandwidth_gbs=3180, measured_allreduce_gbs=478.9),
+    "h200": Accelerator("H200", 4800, 989, 141, 450, 8, 0.0, "SXM, 141 GB HBM3e", fp8_tflops=1979,
+                        measured_matmul_tflops=1366.3, measured_bandwidth_gbs=4480, measured_allreduce_gbs=480.0),
     "rtx4090": Accelerator("RTX 4090", 1008, 165.2, 24, 12, 40, 0.0,
                            "24 GB GDDR6X, PCIe Gen4, no NVLink, no peer-to-peer", fp8_tflops=330.3),
     "l40s": Accelerator("L40S", 864, 362.05, 48, 25, 30, 0.0, "48 GB GDDR6, PCIe Gen4, no NVLink",
                         fp8_tflops=733),
     "mi300x": Accelerator("MI300X", 5300, 1307.4, 192, 448, 10, 0.0, "OAM, 192 GB HBM3, Infinity Fabric",
-                          fp8_tflops=2614.9, vendor="amd"),
+                          fp8_tflops=2614.9, vendor="amd", measured_matmul_tflops=1159.5,
+                          measured_bandwidth_gbs=3870, measured_allreduce_gbs=316.8),
 }
 ALIASES = {
     "a100": "a100-80gb",

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from carpool.cli import main
-from carpool.tune import hardware, hf_config, models
+from carpool.tune import gpu_file, hardware, hf_config, models
 from carpool.tune.cost import RooflineCost, StepShape
 
 LLAMA_31_8B = {"_name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "model_type": "llama", "hidden_size": 4096,
@@ -79,11 +80,11 @@ def test_fp8_weights_halve_the_bytes_and_use_fp8_tensor_cores_where_there_are_so
     assert fp8.weight_bytes() == pytest.approx(bf16.weight_bytes() / 2)
     prefill = StepShape(8192, 0, 8192, 8192 * 4096, 1, num_logits=1)
     mi300x = hardware.get("mi300x")
-    assert RooflineCost(mi300x, fp8, 8).parts(prefill)["compute_s"] == pytest.approx(
-        RooflineCost(mi300x, bf16, 8).parts(prefill)["compute_s"] / 2, rel=0.01)
+    assert RooflineCost(mi300x, fp8, 8).parts(prefill)["linear_compute_s"] == pytest.approx(
+        RooflineCost(mi300x, bf16, 8).parts(prefill)["linear_compute_s"] / 2, rel=0.01)
     a100 = hardware.get("a100-80gb")  # no fp8 tensor cores: fp8 weights are computed in bf16
-    assert RooflineCost(a100, fp8, 8).parts(prefill)["compute_s"] == pytest.approx(
-        RooflineCost(a100, bf16, 8).parts(prefill)["compute_s"], rel=0.01)
+    assert RooflineCost(a100, fp8, 8).parts(prefill)["linear_compute_s"] == pytest.approx(
+        RooflineCost(a100, bf16, 8).parts(prefill)["linear_compute_s"], rel=0.01)
 
 
 def test_new_accelerators_carry_their_datasheet_figures():
@@ -110,6 +111,8 @@ def test_a_gpu_file_describes_any_other_part(tmp_path, capsys):
     ("memory_gb: 48\nmem_bandwidth_gbs: -5\nbf16_tflops: 149.7\n", "mem_bandwidth_gbs"),  # out of range
     ("memory_gb: 48\nmem_bandwidth_gbs: 696\nbf16_tflops: 149.7\nbandwith_gbs: 1\n", "bandwith_gbs"),  # misspelt
     ('{"memory_gb": "lots", "mem_bandwidth_gbs": 696, "bf16_tflops": 149.7}', "memory_gb"),  # JSON, not a number
+    ("memory_gb: 48\nmem_bandwidth_gbs: 696\nbf16_tflops: 149.7\nmeasured_matmul_tflops: 299.4\n",
+     "measured_matmul_tflops"),  # the sparse figure given as a measurement
 ])
 def test_a_bad_gpu_file_is_refused_naming_the_field(tmp_path, capsys, body, field):
     path = tmp_path / ("gpu.json" if body.startswith("{") else "gpu.yaml")
@@ -117,3 +120,35 @@ def test_a_bad_gpu_file_is_refused_naming_the_field(tmp_path, capsys, body, fiel
     assert main(["simulate", "--gpu", str(path)]) == 2
     err = capsys.readouterr().err
     assert field in err and str(path) in err
+
+
+def test_a_part_measured_below_its_datasheet_runs_slower_than_one_that_was_not(tmp_path):
+    """The MI300X's datasheet is taken at the share of it a microbenchmark reached (44% of its
+    fp8 GEMM peak against the NVIDIA parts' 69-82%), so a compute-bound prefill of 405B on
+    eight of them takes longer than on an unmeasured part with the same datasheet."""
+    mi300x = hardware.get("mi300x")
+    unmeasured = replace(mi300x, measured_matmul_tflops=0.0, measured_bandwidth_gbs=0.0, measured_allreduce_gbs=0.0)
+    fp8 = models.get("llama-3.1-405b-fp8")
+    prefill = StepShape(8192, 0, 8192, 8192 * 4096, 1, num_logits=1)
+    measured_s = RooflineCost(mi300x, fp8, 8).step_time(prefill)
+    assert measured_s > 1.3 * RooflineCost(unmeasured, fp8, 8).step_time(prefill)
+    # The same from a --gpu file: what the user measured on the part is what it reaches.
+    path = tmp_path / "mine.yaml"
+    path.write_text("memory_gb: 192\nmem_bandwidth_gbs: 5300\nbf16_tflops: 1307.4\nfp8_tflops: 2614.9\n"
+                    "link_bandwidth_gbs: 448\nmeasured_matmul_tflops: 1159.5\nmeasured_allreduce_gbs: 316.8\n")
+    mine = gpu_file.load(str(path))
+    assert mine.matmul_reach == pytest.approx(mi300x.matmul_reach)
+    assert RooflineCost(mine, fp8, 8).parts(prefill)["linear_compute_s"] == pytest.approx(
+        RooflineCost(mi300x, fp8, 8).parts(prefill)["linear_compute_s"])
+
+
+def test_a_large_decode_batch_streams_the_cache_after_its_compute_bound_gemms():
+    """Linear layers and attention are separate kernels: a step of 1500 decodes of 405B is
+    compute-bound in its GEMMs and still reads 1500 contexts of KV after them."""
+    cost = RooflineCost(hardware.get("mi300x"), models.get("llama-3.1-405b-fp8"), 8, kv_bytes_per_elem=1.0)
+    decode = StepShape(0, 1500, 1500 * 1100, 1500 * 1100, 1500, num_logits=1500)
+    p = cost.parts(decode)
+    assert p["linear_compute_s"] > p["linear_memory_s"] and p["attention_memory_s"] > p["attention_compute_s"]
+    assert cost.step_time(decode) == pytest.approx(
+        p["linear_compute_s"] + p["attention_memory_s"] + p["comm_s"] + p["overhead_s"])
+    assert cost.bound(decode) == "compute"
