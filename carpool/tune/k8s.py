@@ -65,12 +65,18 @@ def deployment(name: str, vllm_line: str, gpus: int, vendor: str, replicas: int)
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                          "failureThreshold": 90},
     }
+    pod: dict = {"containers": [container]}
+    if gpus > 1:
+        # Tensor-parallel workers exchange activations through shared memory, and a container's
+        # /dev/shm is 64 MiB unless a volume replaces it: vLLM fails at start without one.
+        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        pod["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics"}
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
          "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
                   "template": {"metadata": {"labels": labels, "annotations": annotations},
-                               "spec": {"containers": [container]}}}},
+                               "spec": pod}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
          "spec": {"selector": labels, "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}},
     ]

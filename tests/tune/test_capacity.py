@@ -122,6 +122,7 @@ def test_emit_k8s_prints_the_plan_a_vllm_line_and_a_valid_hpa(tmp_path, capsys):
     assert docs["Deployment"]["apiVersion"] == "apps/v1" and docs["Service"]["apiVersion"] == "v1"
     container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][0] == argv[2] and container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "volumes" not in docs["Deployment"]["spec"]["template"]["spec"]  # one GPU: no shared memory needed
     hpa = docs["HorizontalPodAutoscaler"]
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"]["name"] == docs["Deployment"]["metadata"]["name"]
@@ -157,3 +158,17 @@ def test_planning_flags_are_refused_without_what_they_need(tmp_path, capsys):
     assert main(["tune", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--slo", "p99_e2e_ms=2000",
                  "--traffic", hourly(tmp_path, {1: 1})]) == 2
     assert "--simulate" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_deployment_gets_shared_memory_for_its_workers(tmp_path, capsys):
+    """With --gpus 2 the pod mounts a memory-backed /dev/shm (a container's default 64 MiB
+    stops vLLM's tensor-parallel workers at start) and asks for both GPUs."""
+    assert main(tune_day(tmp_path, "--gpus", "2", "--emit", "k8s")) == 0
+    docs = {d["kind"]: d for d in manifests(capsys.readouterr().out)}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert "--tensor-parallel-size" in container["args"]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"
