@@ -90,7 +90,7 @@ class Accelerator:
 # bus bandwidth over the eight GPUs at 8 GB: ND H100 v5, ND H200 v5, ND A100 v4 (80 GB), ND
 # MI300X v5.  The NVIDIA parts reach 69-82% of their datasheet GEMM peak and 86-95% of their
 # bandwidth; the MI300X 44% and 73%.  The share measured at one width (fp8 or fp16) is taken
-# for the other, which nobody measured on the same machines.  A part without a measurement is
+# for the other, which the guide did not measure.  A part without a measurement is
 # taken to reach the mean of the three NVIDIA parts.
 TYPICAL_MATMUL_REACH = (1382.2 / 1979 + 1366.3 / 1979 + 256.5 / 312) / 3  # 0.737
 TYPICAL_BANDWIDTH_REACH = (3180 / 3350 + 4480 / 4800 + 1750 / 2039) / 3  # 0.913
