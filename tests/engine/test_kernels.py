@@ -122,6 +122,29 @@ def test_attention_matches_reference(best_isa, isa, dtype, shape, route):
     assert torch.equal(flat_v[slots], qkv[:, (hq + hkv) * d:])
 
 
+@pytest.mark.parametrize("route", [0, 1], ids=["flash", "brgemm"])
+@pytest.mark.parametrize("fault, says", [
+    ((0, 9, 0, 0), "outside the 8 rows"),  # more rows than qkv has
+    ((0, 8, 5, 0), "names sequence 5"),  # a sequence the block table lacks
+    ((0, 8, 0, 40), "blocks, its table holds"),  # more cached keys than the table's blocks
+])
+def test_a_chunk_outside_its_tensors_is_refused_not_read(best_isa, route, fault, says):
+    """Both chunk routes index qkv, the block table and the cache with the chunk's numbers: a
+    wrong one is an error naming it, not a read past the tensor."""
+    k = kernels_at(best_isa, best_isa)
+    if route == 1 and not k.brgemm_attention_runs(torch.float32):
+        pytest.skip("ATen's brgemm does not run fp32 here")
+    qkv, kc, vc, slots, block_tables, _ = make_batch([(0, 8)], 4, 2, 16, 8, torch.float32, seed=3)
+    chunks = torch.tensor([[*fault, route]], dtype=torch.long)
+    empty = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=says):
+        k.attention(qkv, kc, vc, slots, block_tables, empty, empty, 0, chunks, 4, 0.25)
+    bad_table = block_tables.clone()
+    bad_table[0, 0] = kc.shape[0]  # a block id past the cache
+    with pytest.raises(RuntimeError, match="names block"):
+        k.attention(qkv, kc, vc, slots, bad_table, empty, empty, 0, torch.tensor([[0, 8, 0, 0, route]]), 4, 0.25)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
 def test_bf16_attention_on_bf16_dot_products_and_without(best_isa, shape):
     """The AVX-512 BF16 kernels (attention_bf16.cpp, default where the CPU has them: decode rows, one

@@ -234,8 +234,28 @@ at::Tensor attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at:
   const int64_t p = chunks.size(0);
   const int64_t* ch = chunks.data_ptr<int64_t>();
   bool brgemm = false;
+  if (p > 0) {
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
+                "attention: block_tables must be contiguous int64 [S, max_blocks]");
+  }
+  const int64_t* tables = p > 0 ? block_tables.data_ptr<int64_t>() : nullptr;
+  const int64_t num_blocks = k_cache.size(0), width = p > 0 ? block_tables.size(1) : 0;
   for (int64_t i = 0; i < p; ++i) {
+    // Both chunk routes index the output, the block table and the cache with these numbers
+    // unchecked, so a wrong row here would read or write past a tensor: refuse it instead.
+    const int64_t start = ch[5 * i], count = ch[5 * i + 1], seq = ch[5 * i + 2], cached = ch[5 * i + 3];
     TORCH_CHECK(ch[5 * i + 4] == kFlash || ch[5 * i + 4] == kBrgemm, "attention: chunk route must be 0 or 1");
+    TORCH_CHECK(start >= 0 && count > 0 && start + count <= t, "attention: chunk ", i, " rows ", start, "+", count,
+                " are outside the ", t, " rows of qkv");
+    TORCH_CHECK(seq >= 0 && seq < block_tables.size(0), "attention: chunk ", i, " names sequence ", seq, " of ",
+                block_tables.size(0));
+    const int64_t used = (cached + count + bs - 1) / bs;
+    TORCH_CHECK(cached >= 0 && used <= width, "attention: chunk ", i, " needs ", used, " blocks, its table holds ",
+                width);
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t id = tables[seq * width + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "attention: chunk ", i, " names block ", id, " of ", num_blocks);
+    }
     brgemm = brgemm || ch[5 * i + 4] == kBrgemm;
   }
   if (brgemm) {
