@@ -149,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"carpool engine {args.action}: {e}", file=sys.stderr)
         return 2
     if done.plan is None:
-        print(f"carpool engine {args.action}: the C++ kernels are unavailable ({done.kernels_error}); the engine "
+        what = "do not fit this model" if done.kernels != "unavailable" else "are unavailable"
+        print(f"carpool engine {args.action}: the C++ kernels {what} ({done.kernels_error}); the engine "
               "runs on its torch path, which has no plan", file=sys.stderr)
         return 1
     if args.action == "prepare":

@@ -35,7 +35,7 @@ class PrepareReport:
     kernels_error: str | None = None
     build_s: float = 0.0
     isa: str = ""
-    plan: Plan | None = None  # None: the kernels are unavailable, so the engine runs no plan
+    plan: Plan | None = None  # None: the kernels are unavailable or do not fit the model: no plan
     plan_path: Path | None = None
     plan_s: float = 0.0
     model: str = ""
@@ -53,7 +53,9 @@ def prepare(config: EngineConfig | None = None, remeasure: bool = False) -> Prep
     and measure (or read) the plan of an engine started with ``config``."""
     import torch
 
-    from .llm_engine import LLMEngine
+    from .llm_engine import LLMEngine, resolve_dtype
+    from .loader import load_model
+    from .ops import SUPPORTED_HEAD_DIMS
     from .ops.build import ISA_NAMES, Kernels
 
     config = config or EngineConfig()
@@ -68,7 +70,13 @@ def prepare(config: EngineConfig | None = None, remeasure: bool = False) -> Prep
     if remeasure:
         extra["plan"] = ",".join(s for s in (extra.get("plan"), "remeasure") if s)
     t0 = time.perf_counter()
-    engine = LLMEngine(replace(config, kv_cache_memory_gb=_KV_GB, num_kv_blocks=None, extra=extra))
+    loaded = load_model(config.model, dtype=resolve_dtype(config.dtype))
+    head_dim = loaded.config.head_dim
+    if head_dim not in SUPPORTED_HEAD_DIMS:  # the engine runs such a model on its torch path
+        out.kernels_error = (f"{config.model} has attention heads of {head_dim} values, and the kernels are "
+                             f"compiled for {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+        return out
+    engine = LLMEngine(replace(config, kv_cache_memory_gb=_KV_GB, num_kv_blocks=None, extra=extra), loaded=loaded)
     plan = engine.model.plan
     out.plan, out.plan_s = plan, time.perf_counter() - t0
     out.model, out.threads = engine.model_name, torch.get_num_threads()

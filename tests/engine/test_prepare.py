@@ -45,3 +45,22 @@ def test_after_prepare_the_first_job_neither_builds_nor_measures(kernels, tmp_pa
     again = _carpool(["engine", "prepare", "--model", "tiny-random"], cache, tmp_path)
     assert again.returncode == 0, again.stderr
     assert "kernels: already built" in again.stdout and "engine plan: already measured" in again.stdout
+
+
+def test_prepare_says_when_the_kernels_do_not_fit_the_model(kernels, tmp_path, capsys):
+    """A model whose heads hold 80 values (the kernels are compiled for 16-128 in powers of two)
+    runs on the torch path: prepare says so and that there is no plan (exit 1), rather than
+    failing on an engine setting the user never gave."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from carpool.cli import main
+    from carpool.engine import loader
+
+    cfg = LlamaConfig(hidden_size=160, intermediate_size=320, num_attention_heads=2, num_key_value_heads=1,
+                      num_hidden_layers=1, vocab_size=49152, max_position_embeddings=64, head_dim=80)
+    folder = tmp_path / "wide-heads"
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    loader.smollm2_tokenizer().save_pretrained(folder)
+    assert main(["engine", "prepare", "--model", str(folder), "--dtype", "float32"]) == 1
+    err = capsys.readouterr().err
+    assert "do not fit this model" in err and "80 values" in err and "torch path" in err
