@@ -140,8 +140,10 @@ class ModelRunner:
 
     def _inputs(self, scheduled: list[tuple[Sequence, int]], kernels: Kernels | None):
         """The step's input ids, positions, attention metadata and the sequences that sample."""
-        num_decode = 0  # the scheduler puts single-token queries first
-        while num_decode < len(scheduled) and scheduled[num_decode][1] == 1:
+        # The torch path splits the scheduler's order (single-token queries first) into decodes and
+        # prefills; the kernel path reorders rows by route and reads routes, not this count.
+        num_decode = 0
+        while kernels is None and num_decode < len(scheduled) and scheduled[num_decode][1] == 1:
             num_decode += 1
         routes: list[str] = []
         if kernels is not None:
