@@ -175,7 +175,7 @@ class RooflineCost:
         overhead += (m.num_layers * self.layer_overhead_us + s.num_seqs * self.seq_overhead_us) * 1e-6
         return {
             "linear_memory_s": self.weight_bytes_per_gpu(s.num_tokens) / bandwidth,
-            "linear_compute_s": linear_flops / (a.matmul_flops_per_s(self._param_bytes) * reach),
+            "linear_compute_s": linear_flops / (a.matmul_flops_per_s(self._param_bytes, m.weight_only) * reach),
             "attention_memory_s": s.kv_tokens_read * self._kv_bytes_per_token_per_gpu() / bandwidth,
             "attention_compute_s": attn_flops / (a.flops_per_s * reach),
             "comm_s": t_comm, "overhead_s": overhead,

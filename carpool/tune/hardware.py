@@ -66,10 +66,11 @@ class Accelerator:
         """Bus bandwidth of a tensor-parallel all-reduce: measured where it was, else the link's."""
         return (self.measured_allreduce_gbs or self.link_bandwidth_gbs) * 1e9
 
-    def matmul_flops_per_s(self, weight_bytes: float) -> float:
+    def matmul_flops_per_s(self, weight_bytes: float, weight_only: bool = False) -> float:
         """Peak for weights of that width: fp8 weights use fp8 tensor cores where the part has
-        them; elsewhere (Ampere) vLLM upcasts them and the bf16 peak applies."""
-        if weight_bytes <= 1.0 and self.fp8_tflops:
+        them; elsewhere (Ampere) vLLM upcasts them and the bf16 peak applies, as it does for
+        weight-only quantization (``weight_only``: AWQ, GPTQ), whose kernels widen the weights."""
+        if weight_bytes <= 1.0 and self.fp8_tflops and not weight_only:
             return self.fp8_tflops * 1e12
         return self.flops_per_s
 

@@ -56,6 +56,13 @@ def _bytes_per_param(q: _Quantization | None) -> float:
     return 1.0 if "fp8" in q.quant_method.lower() else 2.0
 
 
+def _weight_only(q: _Quantization | None) -> bool:
+    """Whether the checkpoint's matmuls run in 16 bits on narrower stored weights: every
+    quantization but fp8's (whose matmuls run on fp8 tensor cores where the part has them).  An
+    int8 w8a8 checkpoint is counted here too: at the bf16 peak it is predicted slow, not fast."""
+    return q is not None and "fp8" not in q.quant_method.lower() and _bytes_per_param(q) < 2.0
+
+
 def spec_from_dict(cfg: dict, fallback_name: str = "model") -> ModelSpec:
     """A ModelSpec from a parsed config.json, named after the repository it names, else
     ``fallback_name``."""
@@ -84,6 +91,7 @@ def spec_from_dict(cfg: dict, fallback_name: str = "model") -> ModelSpec:
         moe_intermediate_size=c.moe_intermediate_size,
         shared_expert_intermediate_size=c.shared_expert_intermediate_size,
         bytes_per_param=_bytes_per_param(c.quantization_config), hf_id=repo,
+        weight_only=_weight_only(c.quantization_config),
     )
 
 

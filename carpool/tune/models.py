@@ -29,6 +29,9 @@ class ModelSpec:
     moe_intermediate_size: int = 0  # one expert's MLP width
     shared_expert_intermediate_size: int = 0  # an always-on expert beside the routed ones
     bytes_per_param: float = 2.0  # bf16; 1 for fp8 checkpoints
+    # Weights stored narrow but multiplied in 16 bits (AWQ, GPTQ, bitsandbytes: the kernels widen
+    # each tile before the tensor cores see it): their bytes are narrow, their peak is bf16's.
+    weight_only: bool = False
     hf_id: str = ""  # the Hugging Face repository a `vllm serve` line names
 
     @property

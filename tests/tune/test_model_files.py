@@ -87,6 +87,31 @@ def test_fp8_weights_halve_the_bytes_and_use_fp8_tensor_cores_where_there_are_so
         RooflineCost(a100, bf16, 8).parts(prefill)["linear_compute_s"], rel=0.01)
 
 
+@pytest.mark.parametrize("quantization, weight_bytes", [
+    ({"quant_method": "awq", "bits": 4}, 0.5), ({"quant_method": "gptq", "bits": 4}, 0.5),
+    ({"quant_method": "gptq", "bits": 8}, 1.0),
+])
+def test_weight_only_quantization_reads_narrow_weights_and_multiplies_them_at_the_bf16_peak(
+        quantization, weight_bytes):
+    """AWQ and GPTQ store 4 or 8 bits a weight and widen each tile to 16 bits for the tensor
+    cores: a decode reads a quarter or half the bytes, a prefill runs at the bf16 peak, not at the
+    fp8 one an fp8 checkpoint of the same size gets."""
+    quantized = hf_config.spec_from_dict({**LLAMA_31_8B, "quantization_config": quantization})
+    bf16 = hf_config.spec_from_dict(LLAMA_31_8B)
+    assert quantized.weight_only and not bf16.weight_only
+    h100 = hardware.get("h100")
+    decode = StepShape(0, 1, 1, 1, 1, num_logits=1)
+    assert RooflineCost(h100, quantized).parts(decode)["linear_memory_s"] == pytest.approx(
+        RooflineCost(h100, bf16).parts(decode)["linear_memory_s"] * weight_bytes / 2, rel=0.01)
+    prefill = StepShape(8192, 0, 8192, 8192 * 4096, 1, num_logits=1)
+    assert RooflineCost(h100, quantized).parts(prefill)["linear_compute_s"] == pytest.approx(
+        RooflineCost(h100, bf16).parts(prefill)["linear_compute_s"], rel=0.01)
+    fp8 = hf_config.spec_from_dict({**LLAMA_31_8B, "quantization_config": {"quant_method": "fp8"}})
+    assert not fp8.weight_only
+    assert RooflineCost(h100, fp8).parts(prefill)["linear_compute_s"] == pytest.approx(
+        RooflineCost(h100, bf16).parts(prefill)["linear_compute_s"] / 2, rel=0.01)
+
+
 def test_new_accelerators_carry_their_datasheet_figures():
     assert hardware.get("RTX 4090").mem_bandwidth_gbs == 1008 and hardware.get("4090").memory_gb == 24
     assert hardware.get("l40s").bf16_tflops == pytest.approx(362.05) and hardware.get("l40s").memory_gb == 48
