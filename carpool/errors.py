@@ -183,6 +183,15 @@ class EngineSettingsError(EngineError, StartRefused):
     ``extra.*``, a forced plan): the user's to fix, so a refused start (exit 2), not a crash."""
 
 
+class KernelsDoNotFitModel(EngineSettingsError):
+    """The engine was told to run on the C++ kernels (``extra.attention=kernel``), and they are
+    not compiled for the model's head size: such a model runs on the torch path only."""
+
+    def __init__(self, message: str, head_dim: int) -> None:
+        super().__init__(message)
+        self.head_dim = head_dim
+
+
 class GrammarError(EngineError):
     """A grammar refused when compiled or at its first tokens.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from carpool.errors import EngineError, EngineSettingsError, ModelLoadError, StepInterrupted
+from carpool.errors import EngineError, EngineSettingsError, KernelsDoNotFitModel, ModelLoadError, StepInterrupted
 
 from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig
@@ -129,10 +129,12 @@ class LLMEngine:
                                   limits=(budget or DEFAULT_BATCH_TOKENS, config.max_num_seqs, self.max_model_len),
                                   plan=plan_setting)
         kernels = self.runner.kernels
-        if mode == "kernel" and (kernels is None or not kernels.ready):
-            why = kernels.error if kernels is not None else f"head_dim {mcfg.head_dim} has no kernel"
-            raise EngineSettingsError(f"extra.attention=kernel: the C++ kernels are unavailable ({why}); "
-                              "use attention=auto or torch")
+        if mode == "kernel" and kernels is None:  # the runner starts none for a head size not compiled in
+            raise KernelsDoNotFitModel(f"extra.attention=kernel: the C++ kernels are unavailable (head_dim "
+                                       f"{mcfg.head_dim} has no kernel); use attention=auto or torch", mcfg.head_dim)
+        if mode == "kernel" and kernels is not None and not kernels.ready:
+            raise EngineSettingsError(f"extra.attention=kernel: the C++ kernels are unavailable ({kernels.error}); "
+                                      "use attention=auto or torch")
         self._follow_plan()
         self.runner.sampler.eos_token_ids = list(self.eos_token_ids)  # masked under min_tokens
         # Token bytes/text (logprobs) and grammars (structured outputs), built on first use.

@@ -53,8 +53,9 @@ def prepare(config: EngineConfig | None = None, remeasure: bool = False) -> Prep
     and measure (or read) the plan of an engine started with ``config``."""
     import torch
 
-    from .llm_engine import LLMEngine, resolve_dtype
-    from .loader import load_model
+    from carpool.errors import KernelsDoNotFitModel
+
+    from .llm_engine import LLMEngine
     from .ops import SUPPORTED_HEAD_DIMS
     from .ops.build import ISA_NAMES, Kernels
 
@@ -70,13 +71,12 @@ def prepare(config: EngineConfig | None = None, remeasure: bool = False) -> Prep
     if remeasure:
         extra["plan"] = ",".join(s for s in (extra.get("plan"), "remeasure") if s)
     t0 = time.perf_counter()
-    loaded = load_model(config.model, dtype=resolve_dtype(config.dtype))
-    head_dim = loaded.config.head_dim
-    if head_dim not in SUPPORTED_HEAD_DIMS:  # the engine runs such a model on its torch path
-        out.kernels_error = (f"{config.model} has attention heads of {head_dim} values, and the kernels are "
+    try:
+        engine = LLMEngine(replace(config, kv_cache_memory_gb=_KV_GB, num_kv_blocks=None, extra=extra))
+    except KernelsDoNotFitModel as e:  # the engine runs such a model on its torch path
+        out.kernels_error = (f"{config.model} has attention heads of {e.head_dim} values, and the kernels are "
                              f"compiled for {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
         return out
-    engine = LLMEngine(replace(config, kv_cache_memory_gb=_KV_GB, num_kv_blocks=None, extra=extra), loaded=loaded)
     plan = engine.model.plan
     out.plan, out.plan_s = plan, time.perf_counter() - t0
     out.model, out.threads = engine.model_name, torch.get_num_threads()

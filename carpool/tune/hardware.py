@@ -14,6 +14,7 @@ Any other part is described in a file (``gpu_file.py``).
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -92,10 +93,7 @@ class Accelerator:
 # MI300X v5.  The NVIDIA parts reach 69-82% of their datasheet GEMM peak and 86-95% of their
 # bandwidth; the MI300X 44% and 73%.  The share measured at one width (fp8 or fp16) is taken
 # for the other, which the guide did not measure.  A part without a measurement is
-# taken to reach the mean of the three NVIDIA parts.
-TYPICAL_MATMUL_REACH = (1382.2 / 1979 + 1366.3 / 1979 + 256.5 / 312) / 3  # 0.737
-TYPICAL_BANDWIDTH_REACH = (3180 / 3350 + 4480 / 4800 + 1750 / 2039) / 3  # 0.913
-
+# taken to reach the mean of the three NVIDIA parts (below the table).
 ACCELERATORS: dict[str, Accelerator] = {
     "a10": Accelerator("A10", 600, 125, 24, 25, 30, 0.0, "24 GB GDDR6, PCIe Gen4, no NVLink"),
     "l4": Accelerator("L4", 300, 121, 24, 25, 30, 0.0, "24 GB GDDR6, PCIe Gen4", fp8_tflops=242.5),
@@ -114,6 +112,9 @@ ACCELERATORS: dict[str, Accelerator] = {
                           fp8_tflops=2614.9, vendor="amd", measured_matmul_tflops=1159.5,
                           measured_bandwidth_gbs=3870, measured_allreduce_gbs=316.8),
 }
+_MEASURED_NVIDIA = [a for a in ACCELERATORS.values() if a.vendor == "nvidia" and a.measured_matmul_tflops]
+TYPICAL_MATMUL_REACH = statistics.fmean(a.matmul_reach for a in _MEASURED_NVIDIA)  # 0.737
+TYPICAL_BANDWIDTH_REACH = statistics.fmean(a.bandwidth_reach for a in _MEASURED_NVIDIA)  # 0.913
 ALIASES = {
     "a100": "a100-80gb",
     "a100-40": "a100-40gb",
