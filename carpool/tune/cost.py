@@ -181,19 +181,20 @@ class RooflineCost:
             "comm_s": t_comm, "overhead_s": overhead,
         }
 
+    @staticmethod
+    def _phase(p: dict, name: str) -> tuple[float, str]:
+        """A phase's time (the larger of its memory and compute times) and which of the two it is."""
+        memory, compute = p[f"{name}_memory_s"], p[f"{name}_compute_s"]
+        return (memory, "memory") if memory >= compute else (compute, "compute")
+
     def step_time(self, shape: StepShape) -> float:
         p = self.parts(shape)
-        linear = max(p["linear_memory_s"], p["linear_compute_s"])
-        attention = max(p["attention_memory_s"], p["attention_compute_s"])
-        return linear + attention + p["comm_s"] + p["overhead_s"]
+        return self._phase(p, "linear")[0] + self._phase(p, "attention")[0] + p["comm_s"] + p["overhead_s"]
 
     def bound(self, shape: StepShape) -> str:
         """What bounds the longer of the step's two phases."""
         p = self.parts(shape)
-        linear = max(p["linear_memory_s"], p["linear_compute_s"])
-        if linear >= max(p["attention_memory_s"], p["attention_compute_s"]):
-            return "memory" if p["linear_memory_s"] >= p["linear_compute_s"] else "compute"
-        return "memory" if p["attention_memory_s"] >= p["attention_compute_s"] else "compute"
+        return max(self._phase(p, "linear"), self._phase(p, "attention"), key=lambda t: t[0])[1]
 
     def kv_capacity_tokens(self) -> int | None:
         per_gpu = self.accel.memory_gb * 1e9 * self.gpu_memory_utilization
