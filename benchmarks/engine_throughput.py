@@ -7,10 +7,11 @@ Workloads: reviews-128 and classify-512 from ../shared/workloads, and long-mixed
 requests, prompts 20-2000 tokens (log-uniform) behind four ~150-token system prompts, three task
 families, 16-128 output tokens (made by make_long_workload.py with --long-seed unless a file of
 that name is in the workloads dir).  Runs carpool's engine (SmolLM2-135M, bf16, greedy, EOS
-ignored, max_tokens from the file) on each workload, and in the same run, when the peers are
+ignored, max_tokens from the file; its step budget and sequences the plan's, measured on this
+machine, unless given) on each workload, and in the same run, when the peers are
 built (/work/shared/peers/setup.sh, venv in /tmp/carpool-peers/vllm), ``bench_vllm_cpu.py`` and
 ``bench_hf_static.py`` in
-subprocesses with the peers' python.  Also measures the machine's bf16 GEMM roofline.
+subprocesses with the peers' python (vLLM running as many sequences a step as carpool did).  Also measures the machine's bf16 GEMM roofline.
 Prints one JSON object: tok/s per engine, carpool/vllm and carpool/hf ratios and the
 fraction of the roofline carpool reaches (~0.27 GFLOP per token for this model).
 The machine may be shared: compare the ratios of one run, not figures across runs.
@@ -102,11 +103,12 @@ def run_carpool(rows: list[dict], loaded, args) -> dict:
             "decode_only_s": round(sum(s["duration_s"] for s in steps) - prefill_s, 3),
             "prefix_cache_hit_rate": round(stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]), 3),
             "num_preemptions": stats["num_preemptions"], "max_num_batched_tokens": stats["max_num_batched_tokens"],
-            "batch_tokens_source": stats["batch_tokens_source"]}
+            "batch_tokens_source": stats["batch_tokens_source"], "max_num_seqs": stats["max_num_seqs"],
+            "max_num_seqs_source": stats["max_num_seqs_source"]}
 
 
-def run_peer(script: Path, python: Path, workload: Path, timeout: float) -> dict:
-    env = dict(os.environ)
+def run_peer(script: Path, python: Path, workload: Path, timeout: float, max_num_seqs: int) -> dict:
+    env = {**os.environ, "MAX_NUM_SEQS": str(max_num_seqs)}  # the peer runs as many at once as carpool did
     if _USER_OMP is None:
         env.pop("OMP_WAIT_POLICY", None)  # the peers run with their own defaults
     try:
@@ -133,7 +135,9 @@ def main() -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the (slow) HF static-batching baseline")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="carpool's sequences of a step (default: the engine's own, the plan's measured one); "
+                         "vLLM runs as many as carpool did")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="carpool's step budget (default: the engine's own, the plan's measured one; vLLM runs "
                          "its own default too)")
@@ -169,9 +173,10 @@ def main() -> int:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         w: dict = {"carpool": run_carpool(rows, loaded, args)}
         if have_peers:
-            w["vllm"] = run_peer(args.peer_scripts / "bench_vllm_cpu.py", python, path, args.peer_timeout)
+            seqs = w["carpool"]["max_num_seqs"]
+            w["vllm"] = run_peer(args.peer_scripts / "bench_vllm_cpu.py", python, path, args.peer_timeout, seqs)
             if not args.no_hf:
-                w["hf"] = run_peer(args.peer_scripts / "bench_hf_static.py", python, path, args.peer_timeout)
+                w["hf"] = run_peer(args.peer_scripts / "bench_hf_static.py", python, path, args.peer_timeout, seqs)
         c = w["carpool"]
         for peer in ("vllm", "hf"):
             if peer in w and "total_tok_s" in w[peer]:

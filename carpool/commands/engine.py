@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="as carpool run's")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens of a step (default: the plan's measured budget)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences of a step (default 64)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences of a step (default: the plan's measured number)")
     parser.add_argument("--remeasure", action="store_true", help="measure again, replacing the cached plan")
     parser.add_argument("--force", metavar="ROUTES", default=None,
                         help="forced routes, e.g. gemm=onednn,prefill=flash (as $CARPOOL_ENGINE_PLAN)")
@@ -93,9 +94,10 @@ def render(plan: Any) -> str:
 
 
 def _budget(plan: Any) -> list[str]:
-    """The step's token budget: the one offline jobs run with, and what it was chosen from."""
-    from carpool.engine.config import SERVER_MAX_NUM_BATCHED_TOKENS
-    from carpool.engine.plan import DEFAULT_BATCH_TOKENS
+    """The step's token budget and sequences: what offline jobs run with, and what they were chosen
+    from."""
+    from carpool.engine.config import SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_MAX_NUM_SEQS
+    from carpool.engine.plan import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SEQS
 
     b = plan.timings.get("budget") or {}
     offline = plan.batch_tokens or DEFAULT_BATCH_TOKENS
@@ -106,6 +108,14 @@ def _budget(plan: Any) -> list[str]:
         lines.append(f"      a step of {b['one']} x {b['chunk']} prompt rows {_ms(b.get('seconds_one'))} ms, "
                      f"{b['many']} x {b['chunk']} {_ms(b.get('seconds_many'))} ms; memory allows up to "
                      f"{b.get('max_tokens')}")
+    seqs = plan.max_seqs or DEFAULT_MAX_SEQS
+    how = "measured" if plan.max_seqs else "not measured: the default"
+    lines.append(f"sequences of a step: offline jobs {seqs} ({how}), the server {SERVER_MAX_NUM_SEQS} (each one "
+                 "lengthens every user's time between two tokens); --max-num-seqs sets either")
+    timed = (plan.timings.get("seqs") or {}).get("seconds") or {}
+    if timed:
+        lines.append("      a decode step of " + ", ".join(
+            f"{n} rows {_ms(t)} ms ({float(t) / int(n) * 1e6:.0f} us a row)" for n, t in timed.items()))
     return lines
 
 
@@ -131,11 +141,11 @@ def _report(done: Any) -> str:
         lines.append(f"  for model {done.model} ({sh.get('layers')} layers, hidden {sh.get('hidden')}, "
                      f"{sh.get('heads')}/{sh.get('kv_heads')} heads, {sh.get('dtype', '').replace('torch.', '')}, "
                      f"quantization {sh.get('quantization') or 'none'}, KV cache {sh.get('kv_cache_dtype')}), "
-                     f"{done.threads} threads, steps of up to {sh.get('max_seqs')} sequences, prompts up to "
+                     f"{done.threads} threads, prompts up to "
                      f"{sh.get('max_len')} tokens, on {done.plan.fingerprint.get('cpu', '?')}")
     lines += _budget(done.plan)
-    lines.append("an engine started with other settings (model, dtype, quantization, KV cache dtype, threads, "
-                 "--max-num-seqs) measures its own plan once: run this command with them")
+    lines.append("an engine started with other settings (model, dtype, quantization, KV cache dtype, threads) "
+                 "measures its own plan once: run this command with them")
     return "\n".join(lines)
 
 

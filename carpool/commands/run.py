@@ -85,7 +85,9 @@ def _add_target_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--api-version", help="Azure OpenAI endpoints: the api-version query parameter "
                                          "(default 2024-10-21); an *.openai.azure.com --endpoint is sent "
                                          "the api-key header and the deployment path, --model naming the deployment")
-    g.add_argument("--max-num-seqs", type=flags.positive_int, help="embedded engine: requests batched per step")
+    g.add_argument("--max-num-seqs", type=flags.positive_int,
+                   help="embedded engine: requests batched per step (default: measured for this machine, "
+                        "`carpool engine plan` shows it)")
     g.add_argument("--max-num-batched-tokens", type=flags.positive_int,
                    help="embedded engine: tokens of a step at most (default: the engine plan's, measured for "
                         "throughput on this machine; `carpool engine plan` shows it)")

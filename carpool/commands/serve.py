@@ -9,7 +9,7 @@ import os
 import sys
 
 from carpool.commands import flags
-from carpool.engine.config import SERVER_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from carpool.engine.config import SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_MAX_NUM_SEQS, EngineConfig
 from carpool.server.config import ServerConfig
 
 
@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="int8: keys and values stored in int8 with a scale per token and head (half the "
                         "bytes a decode step reads, twice the tokens per GB); auto: the model dtype")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=d_engine.max_num_seqs)
+    g.add_argument("--max-num-seqs", type=int, default=SERVER_MAX_NUM_SEQS,
+                   help="sequences a step runs at most: each lengthens every user's time between two tokens "
+                        f"(default {SERVER_MAX_NUM_SEQS}; offline jobs take the engine plan's measured one)")
     g.add_argument("--max-num-batched-tokens", type=int, default=SERVER_MAX_NUM_BATCHED_TOKENS,
                    help="tokens of a step at most: what an arriving request may wait before its first token "
                         f"(default {SERVER_MAX_NUM_BATCHED_TOKENS}; offline jobs take the engine plan's measured one)")

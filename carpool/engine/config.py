@@ -45,6 +45,9 @@ class ModelConfig:
 # first token, so a server keeps steps short rather than measured for throughput (vLLM's server
 # default is the same).
 SERVER_MAX_NUM_BATCHED_TOKENS = 2048
+# The sequences a server's step runs at most, for the same reason: each decode row lengthens the
+# step every running user waits for between two tokens.
+SERVER_MAX_NUM_SEQS = 64
 
 
 @dataclass
@@ -55,7 +58,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16, else float32
     quantization: str | None = None  # None, or "int8": int8 linear weights (engine/quant.py)
     kv_cache_dtype: str = "auto"  # auto: the model dtype; "int8": int8 keys and values (engine/kv_quant.py)
-    max_num_seqs: int = 64
+    # None: the engine plan's, measured for throughput on this machine (offline jobs; 64 until
+    # measured).  A server passes SERVER_MAX_NUM_SEQS.
+    max_num_seqs: int | None = None
     # None: the engine plan's budget, measured for throughput on this machine (offline jobs: carpool
     # run, LLM; plan.DEFAULT_BATCH_TOKENS until measured).  A server passes SERVER_MAX_NUM_BATCHED_TOKENS.
     max_num_batched_tokens: int | None = None

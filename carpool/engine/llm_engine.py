@@ -27,7 +27,7 @@ from .loader import resolve_dtype as loader_dtype
 from .model import LlamaModel
 from .model_runner import PREFILL_MODES, ModelRunner
 from .ops.build import ISA_NAMES
-from .plan import DEFAULT_BATCH_TOKENS
+from .plan import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SEQS, SEQ_CHOICES
 from .process import configure_process
 from .protocol import BACKGROUND_PRIORITY, GenerateRequest, TokenDelta, TokenLogprob, TopLogprob, Usage
 from .quant import calibration_ids, check_quantization
@@ -105,7 +105,11 @@ class LLMEngine:
         if budget is not None and budget < 1:
             raise EngineSettingsError(f"max_num_batched_tokens must be >= 1, got {budget}")
         self.budget_source = "set" if budget is not None else "default"
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget or DEFAULT_BATCH_TOKENS,
+        seqs = config.max_num_seqs
+        if seqs is not None and seqs < 1:
+            raise EngineSettingsError(f"max_num_seqs must be >= 1, got {seqs}")
+        self.seqs_source = "set" if seqs is not None else "default"
+        self.scheduler = Scheduler(self.block_manager, seqs or DEFAULT_MAX_SEQS, budget or DEFAULT_BATCH_TOKENS,
                                    config.scheduling_policy, config.enable_chunked_prefill)
         # extra["attention"]: "auto" (C++ kernels once built, torch until then), "kernel"
         # (wait for the build), "torch" (never build).  extra["prefill_attention"]: "auto" (flash
@@ -126,7 +130,7 @@ class LLMEngine:
                                   kernels={"auto": "auto", "kernel": "wait", "torch": "off"}[mode],
                                   prefill=prefill_mode, isa=None if isa_name is None else isas[isa_name],
                                   kv_cache_dtype=self.kv_cache_dtype,
-                                  limits=(budget or DEFAULT_BATCH_TOKENS, config.max_num_seqs, self.max_model_len),
+                                  limits=(budget or DEFAULT_BATCH_TOKENS, self.max_model_len),
                                   plan=plan_setting)
         kernels = self.runner.kernels
         if mode == "kernel" and kernels is None:  # the runner starts none for a head size not compiled in
@@ -164,12 +168,17 @@ class LLMEngine:
         return str(text)
 
     def _follow_plan(self) -> None:
-        """Take the plan's measured step budget once the runner runs a plan (at start when the
-        kernels are built, else at the first step after they are), unless one was given."""
-        batch_tokens = self.model.plan.batch_tokens
-        if self.budget_source == "default" and self.runner.planned and batch_tokens:
-            self.scheduler.max_num_batched_tokens = batch_tokens
+        """Take the plan's measured step budget and sequences once the runner runs a plan (at start
+        when the kernels are built, else at the first step after they are), unless they were given."""
+        plan = self.model.plan
+        if not self.runner.planned:
+            return
+        if self.budget_source == "default" and plan.batch_tokens:
+            self.scheduler.max_num_batched_tokens = plan.batch_tokens
             self.budget_source = "measured"
+        if self.seqs_source == "default" and plan.max_seqs:
+            self.scheduler.max_num_seqs = plan.max_seqs
+            self.seqs_source = "measured"
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.model_config
@@ -179,7 +188,7 @@ class LLMEngine:
         per_block *= bytes_per_head_vector(m.head_dim, self.kv_cache_dtype, self.dtype)
         by_memory = int(c.kv_cache_memory_gb * (1 << 30) // per_block)
         # More than every running sequence at full length can never be used.
-        useful = c.max_num_seqs * -(-self.max_model_len // self.block_size)
+        useful = (c.max_num_seqs or SEQ_CHOICES[-1]) * -(-self.max_model_len // self.block_size)
         return max(1, min(by_memory, useful))
 
     # ------------------------------------------------------------- requests
@@ -437,5 +446,6 @@ class LLMEngine:
             "max_num_seqs": self.scheduler.max_num_seqs,  # what a client may keep in flight usefully
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "batch_tokens_source": self.budget_source,  # set | measured | default
+            "max_num_seqs_source": self.seqs_source,  # set | measured | default
             "num_interrupted_steps": self.num_interrupted_steps,
         }

@@ -17,7 +17,7 @@ import torch
 from . import plan_measure
 from .model import AttentionMetadata, LlamaModel
 from .ops import SUPPORTED_HEAD_DIMS, Kernels
-from .plan import Plan, prefill_work, route_for
+from .plan import SEQ_CHOICES, Plan, prefill_work, route_for
 from .protocol import SamplingParams
 from .sampler import Sampler, SampleResult
 from .sequence import Sequence
@@ -30,12 +30,12 @@ class ModelRunner:
     """``kernels``: "auto" (build in the background, torch path until ready), "wait" (build now),
     or "off".  ``prefill``: "auto" (each prefill chunk's route from the plan's ``prefill`` table),
     "flash", "kernel" or "brgemm" (every prefill chunk through that one).  ``limits``:
-    (max rows of a step, max sequences of a step, max model length): the shapes the plan is timed
-    on.  ``plan``: the plan setting (``plan_measure.obtain``; None: $CARPOOL_ENGINE_PLAN)."""
+    (max rows of a step, max model length): the shapes the plan is timed on.  ``plan``: the plan
+    setting (``plan_measure.obtain``; None: $CARPOOL_ENGINE_PLAN)."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
                  kernels: str = "auto", prefill: str = "auto", isa: int | None = None,
-                 kv_cache_dtype: str = "auto", limits: tuple[int, int, int] = (2048, 64, 2048),
+                 kv_cache_dtype: str = "auto", limits: tuple[int, int] = (2048, 2048),
                  plan: str | None = None):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill attention must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
@@ -63,9 +63,10 @@ class ModelRunner:
     def ensure_plan(self, kernels: Kernels) -> None:
         """Route the model by the engine plan (cached, or measured now: a few seconds, once)."""
         if not self.planned:
-            max_rows, max_seqs, max_len = self.limits
-            plan = plan_measure.obtain(self.model, kernels, max_rows, max_seqs, max_len, self.kv_cache_dtype,
-                                       self.plan_setting, step=self._scratch_step(kernels))
+            max_rows, max_len = self.limits
+            step, decode = self._scratch_steps(kernels)
+            plan = plan_measure.obtain(self.model, kernels, max_rows, max_len, self.kv_cache_dtype,
+                                       self.plan_setting, step=step, decode=decode)
             self._apply(plan, kernels)
             self.planned = True
 
@@ -73,31 +74,42 @@ class ModelRunner:
         self.model.apply_plan(plan, kernels_run=kernels.has_bf16_gemm)
         kernels.set_row_grains(plan.row_grain, plan.silu_grain)
 
-    def _scratch_step(self, kernels: Kernels) -> Callable[[Plan, int], None]:
-        """``step(plan, n)``: one forward of n fresh prompts of ``plan_measure.BUDGET_CHUNK`` tokens
-        on the plan's routes, the way the engine runs a step, but on a KV cache of its own (the
-        plan may be measured while requests hold blocks of the real one).  Leaves the model on the
-        last plan it ran."""
+    def _scratch_steps(self, kernels: Kernels) -> tuple[Callable[[Plan, int], None], Callable[[Plan, int], None]]:
+        """``step(plan, n)``: one forward of n fresh prompts of ``plan_measure.BUDGET_CHUNK`` tokens,
+        and ``decode(plan, n)``: one of n sequences' next tokens, on the plan's routes, the way the
+        engine runs a step, but on a KV cache of its own (the plan may be measured while requests
+        hold blocks of the real one).  The decode rows share that cache's blocks, each after a
+        block's worth of keys: they are timed for the step's shared part, not their attention.
+        Both leave the model on the last plan they ran."""
         rows, bs, most = plan_measure.BUDGET_CHUNK, self.block_size, plan_measure.BUDGET_CHUNKS
         per_seq = -(-rows // bs)
+        blocks = most * per_seq
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.model.config.vocab_size, (most, rows), generator=g).tolist()
         caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # made on the first call: a cached plan runs none
 
         @torch.inference_mode()
-        def step(plan: Plan, n: int) -> None:
+        def run(plan: Plan, scheduled: list[tuple[Sequence, int]]) -> None:
             if not caches:
-                caches.extend(self.model.allocate_kv_cache(most * per_seq, bs, self.kv_cache_dtype))
+                caches.extend(self.model.allocate_kv_cache(blocks, bs, self.kv_cache_dtype))
             self._apply(plan, kernels)
-            scheduled = []
-            for i in range(n):
-                seq = Sequence(f"plan-{i}", ids[i], SamplingParams(), bs)
-                seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
-                scheduled.append((seq, rows))
             input_ids, positions, meta, _ = self._inputs(scheduled, kernels)
             self.model.forward(input_ids, positions, meta, caches)
 
-        return step
+        def prompt(i: int) -> tuple[Sequence, int]:
+            seq = Sequence(f"plan-{i}", ids[i], SamplingParams(), bs)
+            seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+            return seq, rows
+
+        def next_token(i: int) -> tuple[Sequence, int]:
+            seq = Sequence(f"plan-d{i}", ids[i % most][:bs], SamplingParams(), bs)
+            seq.block_table = [i % blocks]
+            seq.num_computed_tokens = bs - 1
+            return seq, 1
+
+        prompts = [prompt(i) for i in range(most)]
+        decodes = [next_token(i) for i in range(SEQ_CHOICES[-1])]
+        return (lambda plan, n: run(plan, prompts[:n])), (lambda plan, n: run(plan, decodes[:n]))
 
     def _context_slots(self, seqs: list[Sequence], num_ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots [B, L] of each context (through the block tables, padded to the longest

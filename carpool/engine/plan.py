@@ -25,7 +25,9 @@ The routes a plan holds:
 - ``row_grain`` / ``silu_grain``: a row-wise pass (residual add + RMSNorm, RoPE, quantizing rows;
   SiLU * up) over at most this many values runs on one thread, a larger one on all of them;
 - ``batch_tokens``: the step's token budget for throughput (offline jobs: ``carpool run``,
-  ``LLM``), from the time of whole steps of one and of several prefill chunks (0: not measured).
+  ``LLM``), from the time of whole steps of one and of several prefill chunks (0: not measured);
+- ``max_seqs``: how many sequences a step runs at most for throughput (offline jobs), from the
+  time of whole decode steps of each of ``SEQ_CHOICES`` rows (0: not measured).
 
 ``DEFAULT`` is the fallback when nothing is measured (``CARPOOL_ENGINE_PLAN=default``): the
 routes a 2-core Zen 5 preferred.  ``CARPOOL_ENGINE_PLAN`` (or ``extra["plan"]``) also forces
@@ -58,6 +60,11 @@ DEFAULT_SILU_GRAIN = 1 << 15
 # before the plan measured it.  Offline budgets are chosen among BATCH_TOKENS (never below it).
 DEFAULT_BATCH_TOKENS = 2048
 BATCH_TOKENS = (2048, 4096, 8192, 16384)
+# The sequences a step runs at most when nothing chose it: the engine's constant before the plan
+# measured it, and a server's (a longer decode step is every user's time between two tokens).
+# Offline it is chosen among SEQ_CHOICES (vLLM's CPU build runs 256 for its offline ``LLM``).
+DEFAULT_MAX_SEQS = 64
+SEQ_CHOICES = (64, 128, 256)
 
 RouteTable = tuple[tuple[int, str], ...]
 
@@ -72,6 +79,7 @@ class Plan:
     row_grain: int = DEFAULT_ROW_GRAIN
     silu_grain: int = DEFAULT_SILU_GRAIN
     batch_tokens: int = 0
+    max_seqs: int = 0
     source: str = "default"  # default | measured | cached, and "+forced" when overridden
     timings: dict[str, Any] = field(default_factory=dict, compare=False)
     fingerprint: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -86,7 +94,8 @@ class Plan:
                 "weight_only_max_rows": self.weight_only_max_rows, "prefill": [list(e) for e in self.prefill],
                 "decode": [list(e) for e in self.decode],
                 "row_grain": self.row_grain, "silu_grain": self.silu_grain, "batch_tokens": self.batch_tokens,
-                "source": self.source, "timings": self.timings, "fingerprint": self.fingerprint}
+                "max_seqs": self.max_seqs, "source": self.source, "timings": self.timings,
+                "fingerprint": self.fingerprint}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Plan:
@@ -106,7 +115,8 @@ class Plan:
                    decode=routes("decode", d["decode"], DECODE_ROUTES),
                    row_grain=int(d.get("row_grain", DEFAULT_ROW_GRAIN)),
                    silu_grain=int(d.get("silu_grain", DEFAULT_SILU_GRAIN)),
-                   batch_tokens=int(d.get("batch_tokens", 0)), source=str(d.get("source", "cached")),
+                   batch_tokens=int(d.get("batch_tokens", 0)), max_seqs=int(d.get("max_seqs", 0)),
+                   source=str(d.get("source", "cached")),
                    timings=dict(d.get("timings") or {}), fingerprint=dict(d.get("fingerprint") or {}))
 
 
@@ -254,12 +264,31 @@ def choose_batch_tokens(budget: dict[str, Any]) -> int:
     return next(b for b in sizes if fixed / b + per_row <= best * (1 + MARGIN))
 
 
+def choose_max_seqs(seqs: dict[str, Any]) -> int:
+    """How many sequences a step runs at most for throughput, from whole decode steps of each of
+    ``SEQ_CHOICES`` rows ({"seconds": {rows: s}}): the fewest whose time per token is within
+    ``MARGIN`` of the best one's.  A step's weights, calls and Python are paid once a step and
+    shared by its rows; more rows than pay for that only hold more KV cache.  A decode row's
+    attention reads its own keys at any batch size, so the timed rows attend to a few keys
+    only and what is compared is the shared part.  0 when the timings say nothing (the engine
+    keeps ``DEFAULT_MAX_SEQS``)."""
+    try:
+        per_token = {int(n): float(t) / int(n) for n, t in (seqs.get("seconds") or {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        return 0
+    per_token = {n: t for n, t in per_token.items() if n > 0 and t > 0}
+    if not per_token:
+        return 0
+    best = min(per_token.values())
+    return min(n for n, t in per_token.items() if t <= best * (1 + MARGIN))
+
+
 def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
     """The plan the timings call for (pure).  ``timings`` (as ``plan_measure.measure`` returns
     and the plan file keeps): ``gemm`` / ``int8_gemm``: {linear: {rows: {route: s}}},
     ``weight_only``: {rows: {"weight_only": s, "int8": s}}, ``prefill``: [{rows, cached, kernel,
     flash[, brgemm]}], ``decode``: [{rows, keys, kernel, brgemm}], ``grain``, ``budget``
-    (``choose_batch_tokens``).  A part that was not timed keeps ``fallback``'s (default:
+    (``choose_batch_tokens``), ``seqs`` (``choose_max_seqs``).  A part that was not timed keeps ``fallback``'s (default:
     ``default_plan()``) routes."""
     base = fallback or default_plan()
     gemm = {**base.gemm, **choose_gemm(timings.get("gemm") or {})}
@@ -275,6 +304,7 @@ def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
                 row_grain=_grain(grain.get("light"), base.row_grain),
                 silu_grain=_grain(grain.get("silu"), base.silu_grain),
                 batch_tokens=choose_batch_tokens(timings["budget"]) if timings.get("budget") else base.batch_tokens,
+                max_seqs=choose_max_seqs(timings["seqs"]) if timings.get("seqs") else base.max_seqs,
                 source="measured", timings=timings)
 
 
@@ -285,7 +315,7 @@ def _grain(points: list[dict[str, float]] | None, fallback: int) -> int:
 # ----------------------------------------------------------------------------- forcing
 
 
-_NUMBER_KEYS = ("weight_only_max_rows", "row_grain", "silu_grain", "batch_tokens")
+_NUMBER_KEYS = ("weight_only_max_rows", "row_grain", "silu_grain", "batch_tokens", "max_seqs")
 
 
 def parse_overrides(text: str) -> dict[str, str]:
@@ -295,7 +325,8 @@ def parse_overrides(text: str) -> dict[str, str]:
     (kernel|flash|brgemm: every prefill chunk's attention), decode (kernel|brgemm: every decode
     row's), and whole numbers weight_only_max_rows,
     row_grain and silu_grain (values a row-wise pass holds at most to run on one thread) and
-    batch_tokens (the offline step budget; an engine given max_num_batched_tokens keeps it).  The
+    batch_tokens (the offline step budget; an engine given max_num_batched_tokens keeps it) and
+    max_seqs (the offline sequences of a step; an engine given max_num_seqs keeps it).  The
     words "measure" (the default: the cached plan, else measured now), "remeasure" (measured now
     whatever is cached) and "default" (no measuring, the fallback plan) stand alone."""
     choices = {"gemm": GEMM_ROUTES, "int8_gemm": GEMM_ROUTES, "prefill": PREFILL_ROUTES, "decode": DECODE_ROUTES}

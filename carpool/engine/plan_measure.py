@@ -23,6 +23,7 @@ from . import cpu, decode_gemm, plan_cache
 from .plan import (
     BATCH_TOKENS,
     ROW_BUCKETS,
+    SEQ_CHOICES,
     WEIGHT_ONLY_ROWS,
     Plan,
     apply_overrides,
@@ -127,13 +128,14 @@ def _time_int8(w: Int8Linear, k: Kernels, rows: int) -> dict[str, float]:
     return race(fns)
 
 
-def _gemm_timings(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, clock: _Clock) -> dict[str, Any]:
+def _gemm_timings(model: LlamaModel, k: Kernels, max_rows: int, clock: _Clock) -> dict[str, Any]:
     out: dict[str, Any] = {}
     lin0 = {**model.linears[0], "head": model.head_linear}
     w0: dict[str, Any] = {n: model.layers[0][n] for n in ("qkv", "o", "gate_up", "down")}
     w0["head"] = model.head
     for name, lin in lin0.items():
-        limit = max_seqs if name == "head" else max_rows  # the head runs only on the rows that sample
+        # The head runs only on the rows that sample: one a sequence, as many as a step may run.
+        limit = min(max_rows, SEQ_CHOICES[-1]) if name == "head" else max_rows
         for rows in _buckets(limit):
             if clock.out:
                 return out
@@ -245,7 +247,7 @@ def _time_decode(model: LlamaModel, k: Kernels, rows: int, keys: int, kv_cache_d
                                                model.scale)})
 
 
-def _decode_timings(model: LlamaModel, k: Kernels, max_seqs: int, max_len: int, kv_cache_dtype: str,
+def _decode_timings(model: LlamaModel, k: Kernels, max_len: int, kv_cache_dtype: str,
                     clock: _Clock) -> dict[str, Any]:
     if not brgemm_runs(k, model.dtype, kv_cache_dtype):
         return {}  # one route: nothing to choose
@@ -253,7 +255,6 @@ def _decode_timings(model: LlamaModel, k: Kernels, max_seqs: int, max_len: int, 
     for rows, keys in DECODE_POINTS:
         if keys > max_len or clock.out:
             continue
-        rows = min(rows, max_seqs)
         points.append({"rows": rows, "keys": keys, **_time_decode(model, k, rows, keys, kv_cache_dtype)})
     return {"decode": points} if points else {}
 
@@ -310,7 +311,7 @@ def _best_of(a: Any, b: Any) -> Any:
 
 
 @torch.inference_mode()
-def measure(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len: int,
+def measure(model: LlamaModel, k: Kernels, max_rows: int, max_len: int,
             kv_cache_dtype: str = "auto", budget_s: float = BUDGET_S) -> dict[str, Any]:
     """The timings ``plan.choose`` reads (seconds), taken now on this machine."""
     clock = _Clock(budget_s)
@@ -321,10 +322,10 @@ def measure(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len
     grains = k.row_grains()
     try:
         for _ in range(PASSES):
-            one = _gemm_timings(model, k, max_rows, max_seqs, clock)
+            one = _gemm_timings(model, k, max_rows, clock)
             one.update(_weight_only_timings(model, k, clock))
             one.update(_prefill_timings(model, k, max_rows, max_len, kv_cache_dtype, clock))
-            one.update(_decode_timings(model, k, max_seqs, max_len, kv_cache_dtype, clock))
+            one.update(_decode_timings(model, k, max_len, kv_cache_dtype, clock))
             one.update(_grain_timings(model, k, max_rows, clock))
             timings = _best_of(timings, one) if timings else one
     finally:
@@ -385,28 +386,38 @@ def budget_timings(step: Callable[[int], None], max_tokens: int) -> dict[str, An
             "seconds_many": t["many"], "max_tokens": max_tokens}
 
 
-def model_shapes(model: LlamaModel, max_rows: int, max_seqs: int, max_len: int, kv_cache_dtype: str) -> dict[str, Any]:
+def seqs_timings(decode: Callable[[int], None]) -> dict[str, Any]:
+    """Whole decode steps of each of ``SEQ_CHOICES`` rows (``decode(n)`` runs one), in turns."""
+    return {"seconds": race({str(n): functools.partial(decode, n) for n in SEQ_CHOICES}, at_least=BUDGET_ROUNDS)}
+
+
+# A plan holds for any max_num_seqs and step budget up to MAX_TIMED_ROWS: it times the head up to
+# the most sequences a step may run, and the sequences a step runs are chosen from it.
+def model_shapes(model: LlamaModel, max_rows: int, max_len: int, kv_cache_dtype: str) -> dict[str, Any]:
     c = model.config
     return {"hidden": c.hidden_size, "intermediate": c.intermediate_size, "heads": c.num_attention_heads,
             "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
             "layers": c.num_hidden_layers, "bias": model.layers[0]["qkv_bias"] is not None,
             "dtype": str(model.dtype), "quantization": model.quantization, "kv_cache_dtype": kv_cache_dtype,
-            "max_rows": min(max_rows, MAX_TIMED_ROWS), "max_seqs": max_seqs, "max_len": max_len}
+            "max_rows": min(max_rows, MAX_TIMED_ROWS), "max_len": max_len}
 
 
-def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len: int, kv_cache_dtype: str = "auto",
+def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_len: int, kv_cache_dtype: str = "auto",
            setting: str | None = None, remeasure: bool = False,
-           step: Callable[[Plan, int], None] | None = None) -> Plan:
+           step: Callable[[Plan, int], None] | None = None,
+           decode: Callable[[Plan, int], None] | None = None) -> Plan:
     """The plan for this engine: ``setting`` (else $CARPOOL_ENGINE_PLAN; ``plan.parse_overrides``)
     "default" takes the fallback plan, otherwise the cached plan of this machine and model or,
     when there is none (or ``remeasure``), one measured now and cached; forced routes on top.
     ``step(plan, n)`` runs one whole step of n fresh prompt chunks of ``BUDGET_CHUNK`` rows on
-    the plan's routes: what the step's token budget is chosen from (none: not chosen)."""
+    the plan's routes: what the step's token budget is chosen from (none: not chosen);
+    ``decode(plan, n)`` one whole decode step of n sequences: what the sequences a step runs at
+    most are chosen from (none: not chosen)."""
     overrides = parse_overrides(setting if setting is not None else os.environ.get(PLAN_ENV, ""))
     fallback = default_plan(has_amx=cpu.has("amx_bf16"))
     if overrides.get("mode") == "default":
         return apply_overrides(fallback, overrides)
-    shapes = model_shapes(model, max_rows, max_seqs, max_len, kv_cache_dtype)
+    shapes = model_shapes(model, max_rows, max_len, kv_cache_dtype)
     path = plan_cache.plan_path(shapes, k.cache_dir)
     fingerprint = plan_cache.model_fingerprint(shapes)
     remeasure = remeasure or overrides.get("mode") == "remeasure"
@@ -417,11 +428,15 @@ def obtain(model: LlamaModel, k: Kernels, max_rows: int, max_seqs: int, max_len:
         log.warning("measuring the engine's routes on this CPU (%s) for this model: once per machine, "
                     "at most %.0f s and a few whole steps (`carpool engine prepare` does it ahead); the plan "
                     "is kept in %s", fingerprint["cpu"], BUDGET_S, path)
-        timings = measure(model, k, max_rows, max_seqs, max_len, kv_cache_dtype)
+        timings = measure(model, k, max_rows, max_len, kv_cache_dtype)
         chosen = choose(timings, fallback)
-        if step is not None:  # on the routes just chosen: the step the engine will run
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        # On the routes just chosen: the steps the engine will run.
+        if step is not None:
             timings["budget"] = budget_timings(functools.partial(step, chosen), max_batch_tokens(model))
+        if decode is not None:
+            timings["seqs"] = seqs_timings(functools.partial(decode, chosen))
+        if step is not None or decode is not None:
             timings["seconds"] = round(timings["seconds"] + time.perf_counter() - t0, 3)
             chosen = choose(timings, fallback)
         plan = Plan(**{**chosen.__dict__, "fingerprint": fingerprint})

@@ -35,6 +35,7 @@ from carpool.client.start_limit import (
     stored_limit,
     tokens_per_request,
 )
+from carpool.engine.plan import SEQ_CHOICES
 from carpool.jobs.cost.tokens import CountedSource, openai_counter, openai_encoding_name
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
 from carpool.jobs.input.prefix_order import PlannedSource
@@ -103,11 +104,15 @@ def job_defaults(opts: RunOptions) -> TaskDefaults:
     return opts.defaults
 
 
-def _engine_setting(opts: RunOptions, live: LiveParts, name: str, default: int) -> int:
-    """An engine setting of the job: the engine given (the API's warm one), else the options."""
+def _engine_seqs(opts: RunOptions, live: LiveParts) -> tuple[int, str]:
+    """The sequences the job's engine runs at once, and how to say it: the engine given (the API's
+    warm one), else the options; unset, the engine's plan measures it, at most SEQ_CHOICES' last."""
     config = getattr(live.engine, "config", None)
-    value = getattr(config, name, None) if config is not None else None
-    return int(value if value is not None else opts.engine_config.get(name, default))
+    value = getattr(config, "max_num_seqs", None) if config is not None else None
+    value = value if value is not None else opts.engine_config.get("max_num_seqs")
+    if value is not None:
+        return int(value), f"max_num_seqs ({int(value)})"
+    return SEQ_CHOICES[-1], f"max_num_seqs (measured for this machine, at most {SEQ_CHOICES[-1]})"
 
 
 def job_limiter(opts: RunOptions, live: LiveParts | None = None) -> FixedLimiter:
@@ -132,16 +137,16 @@ def engine_limiter(opts: RunOptions, live: LiveParts) -> FixedLimiter:
     With a semantic cache the tasks wait outside the engine until it can begin them (its
     batch and as many again to admit as the batch frees): a task asks the cache when it
     takes its slot, and only then finds the near-duplicates answered meanwhile."""
-    seqs = int(_engine_setting(opts, live, "max_num_seqs", 64))
+    seqs, said = _engine_seqs(opts, live)
     if opts.semantic_cache is not None:
         limit = 2 * seqs
-        why = (f"2 x the engine's max_num_seqs ({seqs}): the semantic cache is asked as a task "
+        why = (f"2 x the engine's {said}: the semantic cache is asked as a task "
                "enters the engine, no --concurrency given")
     else:
         limit = min(opts.max_pending, EMBED_QUEUE_SIZE)  # the embedder's queue turns away more
         read = (f"every task read (--max-pending {limit})" if limit == opts.max_pending else
                 f"{limit:,} of the tasks read (the in-process queue's size; --max-pending {opts.max_pending})")
-        why = f"{read}: the engine queues them and runs max_num_seqs ({seqs}) at once, no --concurrency given"
+        why = f"{read}: the engine queues them and runs {said} at once, no --concurrency given"
     if opts.max_concurrency and opts.max_concurrency < limit:
         return FixedLimiter(opts.max_concurrency, why=f"{why}, capped by --max-concurrency")
     return FixedLimiter(limit, why=why)

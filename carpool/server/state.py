@@ -68,11 +68,13 @@ class ServerState:
         cfg = self.config
         if self._engine is None:
             from carpool.engine.async_engine import AsyncEngine
-            from carpool.engine.config import SERVER_MAX_NUM_BATCHED_TOKENS
+            from carpool.engine.config import SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_MAX_NUM_SEQS
 
             engine_cfg = cfg.engine
             if engine_cfg.max_num_batched_tokens is None:  # short steps bound TTFT: not the offline budget
                 engine_cfg = dataclasses.replace(engine_cfg, max_num_batched_tokens=SERVER_MAX_NUM_BATCHED_TOKENS)
+            if engine_cfg.max_num_seqs is None:  # and the time between two tokens: not the offline batch
+                engine_cfg = dataclasses.replace(engine_cfg, max_num_seqs=SERVER_MAX_NUM_SEQS)
             self._engine = await AsyncEngine(engine_cfg).start()
         self._engine.add_step_listener(self.metrics.on_engine_step)
         if self.batcher is None and cfg.embedding_model:

@@ -1,5 +1,6 @@
-"""The step's token budget: chosen for throughput from timed whole steps (offline engines), given
-by the user (always wins), or kept short by a server (it bounds the time to a first token)."""
+"""The step's token budget and sequences: chosen for throughput from timed whole steps (offline
+engines), given by the user (always wins), or kept short by a server (they bound the time to a
+first token and between two tokens)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import torch
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
 from carpool.engine.ops import Kernels
-from carpool.engine.plan import BATCH_TOKENS, choose, choose_batch_tokens
+from carpool.engine.plan import (
+    BATCH_TOKENS,
+    DEFAULT_MAX_SEQS,
+    SEQ_CHOICES,
+    Plan,
+    choose,
+    choose_batch_tokens,
+    choose_max_seqs,
+)
 
 
 def steps(fixed: float, per_row: float, chunk: int = 128, many: int = 4, max_tokens: int = 16384) -> dict:
@@ -36,6 +45,32 @@ def test_memory_bounds_the_budget_and_bad_timings_choose_nothing():
     assert choose({}).batch_tokens == 0
 
 
+def decode_steps(fixed: float, per_row: float) -> dict:
+    return {"seconds": {str(n): fixed + per_row * n for n in SEQ_CHOICES}}
+
+
+def test_more_sequences_run_at_once_only_where_the_step_s_shared_cost_still_shows_per_token():
+    # A step's shared cost worth 2 rows: 64 rows pay 2.3% a token over 256's, within the margin.
+    assert choose_max_seqs(decode_steps(fixed=0.002, per_row=0.001)) == 64
+    # Worth 40 rows (fast matrix units: the weights read once a step dominate): 64 pays 41% a token
+    # more than 256, 128 14%: only 256 is within the margin.
+    assert choose_max_seqs(decode_steps(fixed=0.040, per_row=0.001)) == 256
+    # Worth 6 rows: 64 pays 7% more than 256, 128 2.3%.
+    assert choose_max_seqs(decode_steps(fixed=0.006, per_row=0.001)) == 128
+    # Timed points in any order, as the plan file's JSON keeps them; the fewest that do as well win.
+    assert choose_max_seqs({"seconds": {"256": 0.256, "64": 0.064, "128": 0.128}}) == 64
+
+
+def test_bad_decode_timings_choose_no_sequences_and_the_plan_keeps_its_own():
+    assert choose_max_seqs({}) == 0
+    assert choose_max_seqs({"seconds": {"64": 0.0}}) == 0
+    assert choose_max_seqs({"seconds": "x"}) == 0
+    assert choose({}).max_seqs == 0
+    assert choose({"seqs": decode_steps(fixed=0.040, per_row=0.001)}).max_seqs == 256
+    plan = choose({"seqs": decode_steps(fixed=0.006, per_row=0.001)})
+    assert Plan.from_json(plan.to_json()).max_seqs == 128
+
+
 def _stats(tiny, h, budget, plan):
     _, loaded = tiny
     llm = LLM(h.engine_config(dtype="bfloat16", max_num_batched_tokens=budget,
@@ -45,6 +80,20 @@ def _stats(tiny, h, budget, plan):
     assert len(llm.generate([req])[0].token_ids) == 2
     st = llm.engine.stats()
     return st["max_num_batched_tokens"], st["batch_tokens_source"]
+
+
+def _seats(tiny, h, seqs, plan):
+    _, loaded = tiny
+    llm = LLM(h.engine_config(dtype="bfloat16", max_num_seqs=seqs, extra={"attention": "kernel", "plan": plan}),
+              loaded=loaded)
+    st = llm.engine.stats()
+    return st["max_num_seqs"], st["max_num_seqs_source"]
+
+
+def test_an_offline_engine_runs_the_plans_sequences_and_given_ones_win(tiny, h, kernels):
+    assert _seats(tiny, h, None, "max_seqs=256") == (256, "measured")
+    assert _seats(tiny, h, 12, "max_seqs=256") == (12, "set")
+    assert _seats(tiny, h, None, "default") == (DEFAULT_MAX_SEQS, "default")
 
 
 def test_an_offline_engine_runs_the_plans_budget_and_a_given_one_wins(tiny, h, kernels):
@@ -69,6 +118,10 @@ def test_the_measured_plan_times_whole_steps_on_its_routes(tiny, h, kernels, mon
     budget = model.plan.timings["budget"]
     assert 0 < budget["seconds_one"] <= budget["seconds_many"] * 1.5
     assert model.plan.batch_tokens in BATCH_TOKENS
+    decode = model.plan.timings["seqs"]["seconds"]
+    assert sorted(int(n) for n in decode) == list(SEQ_CHOICES)
+    assert 0 < decode["64"] <= decode["256"] * 1.5  # a step of more rows never takes much less
+    assert model.plan.max_seqs in SEQ_CHOICES
 
 
 def test_a_server_keeps_a_short_budget_and_says_so(tiny):
@@ -80,3 +133,15 @@ def test_a_server_keeps_a_short_budget_and_says_so(tiny):
         text = urllib.request.urlopen(srv.base_url + "/metrics", timeout=30).read().decode()
     line = next(ln for ln in text.splitlines() if ln.startswith("carpool:max_num_batched_tokens"))
     assert float(line.rsplit(" ", 1)[1]) == 2048
+
+
+def test_a_server_keeps_its_default_sequences_whatever_the_plan_measured(tiny):
+    from carpool.engine.config import SERVER_MAX_NUM_SEQS
+    from carpool.server.config import ServerConfig
+    from carpool.server.launcher import start_server
+
+    engine = EngineConfig(model="tiny-random", num_kv_blocks=64, extra={"plan": "max_seqs=256"})
+    with start_server(ServerConfig(engine=engine, port=0, embedding_model=None)) as srv:
+        text = urllib.request.urlopen(srv.base_url + "/metrics", timeout=30).read().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("carpool:max_num_seqs"))
+    assert float(line.rsplit(" ", 1)[1]) == SERVER_MAX_NUM_SEQS

@@ -221,17 +221,17 @@ def test_the_engine_measures_once_then_loads_and_remeasures_on_another_cpu(tiny,
     k = Kernels(cache_dir=tmp_path)
     k.module, k.isa, k.has_bf16_gemm, k.has_int8_gemm = (kernels.module, kernels.isa, kernels.has_bf16_gemm,
                                                          kernels.has_int8_gemm)
-    first = plan_measure.obtain(model, k, 64, 8, 256, setting="measure")
+    first = plan_measure.obtain(model, k, 64, 256, setting="measure")
     assert first.source == "measured" and first.timings["prefill"]
     if kernels.has_bf16_gemm:
         assert set(first.timings["gemm"]) == {"qkv", "o", "gate_up", "down", "head"}
-    assert plan_measure.obtain(model, k, 64, 8, 256, setting="measure").source == "cached"
+    assert plan_measure.obtain(model, k, 64, 256, setting="measure").source == "cached"
     real = plan_cache.machine_fingerprint
     for change in ({"cpu_flags": "0000"}, {"torch": "0.0.0"}):
         monkeypatch.setattr(plan_cache, "machine_fingerprint", lambda c=change: {**real(), **c})
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            assert plan_measure.obtain(model, k, 64, 8, 256, setting="measure").source == "measured"
+            assert plan_measure.obtain(model, k, 64, 256, setting="measure").source == "measured"
         assert "measured under another" in caplog.text
 
 
@@ -249,7 +249,7 @@ def test_rows_are_cut_only_where_the_blocks_do_not_divide_between_the_threads(ti
     try:
         for n in (2, 3):
             torch.set_num_threads(n)
-            timed[n] = plan_measure.measure(model, kernels, 16, 4, 64, budget_s=30)["gemm"]
+            timed[n] = plan_measure.measure(model, kernels, 16, 64, budget_s=30)["gemm"]
     finally:
         torch.set_num_threads(threads)
     assert not any("carpool_split" in t for by_rows in timed[2].values() for t in by_rows.values())
