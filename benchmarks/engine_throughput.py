@@ -10,8 +10,8 @@ that name is in the workloads dir).  Runs carpool's engine (SmolLM2-135M, bf16, 
 ignored, max_tokens from the file; its step budget and sequences the plan's, measured on this
 machine, unless given) on each workload, and in the same run, when the peers are
 built (/work/shared/peers/setup.sh, venv in /tmp/carpool-peers/vllm), ``bench_vllm_cpu.py`` and
-``bench_hf_static.py`` in
-subprocesses with the peers' python (vLLM running as many sequences a step as carpool did).  Also measures the machine's bf16 GEMM roofline.
+``bench_hf_static.py`` in subprocesses with the peers' python (vLLM running as many sequences a
+step as carpool did).  Also measures the machine's bf16 GEMM roofline.
 Prints one JSON object: tok/s per engine, carpool/vllm and carpool/hf ratios and the
 fraction of the roofline carpool reaches (~0.27 GFLOP per token for this model).
 The machine may be shared: compare the ratios of one run, not figures across runs.

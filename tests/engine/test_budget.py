@@ -145,3 +145,13 @@ def test_a_server_keeps_its_default_sequences_whatever_the_plan_measured(tiny):
         text = urllib.request.urlopen(srv.base_url + "/metrics", timeout=30).read().decode()
     line = next(ln for ln in text.splitlines() if ln.startswith("carpool:max_num_seqs"))
     assert float(line.rsplit(" ", 1)[1]) == SERVER_MAX_NUM_SEQS
+
+
+def test_engines_of_any_max_num_seqs_read_one_plan(tiny, h, kernels):
+    """The plan holds for every max_num_seqs (it chooses the offline one): an engine given other
+    sequences than the last reads the plan that engine measured or read, and measures nothing."""
+    _, loaded = tiny
+    plans = [LLM(h.engine_config(dtype="bfloat16", max_num_seqs=n, extra={"attention": "kernel"}),
+                 loaded=loaded).engine.model.plan for n in (4, 9)]
+    assert plans[1].source == "cached"
+    assert plans[1].fingerprint == plans[0].fingerprint
