@@ -288,8 +288,8 @@ def choose(timings: dict[str, Any], fallback: Plan | None = None) -> Plan:
     and the plan file keeps): ``gemm`` / ``int8_gemm``: {linear: {rows: {route: s}}},
     ``weight_only``: {rows: {"weight_only": s, "int8": s}}, ``prefill``: [{rows, cached, kernel,
     flash[, brgemm]}], ``decode``: [{rows, keys, kernel, brgemm}], ``grain``, ``budget``
-    (``choose_batch_tokens``), ``seqs`` (``choose_max_seqs``).  A part that was not timed keeps ``fallback``'s (default:
-    ``default_plan()``) routes."""
+    (``choose_batch_tokens``), ``seqs`` (``choose_max_seqs``).  A part that was not timed keeps
+    ``fallback``'s (default: ``default_plan()``) routes."""
     base = fallback or default_plan()
     gemm = {**base.gemm, **choose_gemm(timings.get("gemm") or {})}
     int8 = {**base.int8_gemm, **choose_gemm(timings.get("int8_gemm") or {})}
