@@ -35,7 +35,7 @@ from carpool.client.start_limit import (
     stored_limit,
     tokens_per_request,
 )
-from carpool.engine.plan import SEQ_CHOICES
+from carpool.engine.plan import DEFAULT_MAX_SEQS
 from carpool.jobs.cost.tokens import CountedSource, openai_counter, openai_encoding_name
 from carpool.jobs.fingerprint import engine_model_name, job_identity, make_fingerprint
 from carpool.jobs.input.prefix_order import PlannedSource
@@ -104,15 +104,14 @@ def job_defaults(opts: RunOptions) -> TaskDefaults:
     return opts.defaults
 
 
-def _engine_seqs(opts: RunOptions, live: LiveParts) -> tuple[int, str]:
-    """The sequences the job's engine runs at once, and how to say it: the engine given (the API's
-    warm one), else the options; unset, the engine's plan measures it, at most SEQ_CHOICES' last."""
-    config = getattr(live.engine, "config", None)
-    value = getattr(config, "max_num_seqs", None) if config is not None else None
-    value = value if value is not None else opts.engine_config.get("max_num_seqs")
-    if value is not None:
-        return int(value), f"max_num_seqs ({int(value)})"
-    return SEQ_CHOICES[-1], f"max_num_seqs (measured for this machine, at most {SEQ_CHOICES[-1]})"
+def _engine_seqs(opts: RunOptions, live: LiveParts) -> int | None:
+    """The sequences the job's engine runs at once: a running engine's (the API's warm one: what
+    was given it or what its plan chose), else the one given; None: the engine's plan chooses as
+    the engine starts."""
+    if live.engine is not None:
+        return int(live.engine.stats().get("max_num_seqs") or DEFAULT_MAX_SEQS)
+    given = opts.engine_config.get("max_num_seqs")
+    return None if given is None else int(given)
 
 
 def job_limiter(opts: RunOptions, live: LiveParts | None = None) -> FixedLimiter:
@@ -137,9 +136,13 @@ def engine_limiter(opts: RunOptions, live: LiveParts) -> FixedLimiter:
     With a semantic cache the tasks wait outside the engine until it can begin them (its
     batch and as many again to admit as the batch frees): a task asks the cache when it
     takes its slot, and only then finds the near-duplicates answered meanwhile."""
-    seqs, said = _engine_seqs(opts, live)
+    seqs = _engine_seqs(opts, live)
+    said = "max_num_seqs (the plan's for this machine)" if seqs is None else f"max_num_seqs ({seqs})"
     if opts.semantic_cache is not None:
-        limit = 2 * seqs
+        # Before the engine has read its plan, the number it runs until then: fewer tasks asked
+        # the cache before any is answered, at the cost of seats the plan may add.
+        said = f"max_num_seqs ({DEFAULT_MAX_SEQS} until its plan is read)" if seqs is None else said
+        limit = 2 * (seqs or DEFAULT_MAX_SEQS)
         why = (f"2 x the engine's {said}: the semantic cache is asked as a task "
                "enters the engine, no --concurrency given")
     else:

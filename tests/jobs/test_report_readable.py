@@ -49,10 +49,11 @@ def test_the_concurrency_reason_names_what_set_it():
     engine_default = job_limiter(RunOptions(input="", output="")).summary()
     assert engine_default["limit"] == 2048 and "--concurrency" not in engine_default["why"].split(",")[0]
     assert engine_default["why"] == ("every task read (--max-pending 2048): the engine queues them and runs "
-                                     "max_num_seqs (measured for this machine, at most 256) at once, no "
-                                     "--concurrency given")
+                                     "max_num_seqs (the plan's for this machine) at once, no --concurrency given")
     given_seqs = job_limiter(RunOptions(input="", output="", engine_config={"max_num_seqs": 32})).summary()
     assert "runs max_num_seqs (32) at once" in given_seqs["why"]
+    semantic = job_limiter(RunOptions(input="", output="", semantic_cache=0.9)).summary()
+    assert semantic["limit"] == 128 and "2 x the engine's max_num_seqs (64 until its plan is read)" in semantic["why"]
     deep = job_limiter(RunOptions(input="", output="", max_pending=10_000)).summary()
     assert deep["limit"] == 4096 and deep["why"].startswith("4,096 of the tasks read (the in-process queue's size")
     given = job_limiter(RunOptions(input="", output="", endpoints=["http://x/v1"], concurrency=8)).summary()
