@@ -105,6 +105,14 @@ class AsyncEngine:
         return self._require().max_model_len
 
     @property
+    def max_num_seqs(self) -> int | None:
+        # Asked before a job starts the engine: reading it must not build one (the job times
+        # the engine's start itself).
+        if self.engine is not None:
+            return self.engine.scheduler.max_num_seqs
+        return self.config.max_num_seqs
+
+    @property
     def tokenizer(self):
         return self._require().tokenizer
 

@@ -105,11 +105,11 @@ def job_defaults(opts: RunOptions) -> TaskDefaults:
 
 
 def _engine_seqs(opts: RunOptions, live: LiveParts) -> int | None:
-    """The sequences the job's engine runs at once: a running engine's (the API's warm one: what
-    was given it or what its plan chose), else the one given; None: the engine's plan chooses as
-    the engine starts."""
+    """The sequences the job's engine runs at once: the given engine's (the API's warm one: what
+    it was given or what its plan chose), else the one given in the settings; None: the engine's
+    plan chooses as the engine starts.  Asking never starts an engine."""
     if live.engine is not None:
-        return int(live.engine.stats().get("max_num_seqs") or DEFAULT_MAX_SEQS)
+        return live.engine.max_num_seqs
     given = opts.engine_config.get("max_num_seqs")
     return None if given is None else int(given)
 
