@@ -37,12 +37,18 @@ import torch
 
 from carpool.engine import LLM, EngineConfig, GenerateRequest, SamplingParams
 
-LINEAR = ("aten::linear", "aten::addmm", "aten::mm", "aten::_weight_int8pack_mm", "carpool::int8_linear")
+# The linears' routes: torch's, oneDNN's prepacked bf16 and int8 ones, carpool's packed GEMMs and
+# the int8 route's row quantizing and dequantizing around its GEMM.
+LINEAR = ("aten::linear", "aten::addmm", "aten::mm", "aten::_weight_int8pack_mm", "aten::_int_mm",
+          "carpool::int8_linear", "mkldnn::_linear_pointwise", "onednn::qlinear_pointwise",
+          "carpool::bf16_gemm", "carpool::int8_gemm", "carpool::int8_gemm_dequant",
+          "carpool::quantize_rows", "carpool::int8_dequantize")
 ATTENTION = ("carpool::paged_attention", "carpool::attention", "carpool::prefill_attention",
              "carpool::decode_attention",
              "aten::index_copy_", "aten::matmul", "aten::bmm", "aten::softmax", "aten::_softmax",
              "aten::scaled_dot_product_attention", "carpool::attention")
-NORM_ACT = ("carpool::add_rms_norm", "carpool::silu_mul", "aten::rms_norm", "aten::silu")
+NORM_ACT = ("carpool::add_rms_norm", "carpool::silu_mul", "carpool::add_rms_norm_quant", "carpool::silu_mul_quant",
+            "aten::rms_norm", "aten::silu")
 ROPE = ("carpool::rope_",)
 
 
@@ -94,9 +100,20 @@ class KindLabelled:
         self.fn = fn
 
     def __call__(self, input_ids, positions, meta, *a, **kw):
-        kind = "prefill" if input_ids.shape[0] > meta.num_decode else "decode"
+        # A decode-only step samples from every row it runs (the kernels take decode rows as
+        # ordinary rows, so meta.num_decode stays 0 there).
+        kind = "prefill" if input_ids.shape[0] > len(meta.logits_index) else "decode"
         with torch.profiler.record_function(f"forward:{kind}"):
             return self.fn(input_ids, positions, meta, *a, **kw)
+
+
+def kernel_ops() -> list[str]:
+    """Every compiled op that works on tensors (the GEMMs among them), from the kernels' op list."""
+    try:
+        from carpool.engine.ops.bindings import OPS
+    except ImportError:  # a tree before the op list
+        return ["attention", "rope_", "add_rms_norm", "silu_mul"]
+    return [name for name, op in OPS.items() if any("Tensor" in typ for typ, _, _ in op.params)]
 
 
 def step_kind(ev) -> str:
@@ -127,10 +144,10 @@ def run(llm: LLM, rows: list[dict], tag: str, profile: bool) -> dict:
     eng.listeners.append(on_step)
     prof = None
     kernels = getattr(runner, "kernels", None)  # None on a tree before ops/ (its kernel calls go unlabelled)
-    if profile and kernels is not None:
+    labelled = kernel_ops() if profile and kernels is not None else []
+    for name in labelled:
         # The kernels are pybind functions, invisible to the profiler: label each call.
-        for name in ("attention", "rope_", "add_rms_norm", "silu_mul"):
-            setattr(kernels, name, Labelled(getattr(kernels, name), f"carpool::{name}"))
+        setattr(kernels, name, Labelled(getattr(kernels, name), f"carpool::{name}"))
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         prof.__enter__()
@@ -140,9 +157,8 @@ def run(llm: LLM, rows: list[dict], tag: str, profile: bool) -> dict:
     if prof is not None:
         prof.__exit__(None, None, None)
     eng.listeners.remove(on_step)
-    if profile and kernels is not None:
-        for name in ("attention", "rope_", "add_rms_norm", "silu_mul"):
-            delattr(kernels, name)
+    for name in labelled:
+        delattr(kernels, name)
     eng.scheduler.schedule, runner.prepare, runner.model.forward, runner.sampler = orig
     res: dict = {"wall_s": wall, "steps": steps,
                  "tokens": sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)}
