@@ -89,6 +89,11 @@ class Backend(Protocol):
     engine_start_s: float | None
     engine_start_overlap_s: float | None
 
+    @property
+    def engine_max_num_seqs(self) -> int | None:
+        """The sequences that engine ran a step at most (None: no engine ran in this process)."""
+        ...
+
     async def call(self, request: Request, *, prepared: Any = None,
                    on_first_token: Callable[[], None] | None = None) -> CallResult:
         """One attempt at ``request``.  ``prepared``: what this backend's admission check

@@ -84,6 +84,11 @@ class EngineBackend:
         self.engine_start_overlap_s = round(min(took, max(0.0, waiting_from - self._start_began)), 3)
 
     @property
+    def engine_max_num_seqs(self) -> int | None:
+        # Only once the engine runs for this job: a job of embeddings alone never starts it.
+        return None if self._translator is None else self.engine.max_num_seqs
+
+    @property
     def translator(self) -> Translator:
         # Built on first use (or by begin_start): reading max_model_len loads the model, which a
         # job of embeddings only never needs.

@@ -47,6 +47,7 @@ class HttpBackend:
     name = "http"
     engine_start_s: float | None = None  # no engine runs in this process
     engine_start_overlap_s: float | None = None
+    engine_max_num_seqs: int | None = None
 
     def __init__(self, endpoints: list[str] | list[EndpointSpec] | None, model: str | None = None,
                  api_key: str | None = None, stream: bool = True, timeouts: Timeouts | None = None,

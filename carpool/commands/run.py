@@ -586,6 +586,8 @@ def render_summary(stats: JobStats, console: Console | None = None) -> None:
     if stats.concurrency is not None:
         c = stats.concurrency
         t.add_row("concurrency", f"{c['mode']} {c['limit']:g}: {c['why']}")
+    if stats.engine_max_num_seqs is not None:
+        t.add_row("engine's max_num_seqs", f"{stats.engine_max_num_seqs:,} sequences a step at most")
     t.add_row("retries", ", ".join(f"{k} {v}" for k, v in stats.retries.items()) or "0")
     if stats.stopped_by_outage:
         t.add_row("stopped", stats.outage_stop.removeprefix("paused: ") + ", past --outage-timeout")

@@ -64,6 +64,7 @@ class EchoBackend:
     name = "echo"
     engine_start_s: float | None = None  # no engine runs in this process
     engine_start_overlap_s: float | None = None
+    engine_max_num_seqs: int | None = None
 
     async def call(self, req: Request, *, prepared: object = None,
                    on_first_token: Callable[[], None] | None = None) -> CallResult:

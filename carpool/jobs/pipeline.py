@@ -257,6 +257,7 @@ class Pipeline:
             await self._close()  # the backend's close waits for an engine start still running
             st.engine_start_s = parts.backend.engine_start_s
             st.engine_start_overlap_s = parts.backend.engine_start_overlap_s
+            st.engine_max_num_seqs = parts.backend.engine_max_num_seqs
             if writer.error is not None:
                 st.interrupted = True
                 st.done -= writer.dropped

@@ -16,7 +16,7 @@ class _Flaky:
     """Fails the first call with a 500, answers the next; remembers what each call was given."""
 
     name = "flaky"
-    engine_start_s = engine_start_overlap_s = None
+    engine_start_s = engine_start_overlap_s = engine_max_num_seqs = None
 
     def __init__(self) -> None:
         self.given: list[tuple[object, object]] = []
@@ -72,7 +72,7 @@ class _Same:
     """Answers every call with the one result it was given (as a cache of answers would)."""
 
     name = "same"
-    engine_start_s = engine_start_overlap_s = None
+    engine_start_s = engine_start_overlap_s = engine_max_num_seqs = None
 
     def __init__(self, res: CallResult) -> None:
         self.res = res

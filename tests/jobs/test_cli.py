@@ -42,6 +42,24 @@ def test_the_summary_table_shows_the_engine_start_inside_elapsed(tmp_path):
     assert start > 0 and f"(engine start {start:.1f} s)" in p.stderr
 
 
+def test_the_summary_names_the_sequences_the_engine_ran_at_once(tmp_path):
+    # The concurrency line says the engine runs "max_num_seqs" at once; the number itself is known
+    # only once the engine has started (its plan chooses it when none is given).
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+                   + "\n")
+    p = run_cli(str(src), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny-random", "--cache", "off",
+                "--max-num-seqs", "5", "--summary-json", str(tmp_path / "s.json"))
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["engine_max_num_seqs"] == 5
+    assert "5 sequences a step at most" in p.stderr
+    echo = run_cli(str(src), "-o", str(tmp_path / "e.jsonl"), "--echo-backend", "--cache", "off",
+                   "--summary-json", str(tmp_path / "e.json"))
+    assert echo.returncode == 0, echo.stderr
+    assert json.loads((tmp_path / "e.json").read_text())["engine_max_num_seqs"] is None
+    assert "max_num_seqs" not in echo.stderr
+
+
 def test_the_progress_bar_names_dedup_for_what_it_is_on_stderr(tmp_path):
     # Before: "19 cached" with the cache off (those answers were copies of a task of this run),
     # and the bar drawn on stdout, into the JSON of --summary-json -.

@@ -132,3 +132,4 @@ def test_the_summary_says_how_long_the_engine_took_to_start(tmp_path):
 
         asyncio.run(fresh.shutdown())
     assert s["ok"] == 1 and 0 < s["engine_start_s"] < s["elapsed_s"]
+    assert s["engine_max_num_seqs"] == 4  # what it was given, read without starting it before the clock

@@ -197,6 +197,8 @@ def summary_rows(stats: JobStats) -> list[tuple[str, str | None]]:
         rows.append(("concurrency", f"{c['mode']}, {c['limit']:g} in flight: {c['why']}"))
     if d.get("engine_start_s") is not None:
         rows.append(("engine start (inside elapsed)", _n(d["engine_start_s"], "s", 1)))
+    if d.get("engine_max_num_seqs") is not None:
+        rows.append(("engine's max_num_seqs", f"{d['engine_max_num_seqs']:,} sequences a step at most"))
     if d["interrupted"] or d["stopped_by_outage"]:
         rows.append(("stopped early", "interrupted" if d["interrupted"] else "endpoints down past --outage-timeout"))
     return rows

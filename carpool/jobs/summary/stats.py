@@ -114,6 +114,8 @@ class JobStats:
     # Of those, the seconds the engine started in the background while the job opened its
     # journal and read its first tasks (EngineBackend.begin_start), not waited for.
     engine_start_overlap_s: float | None = None
+    # The sequences that engine ran a step at most: given, or chosen by its plan for this machine.
+    engine_max_num_seqs: int | None = None
     # A job spread over shards: which of them finished (None: the job ran in this process).
     shards: ShardsRun | None = None
     # Why tasks were left unrun although nothing stopped the job on purpose (a worker
@@ -198,6 +200,7 @@ class JobStats:
             "backend": redact_text(self.backend), "cache": redact_text(self.cache_backend),
             "engine_start_s": self.engine_start_s,
             "engine_start_overlap_s": self.engine_start_overlap_s,
+            "engine_max_num_seqs": self.engine_max_num_seqs,
             "cache_ttl_s": self.cache_ttl_s,
             **({"semantic_audit": self.semantic_audit} if self.semantic_audit is not None else {}),
             **({"concurrency": self.concurrency} if self.concurrency is not None else {}),
