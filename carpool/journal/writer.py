@@ -25,11 +25,21 @@ from pathlib import Path
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
+# Characters that Python's str.splitlines() (and JavaScript's line terminators, for the last two)
+# end a line at, which JSON leaves unescaped with ensure_ascii=False: a custom_id or an answer
+# holding one came back as two broken lines to a reader that splits the decoded file that way.
+_LINE_BREAKS = ("\x85", "\u2028", "\u2029")
+
+
 def _encode_line(doc: dict) -> bytes:
+    text = _dumps(doc)
+    for ch in _LINE_BREAKS:
+        if ch in text:  # rare: a scan each, where translate() would rebuild every line
+            text = text.replace(ch, f"\\u{ord(ch):04x}")  # only inside strings: the same value
     # A lone surrogate (a server that cut a multi-byte character, a "\ud800" escape in its
     # JSON) has no UTF-8 form: written back as the same JSON escape, the line stays valid
     # JSON and says exactly what was received; a strict encode would raise and lose the line.
-    return (_dumps(doc) + "\n").encode("utf-8", "backslashreplace")
+    return (text + "\n").encode("utf-8", "backslashreplace")
 
 
 def _rid() -> str:

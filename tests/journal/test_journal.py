@@ -1,5 +1,7 @@
 """The output-is-the-journal recovery, on its own."""
 
+import json
+
 import numpy as np
 
 from carpool.journal.done import DoneSet, id_hash
@@ -18,6 +20,23 @@ def test_recover_cuts_partial_line_and_reads_escaped_ids(tmp_path):
     assert cut > 0 and out.read_bytes().endswith(b"\n")
     done = DoneSet(np.array(hashes, dtype=np.uint64))
     assert all(cid in done for cid in ids) and "half" not in done and "other" not in done
+
+
+def test_a_line_break_inside_an_id_or_answer_keeps_its_line_whole(tmp_path):
+    # U+0085 and U+2028/9 end a line for str.splitlines() (and the last two for JavaScript); left
+    # unescaped, one answer read back as two broken lines.
+    weird = "a\x85b\u2028c\u2029d"
+    out = tmp_path / "o.jsonl"
+    with open(out, "wb") as f:
+        f.write(success_line(weird, 200, "r", {"content": weird}))
+        f.write(error_line("e" + weird, "invalid_input", "bad " + weird, 1, "messages"))
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2
+    ok, bad = (json.loads(x) for x in lines)
+    assert ok["custom_id"] == weird and ok["response"]["body"]["content"] == weird
+    assert bad["custom_id"] == "e" + weird and weird in bad["error"]["message"]
+    hashes, cut = recover_file(out)
+    assert cut == 0 and weird in DoneSet(np.array(hashes, dtype=np.uint64))
 
 
 def test_journal_counts_both_files_and_reset(tmp_path):
