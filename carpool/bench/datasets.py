@@ -72,7 +72,7 @@ def load_jsonl(
     if not path.exists():
         raise DatasetError(f"{path}: no such file; pass a workload JSONL, 'random' or 'shared-prefix'")
     out: list[BenchRequest] = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # -sig: a byte order mark is no part of line 1
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

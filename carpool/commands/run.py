@@ -257,6 +257,7 @@ def _endpoint_specs(args: argparse.Namespace) -> list:
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     from carpool.jobs.options import RunOptions
+    from carpool.jobs.start.checks import check_files
 
     template = None
     if args.template:
@@ -277,7 +278,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     if args.kv_cache_dtype and args.kv_cache_dtype != "auto":
         engine_config["kv_cache_dtype"] = args.kv_cache_dtype
     output = args.output or (os.path.splitext(args.input)[0] + ".results.jsonl")
-    return RunOptions(
+    opts = RunOptions(
         input=args.input, output=output, errors=args.errors, fmt=args.format, template=template,
         defaults=defaults, endpoints=endpoints, endpoint_specs=specs, headers=_headers(args.header),
         api_version=args.api_version,
@@ -297,6 +298,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         retry_errors=args.retry_errors, argv=["run", *_original_argv()], quiet=args.quiet,
         price_in=args.price_in, price_out=args.price_out, prices=args.prices, batch_api=batch,
     )
+    check_files(opts, more=[("--summary-json", args.summary_json)])
+    return opts
 
 
 def ray_options_from_args(args: argparse.Namespace) -> RayOptions:

@@ -55,7 +55,7 @@ def load_endpoints(path: str, environ: Mapping[str, str] | None = None) -> list[
     """The endpoints of the file at ``path``; keys are read from ``environ`` (default: os.environ)."""
     env = os.environ if environ is None else environ
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark is no part of the document
             text = f.read()
     except OSError as e:
         raise EndpointsFileError(f"--endpoints {path}: cannot read it ({e.strerror or e})") from None

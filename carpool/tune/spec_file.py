@@ -13,7 +13,7 @@ from carpool.errors import StartRefused
 def read_mapping(path: Path, flag: str, error: type[StartRefused]) -> dict:
     """The file's top-level mapping (JSON is read as the YAML it also is)."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(path.read_text(encoding="utf-8-sig"))
     except OSError as e:
         raise error(f"{flag} {path}: {e.strerror or e}") from None
     except yaml.YAMLError as e:

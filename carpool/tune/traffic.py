@@ -71,7 +71,7 @@ def _hour(value: object, where: str) -> int:
 
 def _rows(path: Path) -> list[dict]:
     """The file's records: CSV rows by header, JSONL objects, or bare JSONL numbers."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # -sig: Excel's "CSV UTF-8" starts with a byte order mark
     first = next((line for line in text.splitlines() if line.strip()), "")
     if not first:
         raise TrafficFileError(f"--traffic {path}: the file is empty")

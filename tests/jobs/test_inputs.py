@@ -88,3 +88,71 @@ def test_csv_without_template_says_what_to_do(tmp_path):
                                            r".*template='Classify: \{review\}'"):
         run_batch(src, out, echo=True, cache="off")
     assert not out.exists()
+
+
+def test_an_output_over_the_input_or_a_report_over_the_output_is_refused_before_anything_runs(tmp_path):
+    """The output is the job's journal: written over the input it took each task for answered
+    (exit 0, nothing run); a report written over the output replaced the answers with HTML."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    before = src.read_bytes()
+    os.link(src, tmp_path / "hard.jsonl")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "carpool.cli", "run", *map(str, args), "--echo",
+                               "--cache", "off"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    for out in ("in.jsonl", "./in.jsonl", tmp_path / "hard.jsonl"):
+        p = run("in.jsonl", "-o", out)
+        assert p.returncode == 2, p.stderr
+        assert "is the input file" in p.stderr and "-o in.results.jsonl" in p.stderr
+    p = run("in.jsonl", "-o", "r.jsonl", "--report", "r.jsonl")
+    assert p.returncode == 2 and "-o and --report are the same file ('r.jsonl')" in p.stderr, p.stderr
+    p = run("in.jsonl", "-o", "r.csv", "--errors", "r.csv.jsonl")
+    assert p.returncode == 2 and "-o's journal and --errors are the same file" in p.stderr, p.stderr
+    p = run("in.jsonl", "-o", "r.jsonl", "--summary-json=r.jsonl")
+    assert p.returncode == 2 and "-o and --summary-json are the same file" in p.stderr, p.stderr
+    assert src.read_bytes() == before
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["hard.jsonl", "in.jsonl"]
+    with pytest.raises(StartRefused, match=r"output '.*/in.jsonl' is the input file.*output='.*/in.results.jsonl'"):
+        run_batch(str(src), str(tmp_path / "in.jsonl"), echo=True, cache="off")
+    assert src.read_bytes() == before
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line_or_column(tmp_path):
+    """Windows editors and Excel's "CSV UTF-8" start the file with a UTF-8 byte order mark: the
+    first JSONL line failed as "not valid JSON" and the first CSV column was named '\\ufefftext'."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + b"\r\n".join(
+        json.dumps({"custom_id": c, "messages": [{"role": "user", "content": c}]}).encode() for c in "ab") + b"\r\n")
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, echo=True, cache="off")
+    got = lines(out)
+    assert [d["custom_id"] for d in got] == ["a", "b"] and all(d["error"] is None for d in got)
+    sheet = tmp_path / "sheet.csv"
+    sheet.write_bytes(b"\xef\xbb\xbftext,id\r\nhello,r1\r\nworld,r2\r\n")
+    out2 = tmp_path / "out2.jsonl"
+    from carpool.jobs.input.tasks import Template
+
+    run_batch(sheet, out2, echo=True, cache="off", template=Template("Say: {text}", id_column="id"))
+    got = lines(out2)
+    assert [d["custom_id"] for d in got] == ["r1", "r2"] and all(d["error"] is None for d in got)
+
+
+@pytest.mark.parametrize("compress", ["gzip", "bz2", "lzma"])
+def test_a_compressed_input_is_refused_at_the_start_with_the_command_that_decompresses_it(tmp_path, compress):
+    """Read as text every line of it failed as "not UTF-8" after the job had started (exit 3)."""
+    import importlib
+
+    module = importlib.import_module(compress)
+    src = tmp_path / "in.jsonl.z"
+    src.write_bytes(module.compress((json.dumps({"custom_id": "a", "prompt": "hi"}) + "\n").encode()))
+    out = tmp_path / "out.jsonl"
+    kind = {"gzip": "gzip", "bz2": "bzip2", "lzma": "xz"}[compress]
+    with pytest.raises(StartRefused, match=rf"'.*in.jsonl.z' is {kind}-compressed: .*decompress it first"):
+        run_batch(src, out, echo=True, cache="off")
+    assert not out.exists()

@@ -28,6 +28,13 @@ def test_the_file_first_then_the_dated_built_in_table(tmp_path):
     assert load_price_file(f)["my-llama-70b"] == (0.6, 0.8)
     p = resolve_prices("hosted_vllm/my-llama-70b", None, None, str(f))
     assert (p.input_per_m, p.output_per_m) == (0.6, 0.8) and p.source == f"price file {f} (my-llama-70b)"
+
+
+def test_a_file_saved_with_a_byte_order_mark_reads_as_without_one(tmp_path):
+    """Notepad and PowerShell save UTF-8 with a byte order mark, which json.loads refuses."""
+    f = tmp_path / "prices.json"
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps(LITELLM_SHAPED).encode())
+    assert load_price_file(f)["my-llama-70b"] == (0.6, 0.8)
     assert resolve_prices("gpt-4o-mini-2024-07-18", None, None, str(f)).input_per_m == 0.1  # the file wins
     assert resolve_prices("my-embedder", None, None, str(f)).output_per_m == 0.0
     builtin = resolve_prices("gpt-4o", None, None, str(f))

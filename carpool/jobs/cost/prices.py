@@ -144,7 +144,7 @@ def load_price_file(path: str | Path, spell: Callable[..., str] = FLAGS) -> dict
     path = str(path)
     where = spell("prices", path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # -sig: a byte order mark is no part of the JSON
     except OSError as e:
         raise StartRefused(f"{where}: cannot read it ({e.strerror or e})") from e
     doc = _parse(path, text, where)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shlex
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -164,7 +165,9 @@ def parse_jsonl_lines(lines: Iterable[tuple[int, bytes | TooLong]],
                           "a task line may have (is this a JSONL file?)")
             continue
         try:
-            text = raw.decode("utf-8")
+            # utf-8-sig on the file's first line: a UTF-8 byte order mark (Windows editors, Excel,
+            # PowerShell's Out-File write one) is not part of the JSON, and json.loads refuses it.
+            text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
         except UnicodeDecodeError as e:
             yield BadLine(line_no, f"line-{line_no}", "", f"not UTF-8 text ({e.reason} at byte {e.start})")
             continue
@@ -185,6 +188,24 @@ def refuse_special_file(path: Path) -> None:
             else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
     raise StartRefused(f"input {str(path)!r} is {what}: carpool run reads a regular file (it reads it again "
                      "to resume); write the tasks to a file first, e.g. `producer > tasks.jsonl`")
+
+
+# The first bytes of the compressed files people keep tasks in, and how to get the text back.
+_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
+               (b"BZh", "bzip2", "bunzip2 -k"), (b"\xfd7zXZ\x00", "xz", "unxz -k"), (b"PK\x03\x04", "zip", "unzip"))
+
+
+def refuse_compressed(path: Path) -> None:
+    """A compressed JSONL or CSV would be read as text and every line would fail as not UTF-8
+    after the job started; refused at the start instead (exit 2), with the command that
+    decompresses it.  Not read in place: a resume and the shards seek by byte offset."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    for magic, kind, command in _COMPRESSED:
+        if head.startswith(magic):
+            raise StartRefused(f"input {str(path)!r} is {kind}-compressed: carpool run reads the plain file (it "
+                               f"reads it again by byte offset to resume); decompress it first, e.g. "
+                               f"`{command} {shlex.quote(str(path))}`, and run on the file it writes")
 
 
 class RecordSource:
@@ -224,6 +245,8 @@ class Reader:
             raise StartRefused(f"unknown input format {self.fmt!r}; one of {', '.join(FORMATS)}")
         if self.fmt == "parquet":
             require("parquet", f"reading the Parquet file {str(self.path)!r}")
+        else:
+            refuse_compressed(self.path)
         self.template = template
         self.defaults = defaults or TaskDefaults()
 
@@ -255,7 +278,7 @@ class Reader:
 
     def _csv_rows(self) -> Iterator[tuple[int, dict]]:
         # Undecodable bytes become U+FFFD rather than stopping the job mid-file.
-        with open(self.path, newline="", encoding="utf-8", errors="replace") as f:
+        with open(self.path, newline="", encoding="utf-8-sig", errors="replace") as f:  # "CSV UTF-8" has a BOM
             dialect = "excel-tab" if self.path.suffix.lower() == ".tsv" else "excel"
             reader = csv.DictReader(f, dialect=dialect)
             for row in reader:

@@ -22,7 +22,8 @@ import functools
 import itertools
 import math
 import numbers
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -31,6 +32,7 @@ from carpool.errors import StartRefused
 from carpool.jobs.input.readers import Reader, RecordSource, TaskSource
 from carpool.jobs.input.tasks import Task
 from carpool.jobs.options import LiveParts, RunOptions
+from carpool.jobs.output.table import output_target
 from carpool.jobs.start.probe import probe_endpoints
 
 if TYPE_CHECKING:
@@ -104,6 +106,46 @@ def check_settings(opts: RunOptions) -> None:
             raise StartRefused(f"{'--endpoints: base_url' if opts.endpoint_specs else 'endpoint'} {problem}")
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: equal once resolved (``./x``, a symlink), or, both
+    existing, the same inode (a hard link)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_files(opts: RunOptions, more: Sequence[tuple[str, str | None]] = ()) -> None:
+    """Refuse a job whose files overlap, before anything is read or sent.  The output is the
+    job's journal: written over the input it would read each task back as already answered and
+    then overwrite the tasks; a report, an error file or a summary written over the output or
+    the input destroys the answers or the tasks.  ``more``: (name, path) of files only the entry
+    point writes (``--summary-json``)."""
+    named = opts.naming
+    files: list[tuple[str, Path]] = []
+    if opts.input:
+        files.append(("the input file", Path(opts.input)))
+    target = output_target(opts.output)
+    files.append((named("output"), target.path))
+    if target.journal != target.path:
+        files.append((f"{named('output')}'s journal", target.journal))
+    for name, value in (("errors", opts.errors), ("report", opts.report)):
+        if value:
+            files.append((named(name), Path(value)))
+    files += [(name, Path(value)) for name, value in more if value and value != "-"]
+    for i, (name, path) in enumerate(files):
+        for other, other_path in files[:i]:
+            if not _same_file(path, other_path):
+                continue
+            if other == "the input file":
+                raise StartRefused(
+                    f"{name} {str(path)!r} is the input file: the job would write over the tasks it reads; "
+                    f"write to another file, e.g. "
+                    f"{named('output', os.path.splitext(opts.input)[0] + '.results.jsonl')}; nothing was sent")
+            raise StartRefused(f"{other} and {name} are the same file ({str(path)!r}): one would overwrite the "
+                               f"other; give each its own path; nothing was sent")
+
+
 @functools.cache
 def _known_keys(kind: str) -> frozenset[str]:
     from carpool.openai.schema import chat_request_schema, completion_request_schema, embedding_request_schema
@@ -122,7 +164,7 @@ def close_match(word: str, known: set[str] | frozenset[str]) -> str | None:
 def _file_columns(path: Path, fmt: str) -> list[str] | None:
     """The column names of a CSV/TSV/Parquet input (None for JSONL)."""
     if fmt == "csv":
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
             dialect = "excel-tab" if path.suffix.lower() == ".tsv" else "excel"
             return next(csv.reader(f, dialect=dialect), [])
     if fmt == "parquet":
@@ -230,6 +272,7 @@ async def check_start(opts: RunOptions, live: LiveParts, spread: Spread, source:
     ask the endpoints too (``carpool.jobs.start.probe``), waiting up to
     ``opts.wait_for_endpoint`` for one that is still starting."""
     check_settings(opts)
+    check_files(opts)
     notes = spread.check(opts, live)
     if source is None and opts.input:
         source = Reader(opts.input, opts.fmt, opts.template, opts.defaults)
