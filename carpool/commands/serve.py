@@ -148,15 +148,19 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from carpool.errors import StartRefused
     from carpool.server.launcher import serve_forever
 
     try:
         asyncio.run(serve_forever(config_from_args(args)))
     except KeyboardInterrupt:
         return 0
-    except OSError as e:  # typically the port is taken
+    except StartRefused as e:  # a port that is taken is refused before the model loads
+        print(f"carpool serve: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # taken between that check and the start
         print(f"carpool serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 1
+        return 2
     except ValueError as e:  # EngineError, a model that cannot load, a bad setting: say which
         print(f"carpool serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

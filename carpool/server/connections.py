@@ -18,15 +18,17 @@ file descriptors, /health timed out and the log took 328k tracebacks in 45 s).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import resource
+import socket
 import time
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from carpool.errors import OpenAIError, bounded
+from carpool.errors import OpenAIError, StartRefused, bounded
 
 
 def default_max_connections() -> int:
@@ -83,6 +85,29 @@ class _Refusal(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._timer.cancel()
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Refuse (``StartRefused``) a host:port the server could not listen on (the port taken, a
+    port below 1024 without the right, a host this machine does not have) before the engine
+    loads: a server that cannot listen says so in a moment, not after loading its model.  A
+    fixed port only (0 lets the OS choose at start)."""
+    if port == 0:
+        return
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as sock:
+                # As the server's own socket: a port in TIME_WAIT binds, one another process listens on does not.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+    except OSError as e:
+        fix = ("choose another port, or stop what listens there" if e.errno == errno.EADDRINUSE
+               else "choose a port above 1023" if e.errno == errno.EACCES
+               else "give one of this machine's addresses: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+        raise StartRefused(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}") from None
 
 
 class GuardedSite(web.BaseSite):

@@ -29,7 +29,7 @@ from carpool.engine.protocol import EngineClient
 from carpool.server.app import build_app
 from carpool.server.batch_disk import BatchDisk
 from carpool.server.config import ServerConfig
-from carpool.server.connections import GuardedSite, rate_limit_logging
+from carpool.server.connections import GuardedSite, check_bindable, rate_limit_logging
 from carpool.server.state import STATE, ServerState
 
 
@@ -49,6 +49,7 @@ class _Running:
 async def start(config: ServerConfig, engine: EngineClient | None = None, batcher: DynamicBatcher | None = None,
                 batch_disk: BatchDisk | None = None) -> tuple[_Running, web.Application]:
     """Start serving on the running loop; returns once the engine is loaded and the port bound."""
+    check_bindable(config.host, config.port)  # a taken port is refused before the model loads
     app = build_app(config, engine=engine, batcher=batcher, batch_disk=batch_disk)
     # handler_cancellation: a client that goes away cancels its handler, whose cleanup aborts
     # the engine request (frees KV blocks) even while it still waits for its first token.

@@ -22,3 +22,26 @@ def test_cli_serves_smollm2_to_the_openai_sdk():
         assert r.model == "SmolLM2-135M-Instruct"
         assert "paris" in r.choices[0].message.content.lower()
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_port_that_is_taken_is_refused_before_the_model_loads():
+    """The port was found taken only after the engine loaded (seconds on the real model), and
+    the exit code was 1, the one a crash gives."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--model", "smollm2", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - start
+    assert p.returncode == 2, p.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use; choose another port" in p.stderr
+    assert "listening" not in p.stdout + p.stderr
+    # No engine started: its start prints the plan and loads weights; a refusal prints one line.
+    assert p.stderr.strip().count("\n") == 0, (took, p.stderr)
