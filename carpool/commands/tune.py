@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> tuple[TuneResult, dict]:
             raise ValueError("--endpoint needs --model NAME (the model the endpoint serves)")
         remote = EndpointEvaluator(args.endpoint, args.model, requests, api_key=flags.api_key(args.api_key),
                                    duration_s=duration)
+        remote.check()
         res = tune([Setting()], remote, slos, start, None, 1, args.rtol, args.max_probes, _log, **how)
         info["note"] = "server settings are the server's own; only the rate (or client concurrency) is tuned"
         return res, info

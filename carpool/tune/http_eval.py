@@ -14,6 +14,8 @@ from dataclasses import replace
 
 import aiohttp
 
+from carpool.errors import StartRefused
+from carpool.redact import redact_url
 from carpool.tune.engine_load import prompt_token_ids, replay_arrivals
 from carpool.tune.measure import Measurement
 from carpool.tune.workload import SimRequest
@@ -33,6 +35,16 @@ class EndpointEvaluator:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.calls = 0
+
+    def check(self) -> None:
+        """One short request before the search, as ``bench`` and ``diagnose`` send first: a wrong
+        URL, model or key is refused in a moment (``StartRefused``, exit 2), where the search
+        would have run every probe against it, each failing, and then advised a rate of 0."""
+        first = replace(self.requests[0], request_id="carpool-tune-check", arrival=0.0, output_len=1)
+        rec = asyncio.run(self.run_requests([first]))[0]
+        if rec["error"] is not None:
+            raise StartRefused(f"the first request to {redact_url(self.url)} failed: {rec['error']}; nothing was "
+                               "tuned: check --endpoint, --model and the key")
 
     def measure(self, setting, rate: float, concurrency: int | None = None) -> Measurement:
         self.calls += 1
@@ -80,6 +92,8 @@ class EndpointEvaluator:
                     if rec["first_token"] is None and chunk.get("choices"):
                         rec["first_token"] = time.monotonic() - t0
                 rec["finish"] = time.monotonic() - t0
+        except aiohttp.ClientConnectorError as e:
+            rec["error"] = f"cannot connect to {e.host}:{e.port}: {e.os_error.strerror or e.os_error}"
         except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
             rec["error"] = repr(e)
         return rec

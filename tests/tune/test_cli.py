@@ -159,3 +159,25 @@ def test_simulate_speed_band_brackets_the_p99_and_widens_near_saturation(capsys)
 def test_simulate_speed_band_must_be_a_fraction(capsys):
     assert main(["simulate", "--num-requests", "10", "--speed-band", "1.5"]) == 2
     assert "--speed-band" in capsys.readouterr().err
+
+
+def test_tune_against_an_endpoint_that_does_not_answer_is_refused_at_once(capsys):
+    """Against a closed port (or a model the server does not have) every probe failed, each
+    taking its full duration: five minutes passed with nothing said.  One request first, as
+    bench and diagnose send, refuses the start in a moment."""
+    import time
+
+    from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
+    from carpool.testing.fixtures import free_port, started_servers
+
+    start = time.monotonic()
+    assert main(["tune", "--endpoint", f"http://127.0.0.1:{free_port()}/v1", "--model", "m",
+                 "--slo", "p99_e2e_ms=2000"]) == 2
+    err = capsys.readouterr().err
+    assert "the first request to" in err and "cannot connect to 127.0.0.1" in err and "nothing was tuned" in err
+    with started_servers(ThreadedFaultServer) as fault_server:
+        srv = fault_server(FaultConfig(models=["served"]))
+        assert main(["tune", "--endpoint", srv.url, "--model", "other", "--slo", "p99_e2e_ms=2000"]) == 2
+    err = capsys.readouterr().err
+    assert "the first request to" in err and "HTTP 404" in err and "check --endpoint, --model" in err
+    assert time.monotonic() - start < 30
