@@ -346,6 +346,11 @@ class BatchApiError(ServiceFailure, RuntimeError):
         self.status = status
 
 
+class EndpointLost(ServiceFailure, RuntimeError):
+    """A measurement could not reach its endpoint at all (every request of a probe failed to
+    connect): what it would report is the outage, not the server's speed."""
+
+
 class MaybeCreated(BatchApiError):
     """A create whose fate is unknown: the batch may exist; look it up before creating again."""
 

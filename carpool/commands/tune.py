@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from carpool.commands import capacity as capacity_cli
 from carpool.commands import flags
 from carpool.commands import simulate as sc
+from carpool.errors import EndpointLost
 from carpool.tune.measure import SLO
 from carpool.tune.steadiness import assess, warning_text
 from carpool.tune.tuner import (
@@ -268,6 +269,9 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"carpool tune: {e}", file=sys.stderr)
         return 2
+    except EndpointLost as e:  # an outage, as carpool run's exit 4
+        print(f"carpool tune: {e}", file=sys.stderr)
+        return 4
     # A simulated answer has no machine to doubt; a measured one is judged by how steady it was.
     steady = None if args.simulate else assess(res, info.get("cost_model"))
     run_it = carpool_command(res.best.setting, args.model or "smollm2") if res.best and (args.engine or args.serve) \

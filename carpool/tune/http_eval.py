@@ -14,11 +14,13 @@ from dataclasses import replace
 
 import aiohttp
 
-from carpool.errors import StartRefused
+from carpool.errors import EndpointLost, StartRefused
 from carpool.redact import redact_url
 from carpool.tune.engine_load import prompt_token_ids, replay_arrivals
 from carpool.tune.measure import Measurement
 from carpool.tune.workload import SimRequest
+
+CANNOT_CONNECT = "cannot connect to"  # a record's error when no connection was made
 
 
 class EndpointEvaluator:
@@ -53,7 +55,12 @@ class EndpointEvaluator:
         reqs = [replace(r, request_id=f"{r.request_id}-{self.calls}")
                 for r in probe_requests(self.requests, rate, self.base_rate, self.duration_s, self.min_requests,
                                          concurrency)]
-        return Measurement.from_records(asyncio.run(self.run_requests(reqs, concurrency)), rate, concurrency)
+        records = asyncio.run(self.run_requests(reqs, concurrency))
+        if records and all(str(r["error"] or "").startswith(CANNOT_CONNECT) for r in records):
+            # Not a rate the server misses its SLO at: it is gone, and every later probe would say the same.
+            raise EndpointLost(f"{redact_url(self.url)} stopped answering during the search ({records[0]['error']}); "
+                               "the probes so far are discarded: start the server again and rerun")
+        return Measurement.from_records(records, rate, concurrency)
 
     async def run_requests(self, reqs: list[SimRequest], concurrency: int | None = None) -> list[dict]:
         """Send ``reqs`` at their arrival times (at most ``concurrency`` in flight); one record each."""
@@ -93,7 +100,7 @@ class EndpointEvaluator:
                         rec["first_token"] = time.monotonic() - t0
                 rec["finish"] = time.monotonic() - t0
         except aiohttp.ClientConnectorError as e:
-            rec["error"] = f"cannot connect to {e.host}:{e.port}: {e.os_error.strerror or e.os_error}"
+            rec["error"] = f"{CANNOT_CONNECT} {e.host}:{e.port}: {e.os_error.strerror or e.os_error}"
         except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
             rec["error"] = repr(e)
         return rec

@@ -181,3 +181,25 @@ def test_tune_against_an_endpoint_that_does_not_answer_is_refused_at_once(capsys
     err = capsys.readouterr().err
     assert "the first request to" in err and "HTTP 404" in err and "check --endpoint, --model" in err
     assert time.monotonic() - start < 30
+
+
+def test_an_endpoint_lost_during_the_search_stops_it_as_an_outage():
+    """Once the server went away every later probe failed to connect; the search took each for
+    a rate that misses the SLO and ended with "relax the SLO".  It is an outage (exit 4 from the
+    CLI), not a measurement."""
+    from carpool.errors import EndpointLost
+    from carpool.testing.fault_server import FaultConfig, ThreadedFaultServer
+    from carpool.testing.fixtures import started_servers
+    from carpool.tune.http_eval import EndpointEvaluator
+    from carpool.tune.workload import SimRequest
+
+    requests = [SimRequest(f"r{i}", i * 0.05, 8, 2) for i in range(4)]
+    with started_servers(ThreadedFaultServer) as fault_server:
+        srv = fault_server(FaultConfig(models=["m"]))
+        ev = EndpointEvaluator(srv.url, "m", requests, base_rate=20.0, duration_s=0.2, min_requests=4)
+        ev.check()
+        assert ev.measure(None, 20.0).num_finished == 4
+        url = srv.url
+    ev = EndpointEvaluator(url, "m", requests, base_rate=20.0, duration_s=0.2, min_requests=4)
+    with pytest.raises(EndpointLost, match=r"stopped answering during the search \(cannot connect to 127.0.0.1"):
+        ev.measure(None, 20.0)
