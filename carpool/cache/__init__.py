@@ -9,6 +9,7 @@ See docs/cache.md for the exact rules.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -73,7 +74,7 @@ class NullStore:
         return None
 
 
-def open_cache(url: str | None = None, ttl_s: float | None = None):
+def open_cache(url: str | None = None, ttl_s: float | None = None, *, create: bool = True):
     """Open the exact cache named by ``url``.
 
     * None or "" or "sqlite": ``${CARPOOL_CACHE_DIR:-~/.cache/carpool}/results.sqlite``
@@ -83,10 +84,13 @@ def open_cache(url: str | None = None, ttl_s: float | None = None):
     * "off" / "none": a store that never hits
 
     ``ttl_s``: time to live of new entries in seconds (None: forever; ``carpool run``
-    passes ``DEFAULT_TTL_S`` unless ``--cache-ttl`` says otherwise).
+    passes ``DEFAULT_TTL_S`` unless ``--cache-ttl`` says otherwise).  ``create=False``
+    (``carpool cache stats`` / ``clear``: looking is no reason to make one): a SQLite file
+    that does not exist raises ``FileNotFoundError`` (its ``filename`` the path) instead of
+    being made, with its folders.
     """
     if url is None or url.strip() in ("", "sqlite", "default"):
-        return SQLiteStore(default_cache_path(), ttl_s=ttl_s)
+        return _sqlite(default_cache_path(), ttl_s, None, create)
     url = url.strip()
     if url.lower() in ("off", "none", "no", "false", "0"):
         return NullStore()
@@ -122,7 +126,13 @@ def open_cache(url: str | None = None, ttl_s: float | None = None):
             max_bytes = int(float(query["max_mb"][0]) * 1024 * 1024)
         except ValueError:
             raise StartRefused(f"--cache {url!r}: max_mb must be a number of MiB") from None
-    return SQLiteStore(target, ttl_s=ttl_s, max_bytes=max_bytes)
+    return _sqlite(target, ttl_s, max_bytes, create)
+
+
+def _sqlite(path: Path, ttl_s: float | None, max_bytes: int | None, create: bool) -> SQLiteStore:
+    if not create and not path.exists():
+        raise FileNotFoundError(errno.ENOENT, "no cache file", str(path))
+    return SQLiteStore(path, ttl_s=ttl_s, max_bytes=max_bytes)
 
 
 def default_semantic_dir(store=None) -> Path:

@@ -60,7 +60,13 @@ def main(args: argparse.Namespace) -> int:
               "`stats` shows every model (its by_model list)", file=sys.stderr)
         return 2
     try:
-        store = open_cache(args.cache)
+        store = open_cache(args.cache, create=False)
+    except FileNotFoundError as exc:  # nothing cached there yet: said, and nothing made
+        where = {"backend": "sqlite", "location": exc.filename, "exists": False, "entries": 0}
+        doc = {"cleared": {"exact": 0}} if args.action == "clear" else {"exact": where}
+        print(json.dumps(doc, indent=2))
+        print(f"carpool cache: no cache file at {exc.filename}", file=sys.stderr)
+        return 0
     except (ValueError, ConnectionError, OSError) as exc:
         print(f"carpool cache: {exc}", file=sys.stderr)
         return 2

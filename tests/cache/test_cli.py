@@ -31,6 +31,20 @@ def test_stats_and_clear_sqlite(tmp_path, capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["exact"]["entries"] == 0
 
 
+def test_looking_at_a_cache_that_is_not_there_makes_none(tmp_path, capsys):
+    """`stats` and `clear` on a path with no cache file made the file and every folder above it
+    (a typo in --cache left a tree behind); they now say there is none and make nothing."""
+    where = tmp_path / "typo" / "dir" / "results.sqlite"
+    assert main(["cache", "stats", "--cache", f"sqlite://{where}"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["exact"] == {"backend": "sqlite", "location": str(where), "exists": False,
+                                            "entries": 0}
+    assert f"no cache file at {where}" in out.err
+    assert main(["cache", "clear", "--cache", str(where)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"cleared": {"exact": 0}}
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_stats_redis(redis_server, capsys):
     url = f"{redis_server}/0?prefix=cli-test:"
     store = open_cache(url)
