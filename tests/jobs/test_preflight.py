@@ -173,3 +173,21 @@ def test_report_where_no_report_is_written_is_refused_at_start(fault_server, tmp
         assert p.returncode == ExitCode.REFUSED, (spread, p.stderr)
         assert "--report is not written for" in p.stderr and "leave it out" in p.stderr
         assert posts(srv) == [] and not out.exists() and not (tmp_path / "r.html").exists()
+
+
+def test_a_key_the_endpoint_refuses_is_refused_at_start(fault_server, tmp_path):
+    """A wrong or missing key was a warning ("could not list the models") and then every task
+    failed with HTTP 401 (exit 3).  /models answers 401 on OpenAI, vLLM --api-key and carpool
+    serve alike: the start is refused naming the endpoint and the fix, nothing sent."""
+    srv = fault_server(FaultConfig(models=["m"], require_headers={"Authorization": "Bearer right"}))
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_tasks(src, 3, max_tokens=4)
+    p = cli(src, "-o", out, "--endpoint", srv.url, "--model", "m", "--api-key", "sk-wrong-7f3a", "--cache", "off")
+    assert p.returncode == ExitCode.REFUSED, p.stderr
+    assert f"{srv.url} refused the key" in p.stderr and "HTTP 401" in p.stderr and "check --api-key" in p.stderr
+    assert "sk-wrong-7f3a" not in p.stderr  # the key itself is never shown
+    p = cli(src, "-o", out, "--endpoint", srv.url, "--model", "m", "--cache", "off")
+    assert p.returncode == ExitCode.REFUSED and "no key was sent: pass --api-key KEY" in p.stderr, p.stderr
+    assert posts(srv) == [] and not out.exists()
+    p = cli(src, "-o", out, "--endpoint", srv.url, "--model", "m", "--api-key", "right", "--cache", "off")
+    assert p.returncode == ExitCode.OK, p.stderr

@@ -21,7 +21,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from carpool.client.endpoints import EndpointSpec
+from carpool.client.endpoints import EndpointSpec, has_authorization
 from carpool.errors import StartRefused
 from carpool.jobs.options import FLAGS, Naming
 
@@ -109,10 +109,25 @@ async def probe_endpoints(specs: list[EndpointSpec], wait_s: float = 0.0, timeou
             say(f"waiting up to {left:.0f} s for {specs[0].url} to answer ({naming('wait_for_endpoint')}) ...")
             told = True
         await asyncio.sleep(min(1.0, left))
+    _refuse_a_refused_key(specs, probes, naming)
     notes = [f"warning: {spec.name} does not answer ({probe.error})"
              + ("" if probe.listening else "; the job starts with the endpoints that do")
              for spec, probe in zip(specs, probes, strict=True) if probe.status is None]
     return notes + await _route_problems(specs, probes, timeout_s, naming)
+
+
+def _refuse_a_refused_key(specs: list[EndpointSpec], probes: list[Probe], naming: Naming) -> None:
+    """HTTP 401 at ``/models``: the endpoint refuses the key (or its absence), as OpenAI, vLLM's
+    ``--api-key`` and carpool serve do on every route, so every task would fail with 401.
+    A 403 is left to the job: a key may be kept off ``/models`` and still allowed to chat."""
+    for spec, probe in zip(specs, probes, strict=True):
+        if probe.status != 401:
+            continue
+        sent = has_authorization(spec.headers) or any(k.lower() == "api-key" for k in spec.headers)
+        fix = (f"check {naming('api_key')} (or the variable it comes from: $CARPOOL_API_KEY, $OPENAI_API_KEY, "
+               "an endpoints file's api_key_env)" if sent
+               else f"no key was sent: pass {naming('api_key', 'KEY')} or set $OPENAI_API_KEY")
+        raise StartRefused(f"{spec.name} refused the key (GET {probe.url}: HTTP 401): {fix}. Nothing was sent")
 
 
 def _nothing_answers(specs: list[EndpointSpec], probes: list[Probe], wait_s: float, naming: Naming) -> str:
