@@ -123,7 +123,7 @@ def _refuse_a_refused_key(specs: list[EndpointSpec], probes: list[Probe], naming
     for spec, probe in zip(specs, probes, strict=True):
         if probe.status != 401:
             continue
-        sent = has_authorization(spec.headers) or any(k.lower() == "api-key" for k in spec.headers)
+        sent = has_authorization(spec.headers) or any(k.lower() in ("api-key", "x-api-key") for k in spec.headers)
         fix = (f"check {naming('api_key')} (or the variable it comes from: $CARPOOL_API_KEY, $OPENAI_API_KEY, "
                "an endpoints file's api_key_env)" if sent
                else f"no key was sent: pass {naming('api_key', 'KEY')} or set $OPENAI_API_KEY")
