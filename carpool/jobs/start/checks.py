@@ -23,6 +23,7 @@ import itertools
 import math
 import numbers
 import os
+import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,6 +123,11 @@ def check_files(opts: RunOptions, more: Sequence[tuple[str, str | None]] = ()) -
     the input destroys the answers or the tasks.  ``more``: (name, path) of files only the entry
     point writes (``--summary-json``)."""
     named = opts.naming
+    if opts.report and not Path(opts.report).parent.exists():
+        # As -o and --errors are (exit 5): otherwise found out only after the whole job ran.
+        parent = str(Path(opts.report).parent)
+        raise OSError(f"{named('report')} {opts.report!r}: its directory {parent!r} does not exist; create it "
+                      f"(mkdir -p {shlex.quote(parent)}) or choose another {named('report')}")
     files: list[tuple[str, Path]] = []
     if opts.input:
         files.append(("the input file", Path(opts.input)))
