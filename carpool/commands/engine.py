@@ -151,11 +151,11 @@ def _report(done: Any) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from carpool.engine.prepare import prepare
-    from carpool.errors import EngineError
+    from carpool.errors import EngineError, ModelUnavailable
 
     try:
         done = prepare(_config(args), remeasure=args.remeasure)
-    except EngineError as e:
+    except (EngineError, ModelUnavailable) as e:  # a bad setting, or a model name that is not one
         print(f"carpool engine {args.action}: {e}", file=sys.stderr)
         return 2
     if done.plan is None:

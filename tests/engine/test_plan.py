@@ -422,6 +422,18 @@ def test_carpool_engine_plan_refuses_a_bad_forced_route_with_exit_2(capsys):
     assert "extra.plan" in err and "gemm must be one of carpool, carpool_split, onednn" in err
 
 
+def test_carpool_engine_plan_and_prepare_refuse_a_model_name_that_is_not_one_in_one_line(capsys):
+    """A mistyped --model was a traceback and exit 1 (the crash code), where `carpool run` says
+    which model was meant."""
+    from carpool.cli import main
+
+    for action in ("plan", "prepare"):
+        assert main(["engine", action, "--model", "smolm2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"carpool engine {action}: model='smolm2'") and "did you mean 'smollm2'?" in err
+        assert "Traceback" not in err and err.count("\n") == 1
+
+
 def test_carpool_engine_plan_prints_the_plan_and_its_timings(capsys):
     """The verb measures (or reads) the plan of this machine; a second call reads the saved one."""
     from carpool.cli import main
