@@ -148,7 +148,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from carpool.errors import StartRefused
+    from carpool.errors import CarpoolError, StartRefused
     from carpool.server.launcher import serve_forever
 
     try:
@@ -162,6 +162,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"carpool serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # EngineError, a model that cannot load, a bad setting: say which
-        print(f"carpool serve: {type(e).__name__}: {e}", file=sys.stderr)
+        # carpool's own errors are written for the user; another ValueError is named by its type.
+        kind = "" if isinstance(e, CarpoolError) else f"{type(e).__name__}: "
+        print(f"carpool serve: {kind}{e}", file=sys.stderr)
         return 2
     return 0
