@@ -158,3 +158,20 @@ def test_a_compressed_input_is_refused_at_the_start_with_the_command_that_decomp
     with pytest.raises(StartRefused, match=rf"'.*in.jsonl.z' is {kind}-compressed: .*decompress it first"):
         run_batch(src, out, echo=True, cache="off")
     assert not out.exists()
+
+
+def test_a_csv_row_that_is_not_utf8_is_an_error_line_naming_the_column(tmp_path):
+    """A CSV saved as Latin-1 had its accented letters replaced by U+FFFD and sent as such,
+    every answer about a text the model never saw; the row is now an error line, as a JSONL
+    line that is not UTF-8 is, and the other rows run."""
+    from carpool.jobs.input.tasks import Template
+
+    src = tmp_path / "latin.csv"
+    src.write_bytes(b"text,id\nhello,r1\ncaf\xe9 cr\xe8me,r2\n")
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, echo=True, cache="off", template=Template("Say: {text}", id_column="id"))
+    got = {d["custom_id"]: d for d in lines(out)}
+    assert got["r1"]["error"] is None
+    bad = got["line-3"]["error"]
+    assert bad["field"] == "text" and bad["line"] == 3 and "not UTF-8 text (byte 0xe9)" in bad["message"]
+    assert "\ufffd" not in out.read_text(encoding="utf-8")

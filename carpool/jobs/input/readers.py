@@ -233,6 +233,14 @@ def _json_cell(text: str) -> object:
         return text
 
 
+def _undecodable(text: str) -> int | None:
+    """The first byte that was not UTF-8 in text read with surrogateescape, else None."""
+    for ch in text:
+        if "\udc80" <= ch <= "\udcff":
+            return ord(ch) - 0xDC00
+    return None
+
+
 class Reader:
     def __init__(self, path: str | os.PathLike, fmt: str | None = None, template: Template | None = None,
                  defaults: TaskDefaults | None = None):
@@ -277,8 +285,10 @@ class Reader:
         yield from parse_jsonl_lines(file_lines(self.path), self.defaults)
 
     def _csv_rows(self) -> Iterator[tuple[int, dict]]:
-        # Undecodable bytes become U+FFFD rather than stopping the job mid-file.
-        with open(self.path, newline="", encoding="utf-8-sig", errors="replace") as f:  # "CSV UTF-8" has a BOM
+        # Bytes that are not UTF-8 (a file saved as Latin-1 or cp1252) are kept as lone surrogates,
+        # so that their row becomes an error line naming the column (``_rows``), as a JSONL line
+        # would, and the job goes on; U+FFFD in their place sent prompts with letters missing.
+        with open(self.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:  # -sig: Excel's BOM
             dialect = "excel-tab" if self.path.suffix.lower() == ".tsv" else "excel"
             reader = csv.DictReader(f, dialect=dialect)
             for row in reader:
@@ -296,6 +306,13 @@ class Reader:
 
     def _rows(self, rows: Iterator[tuple[int, dict]]) -> Iterator[Task | BadLine]:
         for line_no, row in rows:
+            column = next((k for k, v in row.items() if isinstance(v, str) and _undecodable(v)), None)
+            if column is not None:
+                byte = _undecodable(row[column])
+                yield BadLine(line_no, f"line-{line_no}", str(column),
+                              f"not UTF-8 text (byte 0x{byte:02x}): the file is in another encoding; save it as "
+                              "UTF-8 (Excel: CSV UTF-8)")
+                continue
             if self.template is not None:
                 yield build_from_row(row, line_no, self.template, self.defaults)
             elif any(k in row for k in ("messages", "prompt", "input")):
