@@ -116,6 +116,13 @@ def test_an_output_over_the_input_or_a_report_over_the_output_is_refused_before_
     assert p.returncode == 2 and "-o's journal and --errors are the same file" in p.stderr, p.stderr
     p = run("in.jsonl", "-o", "r.jsonl", "--report", "nodir/r.html")  # found after the whole job, before
     assert p.returncode == 5 and "--report 'nodir/r.html': its directory 'nodir' does not exist" in p.stderr, p.stderr
+    (tmp_path / "d.jsonl").mkdir()
+    p = run("in.jsonl", "-o", "d.jsonl")  # was exit 5 with a bare "[Errno 21] Is a directory"
+    assert p.returncode == 2 and "-o 'd.jsonl' is a directory: name a file in it, e.g. 'd.jsonl/results.jsonl'" \
+        in p.stderr, p.stderr
+    p = run("in.jsonl", "-o", "r.jsonl", "--report", "d.jsonl")
+    assert p.returncode == 2 and "'d.jsonl/report.html'" in p.stderr, p.stderr
+    (tmp_path / "d.jsonl").rmdir()
     p = run("in.jsonl", "-o", "r.jsonl", "--summary-json=r.jsonl")
     assert p.returncode == 2 and "-o and --summary-json are the same file" in p.stderr, p.stderr
     assert src.read_bytes() == before

@@ -139,6 +139,12 @@ def check_files(opts: RunOptions, more: Sequence[tuple[str, str | None]] = ()) -
         if value:
             files.append((named(name), Path(value)))
     files += [(name, Path(value)) for name, value in more if value and value != "-"]
+    for name, path in files[1 if opts.input else 0:]:
+        if path.is_dir():
+            inside = ("report.html" if name == named("report") else "errors.jsonl" if name == named("errors")
+                      else "summary.json" if "summary" in name else "results.jsonl")
+            raise StartRefused(f"{name} {str(path)!r} is a directory: name a file in it, e.g. "
+                               f"{str(path / inside)!r}; nothing was sent")
     for i, (name, path) in enumerate(files):
         for other, other_path in files[:i]:
             if not _same_file(path, other_path):
