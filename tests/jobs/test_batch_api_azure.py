@@ -84,7 +84,11 @@ def test_a_plain_openai_client_is_refused(azure, tmp_path):
     assert r.returncode != 0
     assert "HTTP 401" in r.stderr, r.stderr
     assert azure.server.received == Counter()
-    assert any(x.startswith("POST /openai/files:") for x in azure.server.refused), azure.server.refused
+    # Refused at the start: Azure answers the Bearer key's GET /openai/models with 401, so nothing
+    # is uploaded (the job used to get as far as a refused POST /openai/files).
+    assert r.returncode == 2 and "refused the key" in r.stderr, r.stderr
+    assert azure.server.refused and all(x.startswith("GET /openai/models:") for x in azure.server.refused), \
+        azure.server.refused
     assert not out.exists() or lines(out) == [] or all(x["error"] is not None for x in lines(out))
 
 

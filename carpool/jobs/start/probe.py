@@ -123,10 +123,13 @@ def _refuse_a_refused_key(specs: list[EndpointSpec], probes: list[Probe], naming
     for spec, probe in zip(specs, probes, strict=True):
         if probe.status != 401:
             continue
-        sent = has_authorization(spec.headers) or any(k.lower() in ("api-key", "x-api-key") for k in spec.headers)
-        fix = (f"check {naming('api_key')} (or the variable it comes from: $CARPOOL_API_KEY, $OPENAI_API_KEY, "
-               "an endpoints file's api_key_env)" if sent
-               else f"no key was sent: pass {naming('api_key', 'KEY')} or set $OPENAI_API_KEY")
+        names = {k.lower() for k in spec.headers}
+        # The variables a key of this header's kind is read from (commands/batch_flags.py's KEY_VARIABLES).
+        where = ("$ANTHROPIC_API_KEY" if "x-api-key" in names else "$AZURE_OPENAI_API_KEY" if "api-key" in names
+                 else "$CARPOOL_API_KEY, $OPENAI_API_KEY")
+        sent = has_authorization(spec.headers) or bool(names & {"api-key", "x-api-key"})
+        fix = (f"check {naming('api_key')} or the variable it comes from ({where}, an endpoints file's api_key_env)"
+               if sent else f"no key was sent: pass {naming('api_key', 'KEY')} or set $OPENAI_API_KEY")
         raise StartRefused(f"{spec.name} refused the key (GET {probe.url}: HTTP 401): {fix}. Nothing was sent")
 
 
