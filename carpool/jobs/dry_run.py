@@ -26,7 +26,7 @@ SHOW_BAD = 5  # bad lines quoted in the plan
 
 
 async def plan(opts: RunOptions, source: TaskSource | None = None, live: LiveParts | None = None) -> dict[str, Any]:
-    output_target(opts.output)  # a suffix carpool cannot write: refused before any endpoint is asked
+    output_target(opts.output, opts.naming)  # a suffix carpool cannot write: refused before any endpoint is asked
     opts, live, messages = await resolve_target(opts, source, live)
     journal = make_journal(dataclasses.replace(opts, dry_run=True), live)
     done, notes = journal.open(opts.input or None, fresh=opts.fresh, argv=opts.argv)

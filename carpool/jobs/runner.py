@@ -118,7 +118,7 @@ class Runner:
         """Everything before the first task: the checks, the lock (held when this returns),
         the model; what the user should know is told or kept in ``messages``."""
         opts = self.opts
-        target = output_target(opts.output)  # a suffix carpool cannot write: refused before anything
+        target = output_target(opts.output, opts.naming)  # a suffix carpool cannot write: refused before anything
         prices = job_prices(opts)  # a bad --price-in refuses the start
         peek = self.make_source(opts) if self.make_source is not None else None
         warnings = await check_start(opts, self.live, self.spread, peek, say=self.notify)

@@ -182,3 +182,11 @@ def test_a_csv_row_that_is_not_utf8_is_an_error_line_naming_the_column(tmp_path)
     bad = got["line-3"]["error"]
     assert bad["field"] == "text" and bad["line"] == 3 and "not UTF-8 text (byte 0xe9)" in bad["message"]
     assert "\ufffd" not in out.read_text(encoding="utf-8")
+
+
+def test_the_python_api_names_its_output_argument_in_the_suffix_refusal(tmp_path):
+    """run_batch said "-o/--output" and "e.g. -o x.jsonl", flags a Python caller never wrote."""
+    out = tmp_path / "x.txt"
+    with pytest.raises(StartRefused, match=r"^output '.*x.txt' has suffix '.txt': .* e.g. output='.*/x.jsonl'$"):
+        run_batch(["hi"], str(out), echo=True, cache="off")
+    assert not out.exists()

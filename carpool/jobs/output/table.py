@@ -35,6 +35,7 @@ from typing import Any
 
 from carpool.errors import StartRefused
 from carpool.extras import require
+from carpool.jobs.options import FLAGS, Naming
 
 JSONL = ".jsonl"
 PARQUET = ".parquet"
@@ -71,8 +72,9 @@ def write_table(target: OutputTarget) -> int:
     return write_parquet(target.journal, target.path)
 
 
-def output_target(output: str | os.PathLike) -> OutputTarget:
-    """The target of ``-o``; ``StartRefused`` (exit 2) for a suffix carpool cannot write."""
+def output_target(output: str | os.PathLike, naming: Naming = FLAGS) -> OutputTarget:
+    """The target of ``-o``; ``StartRefused`` (exit 2) for a suffix carpool cannot write, naming
+    the setting as the entry point spells it (``naming``: ``-o`` or ``output=``)."""
     path = Path(output)
     suffix = path.suffix.lower()
     if suffix == JSONL:
@@ -83,9 +85,10 @@ def output_target(output: str | os.PathLike) -> OutputTarget:
     if suffix == CSV:
         return OutputTarget(path, "csv")
     got = f"suffix {suffix!r}" if suffix else "no suffix"
-    raise StartRefused(f"-o/--output {str(output)!r} has {got}: carpool writes {', '.join(SUFFIXES)} "
+    flag = "-o/--output" if naming is FLAGS else naming("output")
+    raise StartRefused(f"{flag} {str(output)!r} has {got}: carpool writes {', '.join(SUFFIXES)} "
                        f"(JSONL lines in the OpenAI Batch output shape, a Parquet or a CSV table); "
-                       f"e.g. -o {path.with_suffix(JSONL).name}")
+                       f"e.g. {naming('output', str(path.with_suffix(JSONL)))}")
 
 
 def _lines(journal: Path) -> Iterator[dict]:

@@ -131,7 +131,7 @@ def check_files(opts: RunOptions, more: Sequence[tuple[str, str | None]] = ()) -
     files: list[tuple[str, Path]] = []
     if opts.input:
         files.append(("the input file", Path(opts.input)))
-    target = output_target(opts.output)
+    target = output_target(opts.output, opts.naming)
     files.append((named("output"), target.path))
     if target.journal != target.path:
         files.append((f"{named('output')}'s journal", target.journal))
