@@ -148,20 +148,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from carpool.errors import CarpoolError, StartRefused
+    from carpool.errors import CarpoolError
     from carpool.server.launcher import serve_forever
 
     try:
         asyncio.run(serve_forever(config_from_args(args)))
     except KeyboardInterrupt:
         return 0
-    except StartRefused as e:  # a port that is taken is refused before the model loads
-        print(f"carpool serve: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # taken between that check and the start
+    except OSError as e:  # taken between the check before the model loads (a StartRefused) and the start
         print(f"carpool serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # EngineError, a model that cannot load, a bad setting: say which
+    except ValueError as e:  # EngineError, a model that cannot load, a bad setting, a port taken: say which
         # carpool's own errors are written for the user; another ValueError is named by its type.
         kind = "" if isinstance(e, CarpoolError) else f"{type(e).__name__}: "
         print(f"carpool serve: {kind}{e}", file=sys.stderr)
