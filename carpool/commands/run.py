@@ -298,7 +298,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         retry_errors=args.retry_errors, argv=["run", *_original_argv()], quiet=args.quiet,
         price_in=args.price_in, price_out=args.price_out, prices=args.prices, batch_api=batch,
     )
-    check_files(opts, more=[("--summary-json", args.summary_json)])
+    check_files(opts, more=[("--summary-json", args.summary_json, "summary.json")])
     return opts
 
 

@@ -71,6 +71,15 @@ def mismatch_message(output: str, diffs: list[str], spell: Callable[..., str] = 
             f"{spell('output')}) to start over.")
 
 
+def refuse_missing_directory(path: Path, flag: str) -> None:
+    """An ``OSError`` (exit code 5) naming ``flag``'s file and the fix when its directory does
+    not exist: a file carpool writes never creates a tree, as ``cp`` or ``tee`` do not."""
+    parent = path.parent
+    if not parent.exists():
+        raise OSError(f"{flag} {str(path)!r}: its directory {str(parent)!r} does not exist; create it "
+                      f"(mkdir -p {shlex.quote(str(parent))}) or choose another {flag}")
+
+
 class Journal:
     """The output (and errors) file(s) of one job as its journal, and the sidecar state file.
 
@@ -140,11 +149,7 @@ class Journal:
         before anything is written (exit code 5).  Without it the first error named the
         internal state file (``<output>.carpool.tmp``)."""
         for path in self.paths:
-            parent = path.parent
-            if not parent.exists():
-                flag = "-o" if path == self.paths[0] else "--errors"
-                raise OSError(f"{flag} {str(path)!r}: its directory {str(parent)!r} does not exist; create it "
-                              f"(mkdir -p {shlex.quote(str(parent))}) or choose another {flag}")
+            refuse_missing_directory(path, "-o" if path == self.paths[0] else "--errors")
 
     def check_fingerprint(self) -> list[str]:
         """Raise ``FingerprintMismatch`` when the recorded fingerprint differs (warn with ``force``)."""

@@ -23,7 +23,6 @@ import itertools
 import math
 import numbers
 import os
-import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +34,7 @@ from carpool.jobs.input.tasks import Task
 from carpool.jobs.options import LiveParts, RunOptions
 from carpool.jobs.output.table import output_target
 from carpool.jobs.start.probe import probe_endpoints
+from carpool.journal.journal import refuse_missing_directory
 
 if TYPE_CHECKING:
     from carpool.jobs.spread import Spread
@@ -116,35 +116,28 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_files(opts: RunOptions, more: Sequence[tuple[str, str | None]] = ()) -> None:
+def check_files(opts: RunOptions, more: Sequence[tuple[str, str | None, str]] = ()) -> None:
     """Refuse a job whose files overlap, before anything is read or sent.  The output is the
     job's journal: written over the input it would read each task back as already answered and
     then overwrite the tasks; a report, an error file or a summary written over the output or
-    the input destroys the answers or the tasks.  ``more``: (name, path) of files only the entry
-    point writes (``--summary-json``)."""
+    the input destroys the answers or the tasks.  ``more``: (name, path, a file name to suggest
+    in a directory) of files only the entry point writes (``--summary-json``)."""
     named = opts.naming
-    if opts.report and not Path(opts.report).parent.exists():
-        # As -o and --errors are (exit 5): otherwise found out only after the whole job ran.
-        parent = str(Path(opts.report).parent)
-        raise OSError(f"{named('report')} {opts.report!r}: its directory {parent!r} does not exist; create it "
-                      f"(mkdir -p {shlex.quote(parent)}) or choose another {named('report')}")
-    files: list[tuple[str, Path]] = []
-    if opts.input:
-        files.append(("the input file", Path(opts.input)))
+    if opts.report:  # as -o's and --errors' (exit 5): otherwise found out only after the whole job ran
+        refuse_missing_directory(Path(opts.report), named("report"))
     target = output_target(opts.output, opts.naming)
-    files.append((named("output"), target.path))
+    # What the job writes: (name, path, a file to suggest when the path is a directory).
+    written = [(named("output"), target.path, "results.jsonl")]
     if target.journal != target.path:
-        files.append((f"{named('output')}'s journal", target.journal))
-    for name, value in (("errors", opts.errors), ("report", opts.report)):
-        if value:
-            files.append((named(name), Path(value)))
-    files += [(name, Path(value)) for name, value in more if value and value != "-"]
-    for name, path in files[1 if opts.input else 0:]:
+        written.append((f"{named('output')}'s journal", target.journal, "results.jsonl"))
+    written += [(named(name), Path(value), inside) for name, value, inside in
+                (("errors", opts.errors, "errors.jsonl"), ("report", opts.report, "report.html")) if value]
+    written += [(name, Path(value), inside) for name, value, inside in more if value and value != "-"]
+    for name, path, inside in written:
         if path.is_dir():
-            inside = ("report.html" if name == named("report") else "errors.jsonl" if name == named("errors")
-                      else "summary.json" if "summary" in name else "results.jsonl")
             raise StartRefused(f"{name} {str(path)!r} is a directory: name a file in it, e.g. "
                                f"{str(path / inside)!r}; nothing was sent")
+    files = ([("the input file", Path(opts.input))] if opts.input else []) + [(n, p) for n, p, _ in written]
     for i, (name, path) in enumerate(files):
         for other, other_path in files[:i]:
             if not _same_file(path, other_path):
