@@ -7,12 +7,10 @@ import argparse
 import os
 
 from carpool.errors import StartRefused
-from carpool.jobs.options import KINDS, PROVIDERS, BatchApiOptions
+from carpool.jobs.options import KEY_VARIABLES, KINDS, PROVIDERS, BatchApiOptions
 
-# Where each provider is when --endpoint does not say, and the variables its key is read from.
+# Where each provider is when --endpoint does not say.
 DEFAULT_URLS = {"openai": "https://api.openai.com/v1", "anthropic": "https://api.anthropic.com"}
-KEY_VARIABLES = {"openai": ("CARPOOL_API_KEY", "OPENAI_API_KEY"), "azure": ("AZURE_OPENAI_API_KEY",),
-                 "anthropic": ("ANTHROPIC_API_KEY",)}
 
 
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:

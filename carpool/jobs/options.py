@@ -35,6 +35,9 @@ EmbedderFactory = Callable[[], Any]
 
 
 PROVIDERS = ("openai", "azure", "anthropic")
+# The variables each provider's key is read from when no key is given, in order.
+KEY_VARIABLES = {"openai": ("CARPOOL_API_KEY", "OPENAI_API_KEY"), "azure": ("AZURE_OPENAI_API_KEY",),
+                 "anthropic": ("ANTHROPIC_API_KEY",)}
 # The endpoints-file kinds that select a batch API, and the provider each one names.
 KINDS = {"openai-batch": "openai", "azure-batch": "azure", "anthropic-batch": "anthropic"}
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from carpool.client.endpoints import EndpointSpec, has_authorization
 from carpool.errors import StartRefused
-from carpool.jobs.options import FLAGS, Naming
+from carpool.jobs.options import FLAGS, KEY_VARIABLES, Naming
 
 
 @dataclass
@@ -124,9 +124,9 @@ def _refuse_a_refused_key(specs: list[EndpointSpec], probes: list[Probe], naming
         if probe.status != 401:
             continue
         names = {k.lower() for k in spec.headers}
-        # The variables a key of this header's kind is read from (commands/batch_flags.py's KEY_VARIABLES).
-        where = ("$ANTHROPIC_API_KEY" if "x-api-key" in names else "$AZURE_OPENAI_API_KEY" if "api-key" in names
-                 else "$CARPOOL_API_KEY, $OPENAI_API_KEY")
+        # The provider the key's header belongs to: Anthropic's x-api-key, Azure's api-key, else a bearer key.
+        provider = "anthropic" if "x-api-key" in names else "azure" if "api-key" in names else "openai"
+        where = ", ".join(f"${v}" for v in KEY_VARIABLES[provider])
         sent = has_authorization(spec.headers) or bool(names & {"api-key", "x-api-key"})
         fix = (f"check {naming('api_key')} or the variable it comes from ({where}, an endpoints file's api_key_env)"
                if sent else f"no key was sent: pass {naming('api_key', 'KEY')} or set $OPENAI_API_KEY")
